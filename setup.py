@@ -1,0 +1,37 @@
+"""tinyvila: a standalone inference runtime for quantized VILA vision-language models.
+
+`pip install -e .` installs the runtime; `pip install -e ".[test]"` adds the test oracles
+(transformers, tokenizers, gguf). See README.md for the exact CPU set-up commands.
+"""
+
+from setuptools import setup
+
+setup(
+    name="tinyvila",
+    version="0.1.0",
+    description="Inference runtime for quantized VILA vision-language models with SparseVILA sparsity",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["tinyvila", "csrc_triton"],
+    package_data={"tinyvila": ["assets/*.png"]},
+    install_requires=[
+        "torch>=2.4",                # GPU users keep their CUDA build; CI pins the CPU build 2.13.0
+        "triton>=3.2; platform_system == 'Linux'",
+        "safetensors>=0.4",
+        "sentencepiece>=0.2",
+        "numpy>=1.24",
+        "pillow>=10",
+        "regex>=2023.0",             # Unicode classes (\p{L}) in the byte-level BPE pre-tokenizers
+    ],
+    extras_require={
+        "gguf": ["gguf>=0.10"],
+        "test": [
+            "pytest>=8",
+            "transformers>=4.45",    # oracle for the models, image processors and tokenizers
+            "tokenizers>=0.20",      # oracle for the BPE tokenizer
+            "protobuf>=4",           # transformers' slow sentencepiece tokenizer
+            "gguf>=0.10",            # reads the real SmolLM2 tokenizer from its GGUF
+        ],
+    },
+)

@@ -1,0 +1,83 @@
+"""The chat CLI end to end on CPU: one-shot, the REPL's commands, the demo model, and bad input."""
+
+import builtins
+from pathlib import Path
+
+import pytest
+
+import tinyvila
+from tinyvila import chat as cli
+from tinyvila.loader import build_synthetic
+
+DEMO_IMAGE = str(Path(tinyvila.__file__).parent / "assets" / "demo.png")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    build_synthetic(path, "tiny-clip-qwen2", seed=1)
+    return str(path)
+
+
+def test_one_shot_streams_an_answer_and_stats(folder, capsys):
+    rc = cli.main(["--model", folder, "--image", DEMO_IMAGE, "-p", "What is this?", "--max-new-tokens", "6"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert "RANDOM weights" in err
+    assert "decode 6 tok" in err and "encode" in err and "prefill" in err
+
+
+def test_repl_commands(folder, capsys, monkeypatch):
+    lines = iter(["/image " + DEMO_IMAGE, "describe", "/stats", "/clear", "hello", "/bogus", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    rc = cli.main(["--model", folder, "--max-new-tokens", "3"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert "[image added" in out and "[conversation cleared]" in out
+    assert out.count("decode 3 tok") == 1  # the /stats line (the per-answer lines go to stderr)
+    assert "commands:" in out  # help shown for /bogus
+
+
+def test_repl_ends_on_ctrl_d_and_reports_errors_without_dying(folder, capsys, monkeypatch):
+    def fake_input(prompt=""):
+        if not hasattr(fake_input, "n"):
+            fake_input.n = 0
+        fake_input.n += 1
+        if fake_input.n == 1:
+            return "/image /nonexistent/picture.png"
+        raise EOFError
+    monkeypatch.setattr(builtins, "input", fake_input)
+    rc = cli.main(["--model", folder])
+    _, err = capsys.readouterr()
+    assert rc == 0 and "picture.png" in err
+
+
+def test_missing_model_names_the_places_looked_and_how_to_build(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TINYVILA_CHECKPOINTS", str(tmp_path))
+    rc = cli.main(["--model", "no-such-model", "-p", "hi"])
+    _, err = capsys.readouterr()
+    assert rc == 1
+    assert str(tmp_path / "no-such-model") in err and "scripts/quantize.py" in err
+
+
+def test_unreadable_image_exits_non_zero(folder, tmp_path, capsys):
+    bad = tmp_path / "x.png"
+    bad.write_bytes(b"\x89PNG garbage")
+    rc = cli.main(["--model", folder, "--image", str(bad), "-p", "hi"])
+    _, err = capsys.readouterr()
+    assert rc == 1 and "x.png" in err
+
+
+def test_prompt_over_the_context_exits_non_zero(folder, capsys):
+    rc = cli.main(["--model", folder, "--max-seq-len", "40", "-p", "word " * 50])
+    _, err = capsys.readouterr()
+    assert rc == 1 and "context is 40" in err
+
+
+def test_demo_model_is_built_on_first_use(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TINYVILA_CHECKPOINTS", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["--model", "demo", "--image", DEMO_IMAGE, "-p", "hi", "--max-new-tokens", "4"])
+    _, err = capsys.readouterr()
+    assert rc == 0 and "RANDOM weights" in err
+    assert (tmp_path / "demo" / "config.json").is_file()

@@ -1,0 +1,23 @@
+"""tinyvila: a standalone inference runtime for quantized VILA vision-language models.
+
+    import tinyvila
+    vlm = tinyvila.load("vila-8b-awq", device="cuda")
+    chat = vlm.chat()
+    chat.add_image("x.jpg")
+    for piece in chat.ask("What is in the image?"):
+        print(piece, end="")
+
+See README.md and docs/ for the design and the measured results.
+"""
+
+from .api import Chat, Model, Stats, load
+from .config import PRESETS, SparsityConfig, VLMConfig
+from .errors import CheckpointError, ContextLimitError, ImageError, ModelNotFoundError, TinyVilaError
+from .generate import SamplingParams
+
+Sparsity = SparsityConfig
+
+__all__ = [
+    "load", "Model", "Chat", "Stats", "SamplingParams", "Sparsity", "SparsityConfig", "VLMConfig", "PRESETS",
+    "TinyVilaError", "CheckpointError", "ModelNotFoundError", "ImageError", "ContextLimitError",
+]

@@ -1,0 +1,203 @@
+"""The Python API: `load` a checkpoint, open a `Chat`, add images, `ask` questions (streamed text).
+
+    vlm = tinyvila.load("vila-8b-awq", device="cuda")
+    chat = vlm.chat()
+    chat.add_image("x.jpg")                 # encoded once, prefilled with the next question
+    for piece in chat.ask("What is in the image?"):
+        print(piece, end="")
+    chat.stats                              # encode / prefill / decode times and token counts
+
+A chat keeps its KV cache across turns: every turn prefills only its own new tokens. The ids of the
+whole conversation are always exactly `tokenizer.conversation_ids(...)` of its history, so a turn
+sees the same logits as a fresh prefill of the conversation. The CLI (`tinyvila.chat`) uses this API.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import SparsityConfig, VLMConfig
+from .errors import ModelNotFoundError
+from .generate import Decoder, SamplingParams, generate
+from .image import preprocess
+from .loader import build_synthetic, load_model
+from .tokenizer import TEMPLATES, StreamDecoder, load_tokenizer, turn_ids
+from .vlm import VLM
+
+DEMO_MODEL = "demo"              # built on first use: tiny, random weights, for the README demo
+DEMO_PRESET = "tiny-siglip-llama"
+
+
+def checkpoint_dirs() -> list[Path]:
+    """Where model names are looked up, in order."""
+    dirs = [Path(p) for p in os.environ.get("TINYVILA_CHECKPOINTS", "").split(os.pathsep) if p]
+    dirs.append(Path.cwd() / "checkpoints")
+    repo_dir = Path(__file__).resolve().parent.parent / "checkpoints"  # an editable install's tree
+    if repo_dir not in dirs:
+        dirs.append(repo_dir)
+    return dirs
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """A checkpoint folder for a path or a name (`checkpoints/<name>`); builds the demo on first use."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is a file; --model takes a checkpoint folder or a model name")
+    looked = [d / str(name_or_path) for d in checkpoint_dirs()] if len(path.parts) == 1 else []
+    for folder in looked:
+        if (folder / "config.json").is_file():
+            return folder
+    if str(name_or_path) == DEMO_MODEL:
+        # The first configured place that exists (env, ./checkpoints, the repo's), else ./checkpoints.
+        folder = next((p for p in looked if p.parent.is_dir()), Path.cwd() / "checkpoints" / DEMO_MODEL)
+        build_synthetic(folder, DEMO_PRESET, seed=0)
+        return folder
+    where = "\n  ".join(str(p) for p in (looked or [path]))
+    raise ModelNotFoundError(
+        f"model {str(name_or_path)!r} not found. Looked in:\n  {where}\n"
+        "Build one with scripts/quantize.py, e.g.\n"
+        "  python scripts/quantize.py import-vila /path/to/Llama-3-VILA1.5-8B checkpoints/vila-8b\n"
+        f"  python scripts/quantize.py synthetic --preset vila-8b checkpoints/vila-8b   (random weights)\n"
+        f"or use --model {DEMO_MODEL} for the tiny random-weight demo.")
+
+
+class Model:
+    """A loaded checkpoint: the VLM, its tokenizer and chat template. Open conversations with `chat()`."""
+
+    def __init__(self, folder: Path, model: VLM, tokenizer):
+        self.folder, self.model, self.tokenizer = folder, model, tokenizer
+        self.cfg: VLMConfig = model.cfg
+        self.template = TEMPLATES[self.cfg.template]
+        stops = [tokenizer.token_to_id(s) for s in self.template.stop_tokens]
+        self.stop_ids = frozenset(t for t in [*stops, *self.cfg.eos_ids] if t is not None)
+
+    def chat(self, *, system: str | None = None, sampling: SamplingParams | None = None,
+             sparsity: SparsityConfig | None = None, max_seq_len: int | None = None) -> "Chat":
+        return Chat(self, system=system, sampling=sampling or SamplingParams(),
+                    sparsity=sparsity or self.cfg.sparsity, max_seq_len=max_seq_len)
+
+
+def load(name_or_path: str | os.PathLike, *, device: str | torch.device = "cpu",
+         dtype: torch.dtype | None = None) -> Model:
+    """Load a checkpoint folder or a named model (see `resolve_model`)."""
+    folder = resolve_model(name_or_path)
+    model = load_model(folder, device=device, dtype=dtype)
+    return Model(folder, model, load_tokenizer(folder))
+
+
+@dataclass
+class Stats:
+    """What the last turn cost and how large the conversation is."""
+
+    encode_ms: float = 0.0          # vision encoder + projector for images added this turn
+    prefill_ms: float = 0.0
+    prefill_tokens: int = 0
+    decode_ms: float = 0.0
+    decode_tokens: int = 0
+    context_tokens: int = 0         # tokens in the KV cache after the turn
+    images: int = 0
+    finish: str = ""                # "stop" | "max_tokens" | "context" | "interrupted"
+
+    @property
+    def decode_tok_s(self) -> float:
+        return 1000 * self.decode_tokens / self.decode_ms if self.decode_ms else 0.0
+
+    def line(self) -> str:
+        return (f"encode {self.encode_ms:.1f} ms | prefill {self.prefill_tokens} tok {self.prefill_ms:.1f} ms"
+                f" | decode {self.decode_tokens} tok {self.decode_tok_s:.1f} tok/s"
+                f" | context {self.context_tokens} tok | {self.finish}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Chat:
+    """One multi-turn conversation with its own KV cache."""
+
+    def __init__(self, vlm: Model, *, system: str | None, sampling: SamplingParams,
+                 sparsity: SparsityConfig, max_seq_len: int | None):
+        if sparsity.prefill_keep != 1.0 or sparsity.decode_keep != 1.0:
+            raise NotImplementedError("visual sparsity (prefill_keep/decode_keep < 1) is not built yet; use 1.0")
+        self.vlm, self.system, self.sampling, self.sparsity = vlm, system, sampling, sparsity
+        self.decoder = Decoder(vlm.model.text, max_seq_len)
+        self.stats = Stats()
+        self.last_logits: torch.Tensor | None = None   # logits after the last prefill (tests, tools)
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the conversation (images included); the cache memory is reused."""
+        self.decoder.truncate(0)
+        self.turns: list[tuple[str, int, list[int]]] = []  # (user text, n images, answer ids)
+        self.pending: list[int] = []   # generated but not yet in the cache (the last answer token)
+        self.images: list[torch.Tensor] = []  # encoded images waiting for the next question
+        self._encode_ms = 0.0
+
+    def add_image(self, image) -> None:
+        """Encode an image (path, PIL image, HxWx3 uint8 array) now; it joins the next question."""
+        model = self.vlm.model
+        pixels = preprocess(image, model.cfg.vision) if model.vision is not None else None
+        if pixels is None:
+            raise ValueError(f"{self.vlm.folder}: this model is text-only and cannot take images")
+        _sync(model.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.images.append(model.encode_images(pixels))  # (n, image_tokens, d)
+        _sync(model.device)
+        self._encode_ms += 1000 * (time.perf_counter() - t0)
+
+    def ask(self, question: str, sampling: SamplingParams | None = None) -> Iterator[str]:
+        """Prefill the question (and any added images) against the cache, then stream the answer.
+
+        Raises ContextLimitError before touching anything when the turn does not fit.
+        """
+        sampling = sampling or self.sampling
+        images = torch.cat(self.images) if self.images else None
+        n_images = 0 if images is None else images.shape[0]
+        prev = self.turns[-1][2] if self.turns else None
+        ids = self.pending + turn_ids(self.vlm.tokenizer, self.vlm.template, question, n_images,
+                                      first=not self.turns, prev_answer_ids=prev, system=self.system)
+        model, decoder = self.vlm.model, self.decoder
+        decoder.check_room(model.n_embeds(ids) + 1)   # the prompt plus at least one answer token
+        return self._answer(question, ids, images, n_images, sampling)
+
+    def _answer(self, question, ids, images, n_images, sampling) -> Iterator[str]:
+        model, decoder = self.vlm.model, self.decoder
+        stats = Stats(encode_ms=self._encode_ms, images=n_images)
+        self._encode_ms = 0.0
+        start = decoder.length
+        _sync(model.device)
+        t0 = time.perf_counter()
+        logits = decoder.prefill(model.embed(ids, images))
+        _sync(model.device)
+        t1 = time.perf_counter()
+        stats.prefill_ms, stats.prefill_tokens = 1000 * (t1 - t0), decoder.length - start
+        self.last_logits, self.images, self.pending = logits, [], []
+        answer: list[int] = []
+        self.turns.append((question, n_images, answer))
+        stream = StreamDecoder(self.vlm.tokenizer)
+        try:
+            for token in generate(decoder, logits, sampling, self.vlm.stop_ids):
+                answer.append(token)
+                if token not in self.vlm.stop_ids:
+                    yield stream.push(token)
+            yield stream.flush()
+        finally:  # also when the caller stops reading early: the history stays consistent
+            _sync(model.device)
+            stats.decode_ms = 1000 * (time.perf_counter() - t1)
+            stats.decode_tokens = len(answer)
+            self.pending = answer[-1:]
+            stats.context_tokens = decoder.length + len(self.pending)
+            stats.finish = ("stop" if answer and answer[-1] in self.vlm.stop_ids else
+                            "max_tokens" if len(answer) == sampling.max_new_tokens else
+                            "context" if decoder.length >= decoder.max_len else "interrupted")
+            self.stats = stats

@@ -1,0 +1,117 @@
+"""`python -m tinyvila.chat`: chat with a VILA model about images, one-shot or interactively.
+
+    python -m tinyvila.chat --model vila-8b-awq --image x.jpg                  # multi-turn REPL
+    python -m tinyvila.chat --model demo --image x.jpg -p "Describe it."      # one-shot
+
+In the REPL: /image PATH adds an image to the next question, /clear starts over, /stats prints the
+last turn's numbers, /quit (or Ctrl-D) leaves; Ctrl-C stops an answer. The only module that does
+terminal I/O; everything else goes through the Python API (tinyvila.api).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .api import Chat, load
+from .errors import TinyVilaError
+from .generate import SamplingParams
+
+HELP = "commands: /image PATH  /clear  /stats  /quit   (Ctrl-D quits, Ctrl-C stops an answer)"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tinyvila.chat", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint folder, or a name under checkpoints/ ('demo' builds a tiny random one)")
+    p.add_argument("--image", action="append", default=[], help="image file for the first question (repeatable)")
+    p.add_argument("-p", "--prompt", help="ask this once, print the answer and exit")
+    p.add_argument("--system", help="replace the template's system prompt")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="default: the checkpoint's")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--max-seq-len", type=int, help="KV cache size (default: the model's context)")
+    p.add_argument("--no-stats", action="store_true", help="do not print the stats line after answers")
+    return p.parse_args(argv)
+
+
+def answer(chat: Chat, question: str, show_stats: bool) -> None:
+    """Stream one answer to stdout; Ctrl-C stops it and keeps the conversation usable."""
+    try:
+        for piece in chat.ask(question):
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        print(" [stopped]", end="")
+    print()
+    if show_stats:
+        print(f"[{chat.stats.line()}]", file=sys.stderr)
+
+
+def command(chat: Chat, line: str) -> bool:
+    """Run a /command; returns False when the REPL should end."""
+    name, _, arg = line.partition(" ")
+    if name == "/quit":
+        return False
+    if name == "/image" and arg.strip():
+        chat.add_image(arg.strip())
+        print(f"[image added: {arg.strip()}; it goes with your next question]")
+    elif name == "/clear":
+        chat.clear()
+        print("[conversation cleared]")
+    elif name == "/stats":
+        print(f"[{chat.stats.line()}]")
+    else:
+        print(HELP)
+    return True
+
+
+def repl(chat: Chat, show_stats: bool) -> None:
+    print(HELP)
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if not line:
+            continue
+        try:
+            if line.startswith("/"):
+                if not command(chat, line):
+                    return
+            else:
+                answer(chat, line, show_stats)
+        except TinyVilaError as e:  # bad image, context full: say so and keep the session
+            print(f"error: {e}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        vlm = load(args.model, device=args.device,
+                   dtype=getattr(torch, args.dtype) if args.dtype else None)
+        if vlm.cfg.synthetic:
+            print(f"note: {vlm.folder} is a synthetic checkpoint with RANDOM weights; "
+                  "its answers are meaningless text.", file=sys.stderr)
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  max_new_tokens=args.max_new_tokens, seed=args.seed)
+        chat = vlm.chat(system=args.system, sampling=sampling, max_seq_len=args.max_seq_len)
+        for image in args.image:
+            chat.add_image(image)
+        if args.prompt is not None:
+            answer(chat, args.prompt, not args.no_stats)
+        else:
+            repl(chat, not args.no_stats)
+    except (TinyVilaError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Errors tinyvila raises for bad input: each names the file or argument at fault and what to do.
+
+All derive from `TinyVilaError` so the CLI can print them plainly and exit non-zero, and embedding
+code can catch one class. They also derive from the matching builtin (ValueError, FileNotFoundError)
+so generic handlers keep working.
+"""
+
+
+class TinyVilaError(Exception):
+    """Base class of tinyvila's user-facing errors."""
+
+
+class CheckpointError(TinyVilaError, ValueError):
+    """A checkpoint folder is missing, incomplete, corrupt, or does not match its config."""
+
+
+class ModelNotFoundError(TinyVilaError, FileNotFoundError):
+    """`--model NAME` resolved to no folder; the message lists where we looked and how to build one."""
+
+
+class ImageError(TinyVilaError, ValueError):
+    """An image could not be read or has the wrong shape or dtype."""
+
+
+class ContextLimitError(TinyVilaError, ValueError):
+    """A prompt or conversation does not fit the model's declared context; nothing was changed."""

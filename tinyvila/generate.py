@@ -1,0 +1,111 @@
+"""Generation: a decoder that owns one conversation's KV cache, sampling, and the token iterator.
+
+`Decoder` runs the LLM on a preallocated `KVCache`: `prefill` appends a block of input embeddings,
+`step` appends one token, both returning the next-token logits; `truncate` evicts everything past a
+length (used to drop a turn). `generate` turns logits into a token stream: greedy or
+temperature/top-k/top-p sampling with a seed, stop ids, a token budget, and the context limit.
+The loop follows gpt-fast/nanochat: prefill once, then one cached decode step per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ContextLimitError
+from .text import KVCache
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
+            raise ValueError(f"invalid sampling parameters: {self}")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """One token id from next-token logits (V,)."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the first always stays.
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        logits = logits.index_fill(0, order[drop], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Decoder:
+    """Runs a `TextModel` over one conversation's KV cache. `length` = tokens in the cache."""
+
+    def __init__(self, text_model, max_seq_len: int | None = None):
+        self.model = text_model
+        w = text_model.embed.weight
+        self.cache = KVCache(text_model.cfg, max_seq_len=max_seq_len, dtype=w.dtype, device=w.device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_seq_len
+
+    def check_room(self, n_new: int) -> None:
+        """Raise ContextLimitError, changing nothing, if n_new more tokens would not fit."""
+        if self.length + n_new > self.max_len:
+            raise ContextLimitError(
+                f"the conversation would need {self.length + n_new} tokens ({self.length} cached + "
+                f"{n_new} new) but the model's context is {self.max_len}; shorten the prompt, "
+                "start a new conversation (/clear), or load with a larger max_seq_len")
+
+    @torch.inference_mode()
+    def prefill(self, h: torch.Tensor) -> torch.Tensor:
+        """Append (1, T, d) input embeddings; returns the logits (V,) after the last one."""
+        self.check_room(h.shape[1])
+        logits = self.model(h, self.cache, self.length, last_only=True)
+        self.length += h.shape[1]
+        return logits[0, -1]
+
+    @torch.inference_mode()
+    def step(self, token: int) -> torch.Tensor:
+        """Append one token; returns the next-token logits (V,)."""
+        ids = torch.tensor([[token]], device=self.cache.k[0].device)
+        return self.prefill(self.model.embed(ids))
+
+    def truncate(self, length: int) -> None:
+        """Forget everything past `length` (the entries are overwritten by later writes)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+
+
+def generate(decoder: Decoder, logits: torch.Tensor, params: SamplingParams,
+             stop_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[int]:
+    """Yield new token ids, starting from the logits after the prompt.
+
+    Stops after a stop id (which is yielded), after `max_new_tokens`, or when the cache is full.
+    The last yielded token is never written to the cache: the caller feeds it with the next turn.
+    """
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=logits.device).manual_seed(params.seed)
+    for i in range(params.max_new_tokens):
+        token = sample(logits, params, generator)
+        yield token
+        if token in stop_ids or i + 1 == params.max_new_tokens or decoder.length >= decoder.max_len:
+            return
+        logits = decoder.step(token)

@@ -1,0 +1,327 @@
+"""Checkpoint folders (docs/checkpoint_format.md) <-> models: load, save, and synthetic weights.
+
+`load_model` builds the `VLM` on the meta device, reads only the safetensors headers to check every
+tensor's name, shape and dtype against the model, and only then memory-maps the data in with
+`load_state_dict(assign=True)`. `save_checkpoint` writes a folder atomically (temp folder + rename),
+sharding large state dicts. `random_state_dict` / `build_synthetic` make random-weight checkpoints
+in any config's shapes for tests and the offline demo. The model itself is the one source of truth
+for which tensors a config needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import VLMConfig, preset
+from .errors import CheckpointError, ModelNotFoundError
+from .vlm import VLM
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+DEFAULT_SHARD_BYTES = 4 * 2**30  # files under 4 GiB: what HF tooling and 32-bit offsets handle
+MAX_LISTED = 20  # problems named in one error message; the rest are counted
+
+# safetensors header dtype codes -> torch dtypes (the ones a tinyvila checkpoint may hold).
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+Spec = tuple[tuple[int, ...], torch.dtype]  # (shape, dtype) of one tensor
+
+
+def _hint(folder: Path) -> str:
+    return (f"rebuild it with `python scripts/quantize.py import-vila SRC {folder}` "
+            f"(or `python scripts/quantize.py synthetic --preset NAME {folder}` for random weights)")
+
+
+def _fail(folder: Path, what: str, problems: list[str]) -> CheckpointError:
+    """One error listing every problem found (the first MAX_LISTED of them) and what to do."""
+    lines = problems[:MAX_LISTED]
+    if len(problems) > MAX_LISTED:
+        lines.append(f"... and {len(problems) - MAX_LISTED} more")
+    return CheckpointError(f"{folder}: {what}:\n  " + "\n  ".join(lines) + f"\n{_hint(folder)}")
+
+
+def _meta_model(cfg: VLMConfig) -> VLM:
+    with torch.device("meta"):
+        return VLM(cfg)
+
+
+def expected_tensors(cfg: VLMConfig, model: VLM | None = None) -> dict[str, Spec]:
+    """Name -> (shape, dtype) of every tensor a checkpoint of `cfg` holds, read off `VLM(cfg)`.
+
+    Floating tensors are stored in `cfg.dtype`; others (packed integer weights) keep the module's dtype.
+    """
+    model = _meta_model(cfg) if model is None else model
+    dtype = getattr(torch, cfg.dtype)
+    return {k: (tuple(v.shape), dtype if v.is_floating_point() else v.dtype) for k, v in model.state_dict().items()}
+
+
+def _fmt(spec: Spec) -> str:
+    shape, dtype = spec
+    return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+def check_tensors(found: Mapping[str, Spec], expected: Mapping[str, Spec], where: Mapping[str, str]) -> list[str]:
+    """Problems (empty if none) of `found` tensors against `expected`; `where[name]` names the file."""
+    problems = [f"{name}: missing (expected {_fmt(spec)})" for name, spec in expected.items() if name not in found]
+    for name, spec in found.items():
+        loc = f"{where.get(name, '?')}: {name}"
+        if name not in expected:
+            problems.append(f"{loc}: unexpected tensor {_fmt(spec)} (not in the model this config.json describes)")
+        elif tuple(spec[0]) != expected[name][0] or spec[1] != expected[name][1]:
+            problems.append(f"{loc}: found {_fmt(spec)}, expected {_fmt(expected[name])}")
+    return problems
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def _open(path: Path, folder: Path):
+    if not path.is_file():
+        raise _fail(folder, "weights file missing", [f"{path.name}: not found"])
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise _fail(folder, "weights file unreadable", [f"{path.name}: {e} (truncated or corrupt?)"]) from None
+
+
+def _header(f, fname: str, folder: Path) -> dict[str, Spec]:
+    specs = {}
+    for k in f.keys():
+        sl = f.get_slice(k)
+        code = sl.get_dtype()
+        if code not in _ST_DTYPES:
+            raise _fail(folder, "unsupported tensor dtype", [f"{fname}: {k}: dtype {code}"])
+        specs[k] = (tuple(sl.get_shape()), _ST_DTYPES[code])
+    return specs
+
+
+def _weight_files(folder: Path) -> dict[str, list[str] | None]:
+    """File name -> tensor names the index assigns to it (None for a single unsharded file)."""
+    single, index = folder / WEIGHTS, folder / INDEX
+    if single.exists() and index.exists():
+        raise _fail(folder, "ambiguous weights", [f"both {WEIGHTS} and {INDEX} exist; a checkpoint has one"])
+    if single.exists():
+        return {WEIGHTS: None}
+    if not index.exists():
+        raise _fail(folder, "no weights", [f"neither {WEIGHTS} nor {INDEX} found"])
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            files.setdefault(fname, []).append(name)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise _fail(folder, "bad shard index", [f"{INDEX}: not a valid index ({e!r})"]) from None
+    return files
+
+
+def read_headers(folder: Path) -> tuple[dict[str, Spec], dict[str, str], list[str]]:
+    """Reads only the safetensors headers: (name -> spec, name -> file, index problems)."""
+    specs, where, problems = {}, {}, []
+    for fname, listed in _weight_files(folder).items():
+        with _open(folder / fname, folder) as f:
+            header = _header(f, fname, folder)
+        for name, spec in header.items():
+            if listed is not None and name not in listed:
+                problems.append(f"{fname}: {name}: in the shard but not in {INDEX}")
+            elif name in where:
+                problems.append(f"{fname}: {name}: also stored in {where[name]}")
+            specs[name], where[name] = spec, fname
+        problems += [f"{INDEX}: {n}: listed in {fname} but not stored there" for n in listed or () if n not in header]
+    return specs, where, problems
+
+
+def _read_tensors(folder: Path, where: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    sd = {}
+    for fname in dict.fromkeys(where.values()):
+        with _open(folder / fname, folder) as f:
+            for name in f.keys():
+                sd[name] = f.get_tensor(name)
+    return sd
+
+
+def _read_config(folder: Path) -> VLMConfig:
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"{folder}: checkpoint folder not found (looked at {folder.resolve()}); "
+                                 f"build one with `python scripts/quantize.py`")
+    if not (folder / CONFIG).is_file():
+        raise ModelNotFoundError(f"{folder}: no {CONFIG} (looked at {(folder / CONFIG).resolve()}); "
+                                 f"not a tinyvila checkpoint; {_hint(folder)}")
+    try:
+        return VLMConfig.load(folder)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def load_model(folder: str | os.PathLike, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype | str | None = None) -> VLM:
+    """A checkpoint folder -> `VLM` in eval mode on `device` (floating weights cast to `dtype` if given).
+
+    Every tensor's presence, name, shape and dtype is checked from the file headers before any data
+    is read; a mismatch raises `CheckpointError` naming the file, the tensor, found vs expected.
+    Nothing on disk is ever written.
+    """
+    folder = Path(folder)
+    cfg = _read_config(folder)
+    model = _meta_model(cfg)
+    specs, where, problems = read_headers(folder)
+    problems += check_tensors(specs, expected_tensors(cfg, model), where)
+    if problems:
+        raise _fail(folder, f"weights do not match {CONFIG}", problems)
+    model.load_state_dict(_read_tensors(folder, where), assign=True, strict=True)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left on the meta device after loading (a module holds state "
+                           f"that is not in its state_dict): {', '.join(left)}")
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return model.to(device=device, dtype=dtype).eval()
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def _plan_shards(sd: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Greedy, in state-dict order: a tensor larger than max_bytes gets a shard of its own."""
+    shards, size = [[]], 0
+    for name, t in sd.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _write_weights(tmp: Path, sd: Mapping[str, torch.Tensor], max_bytes: int) -> None:
+    shards = _plan_shards(sd, max_bytes)
+    names = [WEIGHTS] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for fname, keys in zip(names, shards):
+        # clone: safetensors refuses views sharing storage (e.g. slices of one fused tensor).
+        part = {k: sd[k].detach().to("cpu").contiguous().clone() for k in keys}
+        save_file(part, str(tmp / fname), metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in sd.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys}}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_extras(tmp: Path, extra_files: Mapping[str, bytes | str]) -> None:
+    for name, data in extra_files.items():
+        if Path(name).name != name or name in (CONFIG, WEIGHTS, INDEX) or name.startswith("model-"):
+            raise ValueError(f"extra file name {name!r} must be a plain file name that is not a weights/config file")
+        if isinstance(data, bytes):
+            (tmp / name).write_bytes(data)
+        elif isinstance(data, str):
+            (tmp / name).write_text(data)
+        else:
+            raise TypeError(f"extra file {name!r}: expected bytes or str, got {type(data).__name__}")
+
+
+def _commit(tmp: Path, folder: Path) -> None:
+    """Moves the finished temp folder into place; an existing folder is swapped out, then deleted."""
+    if not folder.exists():
+        os.rename(tmp, folder)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+    os.rename(folder, old / folder.name)
+    os.rename(tmp, folder)
+    shutil.rmtree(old)
+
+
+def save_checkpoint(folder: str | os.PathLike, cfg: VLMConfig, state_dict: Mapping[str, torch.Tensor],
+                    extra_files: Mapping[str, bytes | str] | None = None, *, overwrite: bool = False,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Writes config.json, the weights (sharded above `max_shard_bytes`, with an index) and
+    `extra_files` (name -> contents, e.g. tokenizer files) to `folder`, atomically.
+
+    The state dict is checked against `cfg` first (as `load_model` will), so a folder that would not
+    load is never written. Everything goes to a temp folder beside `folder`, renamed into place at the
+    end; on any error the temp folder is removed. An existing non-empty `folder` is an error unless
+    `overwrite`. Returns the folder.
+    """
+    folder = Path(folder)
+    if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not overwrite)):
+        raise FileExistsError(f"{folder}: exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    found = {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()}
+    problems = check_tensors(found, expected_tensors(cfg), {k: "state_dict" for k in state_dict})
+    if problems:
+        raise _fail(folder, "refusing to save tensors that do not match the config", problems)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        cfg.save(tmp)
+        _write_weights(tmp, state_dict, max_shard_bytes)
+        _write_extras(tmp, extra_files or {})
+        _commit(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+# -- synthetic checkpoints ---------------------------------------------------------------------------
+def _init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Small random values that keep activations sane at any depth: N(0, 0.02) matrices and
+    embeddings, 1 + N(0, 0.02) norm scales, N(0, 0.02) biases. Not exactly 1/0, so a weight
+    wired to the wrong slot still changes the output and tests can see it."""
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)  # packed integer weights: any bit pattern is valid
+        return torch.randint(info.min, info.max + 1, shape, generator=g, dtype=torch.int64).to(dtype)
+    t = torch.randn(shape, generator=g) * 0.02
+    if len(shape) == 1 and name.endswith(".weight"):
+        t += 1.0  # a 1-D weight is a norm's scale
+    return t.to(dtype)
+
+
+def random_state_dict(cfg: VLMConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of exactly the names, shapes and dtypes `load_model` expects for `cfg`.
+
+    Deterministic in `seed`; tensors are drawn in state-dict order on the CPU.
+    """
+    g = torch.Generator().manual_seed(seed)
+    return {name: _init_tensor(name, shape, dtype, g) for name, (shape, dtype) in expected_tensors(cfg).items()}
+
+
+def _iter_ids(tok: dict) -> Iterator[int]:
+    yield from (t["id"] for t in tok.get("added_tokens", ()))
+    vocab = tok.get("model", {}).get("vocab", {})
+    yield from (vocab.values() if isinstance(vocab, dict) else range(len(vocab)))
+
+
+def synthetic_tokenizer(cfg: VLMConfig) -> dict:
+    """A byte-level tokenizer.json holding the template's special tokens; ids fit the vocab."""
+    from .tokenizer import TEMPLATES, byte_tokenizer_json
+
+    tok = byte_tokenizer_json(TEMPLATES[cfg.template].special_tokens)
+    top = max(_iter_ids(tok), default=-1)
+    if top >= cfg.text.vocab_size:
+        raise ValueError(f"byte tokenizer needs {top + 1} ids but the config's vocab_size is {cfg.text.vocab_size}")
+    return tok
+
+
+def build_synthetic(folder: str | os.PathLike, cfg_or_preset: VLMConfig | str, seed: int = 0, *,
+                    overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Writes a random-weight checkpoint (config with synthetic=True, weights, byte tokenizer.json).
+
+    The template's stop tokens live in the byte tokenizer, so the preset's `eos_ids` (ids of a real
+    tokenizer) are cleared. A real-size preset (vila-8b) writes ~16 GB and takes minutes.
+    """
+    cfg = preset(cfg_or_preset) if isinstance(cfg_or_preset, str) else cfg_or_preset
+    cfg = dataclasses.replace(cfg, synthetic=True, tokenizer="tokenizer.json", eos_ids=())
+    tok = synthetic_tokenizer(cfg)
+    sd = random_state_dict(cfg, seed)
+    return save_checkpoint(folder, cfg, sd, {"tokenizer.json": json.dumps(tok, ensure_ascii=False)},
+                           overwrite=overwrite, max_shard_bytes=max_shard_bytes)

@@ -1,0 +1,300 @@
+"""The language model: one LLaMA-style decoder for Llama-2/3 (incl. llama3 RoPE scaling) and Qwen2.
+
+`TextModel` runs hidden states through the layers against a preallocated `KVCache` and returns
+float32 logits; `text_config_from_hf` / `text_weights_from_hf` import a HuggingFace
+LlamaForCausalLM / Qwen2ForCausalLM (config dict, state dict) into the tinyvila layout of
+docs/checkpoint_format.md. Numerics follow HF `modeling_llama.py`: RoPE tables in fp32 cast to the
+activation dtype, RMSNorm statistics in fp32. Tested against transformers in tests/test_text.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tinyvila import ops
+from tinyvila.config import RopeScaling, TextConfig
+from tinyvila.errors import ContextLimitError
+
+
+# -- RoPE ----------------------------------------------------------------------------------------
+def rope_inv_freq(cfg: TextConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies, (Dh/2,) fp32: exactly HF's default / llama3 computation.
+
+    Computed on demand rather than held in a buffer, so modules built on the meta device carry
+    no state that `load_state_dict(assign=True)` would leave behind on meta.
+    """
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float, device=device) / D))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    # Llama-3.1: long wavelengths are slowed down by `factor`, short ones kept, the band between
+    # interpolated smoothly (HF `_compute_llama3_parameters`, same expressions, same order).
+    low_freq_wavelen = rs.original_max_position / rs.low_freq_factor
+    high_freq_wavelen = rs.original_max_position / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / rs.factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rope_cos_sin(cfg: TextConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables for `positions` (T,) long -> two (T, Dh) tensors in `dtype`.
+
+    The angles are formed in fp32 and only the results cast, as HF does, so fp16 runs see the same
+    tables as the HF fp16 model (angles of large positions would be wrong if formed in fp16).
+    """
+    freqs = positions.float()[:, None] * rope_inv_freq(cfg, positions.device)  # (T, Dh/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, Dh): rotate-half pairs d with d + Dh/2
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+# -- KV cache ------------------------------------------------------------------------------------
+class KVCache:
+    """Preallocated keys and values: per layer `k[i]`, `v[i]` of shape (B, Hkv, max_seq_len, Dh).
+
+    Keys are stored rotated, at their cache slot. Every write is bounds-checked before anything is
+    written, so running past the declared context is an error, never a silent overwrite.
+    """
+
+    def __init__(self, cfg: TextConfig, batch: int = 1, max_seq_len: int | None = None,
+                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu"):
+        self.max_seq_len = cfg.max_seq_len if max_seq_len is None else max_seq_len
+        self.batch, self.dtype = batch, dtype
+        shape = (batch, cfg.n_kv_heads, self.max_seq_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+
+    def check(self, start: int, T: int) -> None:
+        """Raise ContextLimitError (a ValueError) unless slots start..start+T-1 exist."""
+        if start < 0 or T < 1:
+            raise ValueError(f"bad cache write: start {start}, {T} tokens")
+        if start + T > self.max_seq_len:
+            raise ContextLimitError(
+                f"KV cache overflow: writing {T} tokens at {start} needs {start + T} slots, "
+                f"max_seq_len is {self.max_seq_len}; declare a larger max_seq_len")
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, T, Dh) at slots start..start+T-1 of `layer`.
+
+        Returns the views of slots 0..start+T-1, (B, Hkv, start+T, Dh), for attention.
+        """
+        end = start + k.shape[2]
+        self.check(start, k.shape[2])
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+# -- modules -------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention over the cache; q, k, v come from one fused projection."""
+
+    def __init__(self, cfg: TextConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, cfg.qkv_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                start: int) -> torch.Tensor:
+        """x: (B, T, d) at cache slots start..start+T-1; cos, sin: (T, Dh) -> (B, T, d)."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        # Keys are rotated before they are cached, so later packing never has to re-rotate.
+        q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+        k_all, v_all = cache.write(self.layer, start, k, v)  # (B, Hkv, start+T, D)
+        o = ops.attention(q, k_all, v_all, causal=True, q_start=start)  # (B, H, T, D)
+        return self.wo(o.transpose(1, 2).reshape(B, T, H * D))
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one projection `w13` (gate rows first)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(ops.silu_mul(self.w13(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                start: int) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cos, sin, cache, start)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class TextModel(nn.Module):
+    """LLaMA / Qwen2 decoder. Parameter names are those of docs/checkpoint_format.md minus `text.`.
+
+    `model.embed(tokens)` is the token embedding itself: (B, T) long -> (B, T, d). The parent VLM
+    splices image embeddings into that output before calling `forward`.
+    """
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # Tied models store no lm_head at all; the embedding matrix doubles as the output layer.
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor, cache: KVCache, start: int, *, last_only: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run hidden states h (B, T, d) at cache slots start..start+T-1 -> logits (B, T or 1, V) fp32.
+
+        K/V are written into `cache` and each row attends causally over slots 0..its own.
+        `positions` (T,) long overrides the RoPE positions (default: the slots), e.g. after pruning.
+        `last_only` returns only the last row's logits (prefill).
+        """
+        self._check_inputs(h, cache, start, positions)
+        if positions is None:
+            positions = torch.arange(start, start + h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(self.cfg, positions, h.dtype)  # (T, Dh) each
+        for block in self.layers:
+            h = block(h, cos, sin, cache, start)
+        if last_only:
+            h = h[:, -1:]
+        h = self.norm(h)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        # Logits in the activation dtype like HF, then fp32 for sampling.
+        return F.linear(h, weight).float()
+
+    def _check_inputs(self, h: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor | None) -> None:
+        """Validate everything before the first layer writes to the cache."""
+        B, T, _ = h.shape
+        cache.check(start, T)
+        if B != cache.batch or h.dtype != cache.dtype:
+            raise ValueError(f"hidden states (batch {B}, {h.dtype}) do not match the cache "
+                             f"(batch {cache.batch}, {cache.dtype})")
+        if positions is not None and positions.shape != (T,):
+            raise ValueError(f"positions must have shape ({T},), got {tuple(positions.shape)}")
+
+
+# -- import from HuggingFace ---------------------------------------------------------------------
+def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) from either the v5 `rope_parameters` or the older keys."""
+    rp = hf.get("rope_parameters")
+    if rp is None:
+        rp = dict(hf.get("rope_scaling") or {})
+        rp.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if rp.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope type {kind!r}: only default and llama3 RoPE are implemented")
+    return theta, RopeScaling(
+        factor=float(rp["factor"]), low_freq_factor=float(rp["low_freq_factor"]),
+        high_freq_factor=float(rp["high_freq_factor"]),
+        original_max_position=int(rp["original_max_position_embeddings"]),
+    )
+
+
+def text_config_from_hf(hf: dict, *, max_seq_len: int | None = None) -> TextConfig:
+    """TextConfig from an HF LlamaConfig / Qwen2Config dict (`config.json` of the `llm/` folder).
+
+    max_seq_len defaults to min(max_position_embeddings, model_max_length / tokenizer_model_max_length
+    where present). Variants this decoder does not implement are a ValueError, never a silent guess.
+    """
+    arch = hf.get("model_type")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"unsupported model_type {arch!r}: expected 'llama' or 'qwen2'")
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
+        raise ValueError("only SwiGLU MLPs without bias (hidden_act 'silu', mlp_bias false) are supported")
+    # Llama's attention_bias also puts a bias on o_proj, which the runtime layout has no slot for.
+    if arch == "llama" and hf.get("attention_bias", False):
+        raise ValueError("llama attention_bias=True (bias on q/k/v/o) is not supported")
+    if hf.get("use_sliding_window", False):
+        raise ValueError("Qwen2 sliding-window attention is not supported")
+    theta, scaling = _rope_from_hf(hf)
+    dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or dim // n_heads
+    if max_seq_len is None:
+        limits = [hf.get(k) for k in ("max_position_embeddings", "model_max_length", "tokenizer_model_max_length")]
+        max_seq_len = min(int(n) for n in limits if n)
+    return TextConfig(
+        arch=arch, vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        ffn_dim=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_scaling=scaling, qkv_bias=arch == "qwen2",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), max_seq_len=max_seq_len,
+        head_dim_override=None if head_dim == dim // n_heads else head_dim,
+    )
+
+
+def text_weights_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: TextConfig
+                         ) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """HF LlamaForCausalLM / Qwen2ForCausalLM state dict -> (tinyvila `text.*` tensors, HF keys used).
+
+    q/k/v and gate/up are fused by concatenation (rows q, k, v and gate, up). The returned key set
+    holds every HF key consumed or deliberately dropped (rotary `inv_freq` buffers; `lm_head.weight`
+    of a tied model when it equals the embedding), so the caller can flag leftovers.
+    """
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf_sd:
+            raise KeyError(f"HF tensor {name!r} missing from the state dict")
+        if name in used:
+            raise RuntimeError(f"HF tensor {name!r} mapped twice")
+        used.add(name)
+        return hf_sd[name]
+
+    out = {"text.embed.weight": take("model.embed_tokens.weight"), "text.norm.weight": take("model.norm.weight")}
+    for i in range(cfg.n_layers):
+        hp, tp = f"model.layers.{i}.", f"text.layers.{i}."
+        qkv = [f"{hp}self_attn.{p}_proj" for p in "qkv"]
+        out[tp + "attn_norm.weight"] = take(hp + "input_layernorm.weight")
+        out[tp + "attn.wqkv.weight"] = torch.cat([take(n + ".weight") for n in qkv])
+        if cfg.qkv_bias:
+            out[tp + "attn.wqkv.bias"] = torch.cat([take(n + ".bias") for n in qkv])
+        out[tp + "attn.wo.weight"] = take(hp + "self_attn.o_proj.weight")
+        out[tp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
+        out[tp + "mlp.w13.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")])
+        out[tp + "mlp.w2.weight"] = take(hp + "mlp.down_proj.weight")
+        if out[tp + "attn.wqkv.weight"].shape != (cfg.qkv_dim, cfg.dim):
+            raise ValueError(f"layer {i}: fused qkv has shape {tuple(out[tp + 'attn.wqkv.weight'].shape)}, "
+                             f"config expects {(cfg.qkv_dim, cfg.dim)}")
+    if not cfg.tie_embeddings:
+        out["text.lm_head.weight"] = take("lm_head.weight")
+    elif "lm_head.weight" in hf_sd:
+        if not torch.equal(take("lm_head.weight"), out["text.embed.weight"]):
+            raise ValueError("tie_embeddings is set but lm_head.weight differs from the embedding")
+    used |= {k for k in hf_sd if k.endswith("rotary_emb.inv_freq")}
+    return out, used

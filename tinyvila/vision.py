@@ -1,0 +1,228 @@
+"""Vision encoder: one pre-LN ViT for the SigLIP form and the CLIP form, plus the HF importers.
+
+SigLIP: patch conv with bias, no CLS token, tanh-GELU. CLIP: CLS token, LayerNorm on the
+embeddings (`pre_norm`), quick-GELU, conv without bias. Only the layers up to the selected one
+(`VisionConfig.n_run_layers`) are built and run; no post-layernorm is ever applied, matching HF's
+`hidden_states[select_layer]`. Tensor names follow docs/checkpoint_format.md.
+Tested against transformers' SiglipVisionModel / CLIPVisionModel in tests/test_vision.py.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from tinyvila import ops
+from tinyvila.config import VisionConfig
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm's parameters and names, computed through `ops.layer_norm` (the kernel seam)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Attention(nn.Module):
+    """Non-causal multi-head self-attention with q, k, v fused into one Linear."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.wo = nn.Linear(cfg.dim, cfg.dim)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, D) -> q, k, v each (B, H, T, Dh)."""
+        B, T, _ = x.shape
+        qkv = self.wqkv(x).view(B, T, 3, self.n_heads, self.head_dim)  # (B, T, 3, H, Dh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, Dh)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, return_qk: bool = False):
+        """(B, T, D) -> (B, T, D); with `return_qk` also (q, k), each (B, H, T, Dh)."""
+        B, T, D = x.shape
+        q, k, v = self.qkv(x)
+        o = ops.attention(q, k, v, causal=False)  # scale Dh^-0.5, as HF
+        o = self.wo(o.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
+        return (o, (q, k)) if return_qk else o
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.act = cfg.act
+        self.fc1 = nn.Linear(cfg.dim, cfg.mlp_dim)
+        self.fc2 = nn.Linear(cfg.mlp_dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(ops.gelu(self.fc1(x), self.act))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(norm1(x)), then + mlp(norm2(x))."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.norm1 = LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.norm2 = LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, return_qk: bool = False):
+        """(B, T, D) -> (B, T, D); with `return_qk` also this layer's (q, k), each (B, H, T, Dh)."""
+        a = self.attn(self.norm1(x), return_qk=return_qk)
+        a, qk = a if return_qk else (a, None)
+        x = x + a
+        x = x + self.mlp(self.norm2(x))
+        return (x, qk) if return_qk else x
+
+
+class VisionEncoder(nn.Module):
+    """ViT truncated at `cfg.select_layer`: pixels (B, C, S, S) -> features (B, n_out_tokens, D)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        D, P = cfg.dim, cfg.patch_size
+        self.patch_embed = nn.Conv2d(cfg.n_channels, D, P, stride=P, bias=cfg.patch_bias)
+        self.cls_token = nn.Parameter(torch.empty(D)) if cfg.cls_token else None
+        self.pos_embed = nn.Parameter(torch.empty(cfg.n_tokens, D))
+        self.pre_norm = LayerNorm(D, eps=cfg.norm_eps) if cfg.pre_norm else None
+        # Layers past the selected one never influence the output, so they are not even built.
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_run_layers))
+
+    def embed(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, C, S, S) -> (B, T, D) = hidden_states[0]: patches (+ CLS first) + positions (+ pre_norm)."""
+        x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))  # (B, D, G, G)
+        x = x.flatten(2).transpose(1, 2)  # (B, G*G, D), row-major over the patch grid
+        if self.cls_token is not None:
+            cls = self.cls_token.to(x.dtype).expand(x.shape[0], 1, -1)  # (B, 1, D)
+            x = torch.cat([cls, x], dim=1)  # (B, T, D)
+        x = x + self.pos_embed
+        return x if self.pre_norm is None else self.pre_norm(x)
+
+    def run_layers(self, x: torch.Tensor, qk_layer: int | None = None):
+        """The layer loop, (B, T, D) -> (B, T, D) = hidden_states[n_run_layers], and the (q, k) of
+        layer `qk_layer` (0-based; each (B, H, T, Dh)) or None."""
+        qk = None
+        for i, layer in enumerate(self.layers):
+            if i == qk_layer:
+                x, qk = layer(x, return_qk=True)
+            else:
+                x = layer(x)
+        return x, qk
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) -> (B, n_out_tokens, D): drops the CLS token for select_feature "patch"."""
+        return x[:, 1:] if self.cfg.n_out_tokens < self.cfg.n_tokens else x
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x, _ = self.run_layers(self.embed(pixels))
+        return self.select(x)
+
+
+# -- HF import -------------------------------------------------------------------------------------
+
+_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
+# transformers' defaults, for config.json files that omit fields equal to them.
+_HF_DEFAULTS = {
+    "siglip": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                   num_channels=3, image_size=224, patch_size=16, hidden_act="gelu_pytorch_tanh",
+                   layer_norm_eps=1e-6),
+    "clip": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                 num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5),
+}
+
+
+def _square(v, name: str) -> int:
+    if isinstance(v, (list, tuple)):
+        if len(set(v)) != 1:
+            raise ValueError(f"non-square {name} {v} is not supported")
+        v = v[0]
+    return int(v)
+
+
+def vision_config_from_hf(hf: dict, *, select_layer: int = -2, select_feature: str = "cls_patch",
+                          preprocessor: dict | None = None) -> VisionConfig:
+    """VisionConfig from an HF SiglipVisionConfig / CLIPVisionConfig dict (or a full siglip / clip
+    config holding one under "vision_config"); normalisation from preprocessor_config.json if given."""
+    model_type = hf.get("model_type", "")
+    if "vision_config" in hf and model_type in ("siglip", "clip"):
+        hf = hf["vision_config"] or {}
+    elif model_type not in ("siglip_vision_model", "clip_vision_model"):
+        raise ValueError(f"unsupported vision model_type {model_type!r} (want siglip/clip vision models)")
+    kind = "siglip" if model_type.startswith("siglip") else "clip"
+    h = {**_HF_DEFAULTS[kind], **hf}
+    if h["hidden_act"] not in _ACTS:
+        raise ValueError(f"unsupported hidden_act {h['hidden_act']!r}; known: {', '.join(_ACTS)}")
+    clip = kind == "clip"
+    fields = dict(
+        kind=kind, image_size=_square(h["image_size"], "image_size"),
+        patch_size=_square(h["patch_size"], "patch_size"), n_channels=h["num_channels"],
+        dim=h["hidden_size"], n_layers=h["num_hidden_layers"], n_heads=h["num_attention_heads"],
+        mlp_dim=h["intermediate_size"], act=_ACTS[h["hidden_act"]], norm_eps=h["layer_norm_eps"],
+        cls_token=clip, pre_norm=clip, patch_bias=not clip,
+        select_layer=select_layer, select_feature=select_feature,
+    )
+    if preprocessor is not None:
+        # A processor that skips a step is the identity for it.
+        normalize = preprocessor.get("do_normalize", True)
+        fields["image_mean"] = tuple(preprocessor.get("image_mean", (0.5,) * 3)) if normalize else (0.0,) * 3
+        fields["image_std"] = tuple(preprocessor.get("image_std", (0.5,) * 3)) if normalize else (1.0,) * 3
+        rescale = preprocessor.get("do_rescale", True)
+        fields["rescale_factor"] = preprocessor.get("rescale_factor", 1 / 255) if rescale else 1.0
+    cfg = VisionConfig(**fields)
+    _ = cfg.n_run_layers  # raises on an out-of-range select_layer now, not at build time
+    return cfg
+
+
+def _hf_prefix(hf_sd: Mapping[str, torch.Tensor]) -> str:
+    """Checkpoints saved by transformers 4.x (VILA's) prefix every key with "vision_model.";
+    transformers 5 saves a bare SiglipVisionModel / CLIPVisionModel without it."""
+    return "vision_model." if any(k.startswith("vision_model.") for k in hf_sd) else ""
+
+
+def vision_weights_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: VisionConfig
+                           ) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """HF vision state dict -> (tinyvila `vision.*` tensors with q/k/v fused, HF keys accounted for).
+
+    Accounted = mapped, or deliberately dropped: layers past the selected one, post_layernorm,
+    SigLIP's pooling `head`, position_ids buffers. Raises KeyError naming a missing HF tensor.
+    """
+    pre = _hf_prefix(hf_sd)
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        key = pre + name
+        if key not in hf_sd:
+            raise KeyError(f"HF vision tensor {key!r} is missing from the checkpoint")
+        used.add(key)
+        return hf_sd[key]
+
+    out = {"vision.patch_embed.weight": take("embeddings.patch_embedding.weight"),
+           "vision.pos_embed": take("embeddings.position_embedding.weight")}
+    if cfg.patch_bias:
+        out["vision.patch_embed.bias"] = take("embeddings.patch_embedding.bias")
+    if cfg.cls_token:
+        out["vision.cls_token"] = take("embeddings.class_embedding")
+    if cfg.pre_norm:
+        for p in ("weight", "bias"):
+            out[f"vision.pre_norm.{p}"] = take(f"pre_layrnorm.{p}")
+    for i in range(cfg.n_run_layers):
+        src, dst = f"encoder.layers.{i}.", f"vision.layers.{i}."
+        for p in ("weight", "bias"):
+            # q, k, v stacked in that order along the output dim: one GEMM instead of three.
+            out[dst + f"attn.wqkv.{p}"] = torch.cat([take(src + f"self_attn.{n}_proj.{p}") for n in "qkv"])
+            for hf_name, name in (("layer_norm1", "norm1"), ("self_attn.out_proj", "attn.wo"),
+                                  ("layer_norm2", "norm2"), ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2")):
+                out[dst + f"{name}.{p}"] = take(src + f"{hf_name}.{p}")
+    dropped = re.compile(re.escape(pre) + r"(post_layernorm\.|head\.|embeddings\.position_ids$|encoder\.layers\.(\d+)\.)")
+    for key in hf_sd:
+        m = dropped.match(key)
+        if m and (m.group(2) is None or int(m.group(2)) >= cfg.n_run_layers):
+            used.add(key)
+    return out, used
