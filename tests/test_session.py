@@ -94,10 +94,20 @@ def test_max_new_tokens_bounds_the_answer(vlm):
     assert isinstance(text, str)
 
 
+def prompt_tokens(vlm, question, image=False):
+    """Tokens a first turn with this question occupies (the llama_3 system prompt is long)."""
+    chat = vlm.chat(sampling=SamplingParams(max_new_tokens=1))
+    if image:
+        chat.add_image(DEMO_IMAGE)
+    "".join(chat.ask(question))
+    return chat.stats.prefill_tokens
+
+
 def test_over_long_prompt_is_refused_and_the_session_stays_usable(vlm):
-    chat = vlm.chat(sampling=SamplingParams(max_new_tokens=4), max_seq_len=120)
+    ctx = prompt_tokens(vlm, "short?", image=True) + 10
+    chat = vlm.chat(sampling=SamplingParams(max_new_tokens=4), max_seq_len=ctx)
     chat.add_image(DEMO_IMAGE)
-    with pytest.raises(ContextLimitError, match="context is 120"):
+    with pytest.raises(ContextLimitError, match=f"context is {ctx}"):
         chat.ask("x" * 200)
     assert chat.decoder.length == 0 and len(chat.images) == 1 and chat.turns == []
     "".join(chat.ask("short?"))
@@ -105,7 +115,8 @@ def test_over_long_prompt_is_refused_and_the_session_stays_usable(vlm):
 
 
 def test_conversation_growing_past_the_context_is_refused_without_damage(vlm):
-    chat = vlm.chat(sampling=SamplingParams(max_new_tokens=4), max_seq_len=90)
+    ctx = prompt_tokens(vlm, "a" * 30) + 40
+    chat = vlm.chat(sampling=SamplingParams(max_new_tokens=4), max_seq_len=ctx)
     "".join(chat.ask("a" * 30))
     length, turns = chat.decoder.length, len(chat.turns)
     cache = [k.clone() for k in chat.decoder.cache.k]
@@ -118,9 +129,10 @@ def test_conversation_growing_past_the_context_is_refused_without_damage(vlm):
 
 
 def test_answer_that_fills_the_context_stops_cleanly(vlm):
-    chat = vlm.chat(sampling=SamplingParams(max_new_tokens=500), max_seq_len=60)
+    ctx = prompt_tokens(vlm, "hi") + 20
+    chat = vlm.chat(sampling=SamplingParams(max_new_tokens=500), max_seq_len=ctx)
     "".join(chat.ask("hi"))
-    assert chat.stats.finish == "context" and chat.decoder.length == 60
+    assert chat.stats.finish == "context" and chat.decoder.length == ctx
 
 
 def test_unreadable_image_is_a_clear_error_and_changes_nothing(vlm, tmp_path):

@@ -24,23 +24,24 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32}
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-VARIANTS = {
-    "llama-gqa": ("llama", dict(num_key_value_heads=2)),
-    "llama3rope-mha": ("llama", dict(num_key_value_heads=4, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
-    "llama-headdim32": ("llama", dict(num_key_value_heads=2, head_dim=32)),
-    "qwen2-gqa-tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6)),
+VARIANTS = {  # name: (arch, seed, config fields); seeds chosen so fp16 greedy has no early near-tie
+    "llama-gqa": ("llama", 6, dict(num_key_value_heads=2)),
+    "llama3rope-mha": ("llama", 1, dict(num_key_value_heads=4, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
+    "llama-headdim32": ("llama", 3, dict(num_key_value_heads=2, head_dim=32)),
+    "qwen2-gqa-tied": ("qwen2", 2, dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6)),
 }
 N_NEW = 32
+NOISE16 = 0.04  # fp32 top-2 logit margin below which fp16 (logit error <= ~0.011 here) may flip
 
 
 @functools.cache
 def hf_model(variant: str) -> torch.nn.Module:
     """A random HF model in fp32. Every parameter is randomised (norm weights and biases too), so
     a swapped or dropped tensor in the mapping changes the output."""
-    arch, extra = VARIANTS[variant]
+    arch, seed, extra = VARIANTS[variant]
     cls_cfg, cls_model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
-    torch.manual_seed(sorted(VARIANTS).index(variant))
+    torch.manual_seed(seed)
     model = cls_model(cls_cfg(**COMMON, **extra)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -48,8 +49,8 @@ def hf_model(variant: str) -> torch.nn.Module:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.3 * torch.randn_like(p))
-            elif "embed" in name:
-                p.normal_(0.0, 1.0)
+            elif "embed" in name:  # small next to the layers' outputs, or tied models echo the input
+                p.normal_(0.0, 0.2)
             else:  # ~unit-gain linears keep the tiny model's logits well spread
                 p.normal_(0.0, p.shape[1] ** -0.5)
     return model
@@ -78,18 +79,19 @@ def prefill(model: TextModel, tokens: torch.Tensor, dtype: torch.dtype, **kw) ->
 
 
 @torch.no_grad()
-def greedy(model: TextModel, tokens: torch.Tensor, dtype: torch.dtype) -> tuple[list[int], list[float]]:
-    """Prefill (last row only), then decode one token at a time. Returns tokens and top-2 margins."""
+def greedy(model: TextModel, tokens: torch.Tensor, dtype: torch.dtype, force: list[int] | None = None
+           ) -> tuple[list[int], torch.Tensor]:
+    """Prefill (last row only), then decode one token at a time, feeding back the argmax (or the
+    tokens of `force`, teacher-forced). Returns the argmax tokens and the logits (N_NEW, V)."""
     cache = KVCache(model.cfg, max_seq_len=tokens.shape[1] + N_NEW, dtype=dtype)
     logits = model(model.embed(tokens), cache, 0, last_only=True)
-    out, margins, pos = [], [], tokens.shape[1]
-    for _ in range(N_NEW):
-        top = logits[0, -1].topk(2)
-        out.append(int(top.indices[0]))
-        margins.append(float(top.values[0] - top.values[1]))
-        logits = model(model.embed(top.indices[:1].view(1, 1)), cache, pos)
-        pos += 1
-    return out, margins
+    out, rows = [], []
+    for i in range(N_NEW):
+        rows.append(logits[0, -1])
+        out.append(int(logits[0, -1].argmax()))
+        nxt = out[-1] if force is None else force[i]
+        logits = model(model.embed(torch.tensor([[nxt]])), cache, tokens.shape[1] + i)
+    return out, torch.stack(rows)
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -107,6 +109,8 @@ def test_prefill_logits_match_hf(variant):
     out32 = prefill(ours(variant), tokens, torch.float32)
     out16 = prefill(ours(variant, torch.float16), tokens, torch.float16)
     assert out32.shape == out16.shape == (2, 17, COMMON["vocab_size"]) and out16.dtype == torch.float32
+    # fp32 is bitwise equal to HF on this CPU; the bound leaves room for other BLAS blockings of
+    # the fused wqkv / w13 matmuls. Measured fp16 errors: ours 0.8-1.7e-2, HF's own 1.0-1.7e-2.
     assert max_err(out32, ref) <= 1e-5 * ref.abs().max().item()
     hf16_err = max_err(hf16, ref)
     assert 0 < hf16_err < 0.1 * ref.abs().max().item()  # the fp16 baseline itself is sane
@@ -128,25 +132,34 @@ def test_greedy_decode_matches_hf_generate(variant):
     tokens = prompt()
     with torch.no_grad():
         ref = hf_model(variant).generate(tokens, max_new_tokens=N_NEW, do_sample=False)[0, tokens.shape[1]:]
-    assert ref.numel() == N_NEW
-    toks32, margins = greedy(ours(variant), tokens, torch.float32)
+    assert ref.numel() == N_NEW and len(set(ref.tolist())) >= 8  # a non-degenerate continuation
+    toks32, logits32 = greedy(ours(variant), tokens, torch.float32)
     assert toks32 == ref.tolist()
+    # fp16 may legitimately flip an argmax whose fp32 top-2 margin is within fp16 noise (measured
+    # logit error here <= ~0.011, so a flip needs a margin < 0.022); tiny random models have margins
+    # down to ~1e-4.
+    top2 = logits32.topk(2).values
+    clear = (top2[:, 0] - top2[:, 1] > NOISE16).tolist()
+    # Teacher-forced along the fp32 tokens, fp16 picks the same token at every clear step ...
+    forced16, logits16 = greedy(ours(variant, torch.float16), tokens, torch.float16, force=toks32)
+    assert max_err(logits16, logits32) < NOISE16 / 2
+    assert all(a == b for a, b, c in zip(forced16, toks32, clear) if c)
+    # ... and free-running fp16 gives identical tokens up to (and including) the first near-tie.
+    stable = clear.index(False) if False in clear else N_NEW - 1
+    assert stable >= 8, "this seed has an early near-tie; pick another"
     toks16, _ = greedy(ours(variant, torch.float16), tokens, torch.float16)
-    # fp16 may only flip an argmax whose fp32 margin is within fp16 noise; up to the first such
-    # step the tokens must agree (for these seeds every margin is clear, so all 32 must).
-    stable = next((i for i, m in enumerate(margins) if m < 0.05), N_NEW)
-    assert stable >= 16, f"seed gives a near-tie at step {stable}; pick another"
     assert toks16[:stable + 1] == toks32[:stable + 1]
 
 
 # -- (c) chunked prefill, RoPE positions ----------------------------------------------------------
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama3rope-mha", "qwen2-gqa-tied"])
 def test_chunked_prefill_equals_full(variant, dtype, tol):
     """5 + 7 + 1 tokens against the cache give the logits of one 13-token prefill.
 
-    Measured: fp32 differs by <= ~1e-6 (SDPA takes a masked path for chunks and the causal path
-    for the full prefill, which sum in different orders); fp64 agrees to ~1e-15.
+    Measured on CPU: fp32 differs by <= 2.6e-6 absolute (<= 7e-7 of the largest logit; SDPA sums
+    in another order on its masked path for chunks than on its causal path for the full prefill);
+    fp64 modules agree exactly (0.0). Bounds: 2e-6 and 1e-12 relative to the largest logit.
     """
     model, tokens = ours(variant, dtype), prompt()
     full = prefill(model, tokens, dtype)

@@ -7,6 +7,8 @@ tested by the same comparisons.
 
 import copy
 import re
+from collections import Counter
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -40,6 +42,24 @@ def siglip():
 def clip():
     cfg = transformers.CLIPVisionConfig(image_size=56, **TINY)
     return _randomize(transformers.CLIPVisionModel(cfg), 1)
+
+
+class CountingReads(Mapping):
+    """A lazy-checkpoint stand-in: counts reads per key (Mapping's own `in` reads too)."""
+
+    def __init__(self, sd: dict):
+        self.sd, self.reads = sd, Counter()
+
+    def __getitem__(self, key):
+        value = self.sd[key]
+        self.reads[key] += 1
+        return value
+
+    def __iter__(self):
+        return iter(self.sd)
+
+    def __len__(self):
+        return len(self.sd)
 
 
 def _hf_sd(model, prefixed: bool) -> dict:
@@ -128,8 +148,10 @@ def test_mapping_accounts_every_key_once(name, select_layer, prefixed, request):
     hf = request.getfixturevalue(name)
     hf_sd = _hf_sd(hf, prefixed)
     cfg = vision_config_from_hf(hf.config.to_dict(), select_layer=select_layer)
-    sd, used = vision_weights_from_hf(hf_sd, cfg)
+    counted = CountingReads(hf_sd)
+    sd, used = vision_weights_from_hf(counted, cfg)
     assert used == set(hf_sd)
+    assert max(counted.reads.values()) == 1 and set(counted.reads) <= used
     # Every kept HF element lands in exactly one output tensor: no duplicates, no omissions.
     drop = re.compile(r"(vision_model\.)?(post_layernorm|head|embeddings\.position_ids)")
     late = re.compile(r"(vision_model\.)?encoder\.layers\.(\d+)\.")

@@ -27,7 +27,7 @@ from .errors import ModelNotFoundError
 from .generate import Decoder, SamplingParams, generate
 from .image import preprocess
 from .loader import build_synthetic, load_model
-from .tokenizer import TEMPLATES, StreamDecoder, load_tokenizer, turn_ids
+from .tokenizer import TEMPLATES, StreamDecoder, load_tokenizer, stop_ids, turn_ids
 from .vlm import VLM
 
 DEMO_MODEL = "demo"              # built on first use: tiny, random weights, for the README demo
@@ -76,8 +76,7 @@ class Model:
         self.folder, self.model, self.tokenizer = folder, model, tokenizer
         self.cfg: VLMConfig = model.cfg
         self.template = TEMPLATES[self.cfg.template]
-        stops = [tokenizer.token_to_id(s) for s in self.template.stop_tokens]
-        self.stop_ids = frozenset(t for t in [*stops, *self.cfg.eos_ids] if t is not None)
+        self.stop_ids = frozenset([*stop_ids(tokenizer, self.template), *self.cfg.eos_ids])
 
     def chat(self, *, system: str | None = None, sampling: SamplingParams | None = None,
              sparsity: SparsityConfig | None = None, max_seq_len: int | None = None) -> "Chat":
@@ -186,7 +185,7 @@ class Chat:
         self.turns.append((question, n_images, answer))
         stream = StreamDecoder(self.vlm.tokenizer)
         try:
-            for token in generate(decoder, logits, sampling, self.vlm.stop_ids):
+            for token in generate(decoder, logits, sampling, self.vlm.stop_ids, self.vlm.tokenizer.vocab_size):
                 answer.append(token)
                 if token not in self.vlm.stop_ids:
                     yield stream.push(token)

@@ -94,17 +94,18 @@ class Decoder:
 
 
 def generate(decoder: Decoder, logits: torch.Tensor, params: SamplingParams,
-             stop_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[int]:
+             stop_ids: set[int] | frozenset[int] = frozenset(), vocab_size: int | None = None) -> Iterator[int]:
     """Yield new token ids, starting from the logits after the prompt.
 
     Stops after a stop id (which is yielded), after `max_new_tokens`, or when the cache is full.
     The last yielded token is never written to the cache: the caller feeds it with the next turn.
+    `vocab_size` limits sampling to ids the tokenizer knows (LLM embedding tables are often padded).
     """
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=logits.device).manual_seed(params.seed)
     for i in range(params.max_new_tokens):
-        token = sample(logits, params, generator)
+        token = sample(logits[:vocab_size], params, generator)
         yield token
         if token in stop_ids or i + 1 == params.max_new_tokens or decoder.length >= decoder.max_len:
             return

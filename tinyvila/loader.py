@@ -203,14 +203,24 @@ def _plan_shards(sd: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[st
     return shards
 
 
+def _unshared(part: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, no two tensors on one storage (safetensors refuses one tensor under two
+    names). Copies only where needed, so a 16 GB state dict is not doubled in memory."""
+    out, seen = {}, set()
+    for k, t in part.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        out[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
+
+
 def _write_weights(tmp: Path, sd: Mapping[str, torch.Tensor], max_bytes: int) -> None:
     shards = _plan_shards(sd, max_bytes)
     names = [WEIGHTS] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for fname, keys in zip(names, shards):
-        # clone: safetensors refuses views sharing storage (e.g. slices of one fused tensor).
-        part = {k: sd[k].detach().to("cpu").contiguous().clone() for k in keys}
-        save_file(part, str(tmp / fname), metadata={"format": "pt"})
+        save_file(_unshared({k: sd[k] for k in keys}), str(tmp / fname), metadata={"format": "pt"})
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in sd.values())
         index = {"metadata": {"total_size": total},
@@ -302,10 +312,12 @@ def _iter_ids(tok: dict) -> Iterator[int]:
 
 
 def synthetic_tokenizer(cfg: VLMConfig) -> dict:
-    """A byte-level tokenizer.json holding the template's special tokens; ids fit the vocab."""
+    """A byte-level tokenizer.json holding the template's special tokens (adding its BOS, as the
+    real tokenizer would); raises ValueError if its ids do not fit the config's vocab."""
     from .tokenizer import TEMPLATES, byte_tokenizer_json
 
-    tok = byte_tokenizer_json(TEMPLATES[cfg.template].special_tokens)
+    template = TEMPLATES[cfg.template]
+    tok = byte_tokenizer_json(list(template.special_tokens), bos=template.bos)
     top = max(_iter_ids(tok), default=-1)
     if top >= cfg.text.vocab_size:
         raise ValueError(f"byte tokenizer needs {top + 1} ids but the config's vocab_size is {cfg.text.vocab_size}")

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, (..., D) -> (..., D). Statistics in fp32 like HF LlamaRMSNorm."""
-    xf = x.float()
+    """RMSNorm over the last dim, (..., D) -> (..., D). Statistics in fp32 (or wider) like HF LlamaRMSNorm."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 

@@ -96,8 +96,9 @@ def projector_weights_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: ProjectorC
     for src, dst in _NAMES[cfg.kind].items():
         for p in ("weight", "bias"):
             key = f"{src}.{p}"
-            if key not in hf_sd:
-                raise KeyError(f"HF projector tensor {key!r} is missing from the checkpoint")
-            out[f"projector.{dst}.{p}"] = hf_sd[key]
+            try:  # one read per key: `in` on a lazy Mapping may read the tensor too
+                out[f"projector.{dst}.{p}"] = hf_sd[key]
+            except KeyError:
+                raise KeyError(f"HF projector tensor {key!r} is missing from the checkpoint") from None
             used.add(key)
     return out, used

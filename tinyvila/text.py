@@ -189,9 +189,9 @@ class TextModel(nn.Module):
         if last_only:
             h = h[:, -1:]
         h = self.norm(h)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         # Logits in the activation dtype like HF, then fp32 for sampling.
-        return F.linear(h, weight).float()
+        logits = F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
+        return logits.float()
 
     def _check_inputs(self, h: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor | None) -> None:
         """Validate everything before the first layer writes to the cache."""

@@ -198,10 +198,12 @@ def vision_weights_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: VisionConfig
 
     def take(name: str) -> torch.Tensor:
         key = pre + name
-        if key not in hf_sd:
-            raise KeyError(f"HF vision tensor {key!r} is missing from the checkpoint")
+        try:  # one read per key: `in` on a lazy Mapping may read the tensor too
+            t = hf_sd[key]
+        except KeyError:
+            raise KeyError(f"HF vision tensor {key!r} is missing from the checkpoint") from None
         used.add(key)
-        return hf_sd[key]
+        return t
 
     out = {"vision.patch_embed.weight": take("embeddings.patch_embedding.weight"),
            "vision.pos_embed": take("embeddings.position_embedding.weight")}
