@@ -89,7 +89,7 @@ def load(name_or_path: str | os.PathLike, *, device: str | torch.device = "cpu",
     """Load a checkpoint folder or a named model (see `resolve_model`)."""
     folder = resolve_model(name_or_path)
     model = load_model(folder, device=device, dtype=dtype)
-    return Model(folder, model, load_tokenizer(folder))
+    return Model(folder, model, load_tokenizer(folder / model.cfg.tokenizer))
 
 
 @dataclass
