@@ -1,0 +1,1 @@
+"""Per-kernel benchmark modules for scripts/bench_kernels.py: each exposes `run(args) -> list[dict]`."""

@@ -1,0 +1,101 @@
+"""Shared measurement helpers for the kernel benchmarks (CUDA only).
+
+Rules (CONVENTIONS.md): time with device events after warm-up, take medians, rotate inputs larger
+than L2 so a kernel is not timed on cache-resident data, report GB/s or TFLOP/s against measured
+ceilings, print a table then one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import torch
+
+L2_BYTES = 64 << 20  # larger than any current GPU's L2 (H200: 50 MB)
+
+
+def n_copies(bytes_per_set: int) -> int:
+    """How many input sets to rotate through so that together they exceed L2 (at least 2)."""
+    return max(2, -(-2 * L2_BYTES // max(bytes_per_set, 1)))
+
+
+def bench(fn, inputs: list, warmup: int = 10, iters: int = 50) -> float:
+    """Median milliseconds of fn(*inputs[i % len(inputs)]) timed with CUDA events, one per call."""
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        args = inputs[i % len(inputs)]
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+_CEILINGS: dict[str, float] = {}
+
+
+def copy_bandwidth_gbs() -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written), GB/s; cached per process."""
+    if "copy" not in _CEILINGS:
+        n = 1 << 30
+        src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+        dst = torch.empty_like(src)
+        ms = bench(lambda: dst.copy_(src), [()], warmup=5, iters=30)
+        _CEILINGS["copy"] = 2 * n / ms / 1e6
+        del src, dst
+    return _CEILINGS["copy"]
+
+
+def matmul_tflops(dtype=torch.float16) -> float:
+    """Measured dense matmul ceiling (8192^3 through torch.matmul), TFLOP/s; cached per process."""
+    key = f"mm_{dtype}"
+    if key not in _CEILINGS:
+        n = 8192
+        a = torch.randn(n, n, device="cuda", dtype=dtype)
+        b = torch.randn(n, n, device="cuda", dtype=dtype)
+        ms = bench(lambda: a @ b, [()], warmup=5, iters=20)
+        _CEILINGS[key] = 2 * n**3 / ms / 1e9
+    return _CEILINGS[key]
+
+
+def environment() -> dict:
+    """GPU, versions and commit, for the JSON line."""
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "commit": commit or "unknown"}
+
+
+def print_table(rows: list[dict]) -> None:
+    """Rows (dicts with the same keys) as an aligned text table."""
+    if not rows:
+        return
+    keys = list(rows[0])
+    cells = [[k for k in keys]] + [[_fmt(r.get(k)) for k in keys] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def emit(name: str, rows: list[dict]) -> None:
+    """The table, then one JSON line with the environment."""
+    print(f"\n== {name} ==")
+    print_table(rows)
+    print(json.dumps({"bench": name, **environment(), "rows": rows}))
