@@ -183,7 +183,7 @@ class Chat:
         self.last_logits, self.images, self.pending = logits, [], []
         answer: list[int] = []
         self.turns.append((question, n_images, answer))
-        stream = StreamDecoder(self.vlm.tokenizer)
+        stream = StreamDecoder(self.vlm.tokenizer, skip_special_tokens=True)
         try:
             for token in generate(decoder, logits, sampling, self.vlm.stop_ids, self.vlm.tokenizer.vocab_size):
                 answer.append(token)

@@ -20,6 +20,9 @@ from .errors import TinyVilaError
 from .generate import SamplingParams
 
 HELP = "commands: /image PATH  /clear  /stats  /quit   (Ctrl-D quits, Ctrl-C stops an answer)"
+# C0 control characters other than tab and newline (and DEL) are not printed: a model's output must
+# not be able to drive the terminal (escape sequences, bells).
+_CONTROL = {c: None for c in [*range(0, 9), *range(11, 32), 127]}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,7 +47,7 @@ def answer(chat: Chat, question: str, show_stats: bool) -> None:
     """Stream one answer to stdout; Ctrl-C stops it and keeps the conversation usable."""
     try:
         for piece in chat.ask(question):
-            print(piece, end="", flush=True)
+            print(piece.translate(_CONTROL), end="", flush=True)
     except KeyboardInterrupt:
         print(" [stopped]", end="")
     print()
