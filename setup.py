@@ -32,6 +32,7 @@ setup(
             "tokenizers>=0.20",      # oracle for the BPE tokenizer
             "protobuf>=4",           # transformers' slow sentencepiece tokenizer
             "gguf>=0.10",            # reads the real SmolLM2 tokenizer from its GGUF
+            "flash-colreduce>=0.2.2",  # the public SparseVILA salience kernel: oracle and bench peer
         ],
     },
 )

@@ -1,7 +1,8 @@
 """Build tinyvila checkpoints (docs/checkpoint_format.md).
 
     python scripts/quantize.py import-vila SRC DST [--dtype bfloat16] [--max-seq-len 4096] [--template llama_3]
-    python scripts/quantize.py synthetic --preset tiny-siglip-llama DST [--seed 0]
+    python scripts/quantize.py synthetic --preset tiny-siglip-llama DST [--seed 0] [--quant w4a16 --group-size 128]
+    python scripts/quantize.py smoothquant-vision SRC DST [--alpha 0.5] [--calib DIR]   # W8A8 vision checkpoint
 
 `import-vila` converts an fp16/bf16 VILA folder (`config.json`, `llm/`, `vision_tower/`, `mm_projector/`)
 into the runtime layout without quantizing, and fails if any HF tensor is left unused or used twice.
@@ -28,6 +29,11 @@ from tinyvila.loader import build_synthetic, save_checkpoint
 from tinyvila.projector import projector_config_from_hf, projector_weights_from_hf
 from tinyvila.text import text_config_from_hf, text_weights_from_hf
 from tinyvila.vision import vision_config_from_hf, vision_weights_from_hf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules of the subcommands below
+import awq_quant  # noqa: E402
+import importers  # noqa: E402
+import smoothquant  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "float32")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -260,11 +266,16 @@ def _args_synthetic(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=DTYPES, help="storage dtype (default: the preset's)")
+    p.add_argument("--quant", choices=("none", "w4a16"), default="none",
+                   help="w4a16: the LLM linears as packed W4 (random dense weights, round-to-nearest)")
+    p.add_argument("--group-size", type=int, default=128, help="W4 group size: 32, 64 or 128")
     p.add_argument("--overwrite", action="store_true")
 
 
 def _run_synthetic(a: argparse.Namespace) -> Path:
     cfg = PRESETS[a.preset] if a.dtype is None else dataclasses.replace(PRESETS[a.preset], dtype=a.dtype)
+    if a.quant != "none":
+        cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, llm=a.quant, group_size=a.group_size))
     return build_synthetic(a.dst, cfg, a.seed, overwrite=a.overwrite)
 
 
@@ -272,6 +283,15 @@ def _run_synthetic(a: argparse.Namespace) -> Path:
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "import-vila": ("import an fp16/bf16 VILA folder without quantizing", _args_import_vila, _run_import_vila),
     "synthetic": ("random weights in a preset's shapes", _args_synthetic, _run_synthetic),
+    "awq": ("W4A16-quantize a dense checkpoint's LLM (AWQ search, or --method rtn)", awq_quant.args_awq,
+            awq_quant.run_awq),
+    "import-awq-v2": ("repack a VILA AWQ folder (llm-awq *-w4-g128-awq-v2.pt)", importers.args_awq_v2,
+                      importers.run_awq_v2),
+    "import-autoawq": ("repack an AutoAWQ GEMM model (safetensors)", importers.args_autoawq, importers.run_autoawq),
+    "import-gguf": ("dequantize a llama GGUF (e.g. SmolLM2) to a dense checkpoint", importers.args_gguf,
+                    importers.run_gguf),
+    "smoothquant-vision": ("W8A8-quantize a vision checkpoint with SmoothQuant calibration",
+                           smoothquant.args_smoothquant_vision, smoothquant.run_smoothquant_vision),
 }
 
 

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 from .config import SparsityConfig, VLMConfig
-from .errors import ModelNotFoundError
+from .errors import ContextLimitError, ModelNotFoundError
 from .generate import Decoder, SamplingParams, generate
+from .kv_cache import changed_range, turn_spans
 from .image import preprocess
 from .loader import build_synthetic, load_model
-from .tokenizer import TEMPLATES, StreamDecoder, load_tokenizer, stop_ids, turn_ids
+from .tokenizer import IMAGE_TOKEN, TEMPLATES, StreamDecoder, load_tokenizer, stop_ids, turn_ids
 from .vlm import VLM
 
 DEMO_MODEL = "demo"              # built on first use: tiny, random weights, for the README demo
@@ -79,9 +80,12 @@ class Model:
         self.stop_ids = frozenset([*stop_ids(tokenizer, self.template), *self.cfg.eos_ids])
 
     def chat(self, *, system: str | None = None, sampling: SamplingParams | None = None,
-             sparsity: SparsityConfig | None = None, max_seq_len: int | None = None) -> "Chat":
+             sparsity: SparsityConfig | None = None, max_seq_len: int | None = None,
+             mode: str = "chat") -> "Chat":
+        """mode "chat" keeps the Q&A history; "eval" evicts each round's question and answer and keeps
+        system + visual KV (SparseVILA's multi-turn protocol: every round is answered as if asked alone)."""
         return Chat(self, system=system, sampling=sampling or SamplingParams(),
-                    sparsity=sparsity or self.cfg.sparsity, max_seq_len=max_seq_len)
+                    sparsity=sparsity or self.cfg.sparsity, max_seq_len=max_seq_len, mode=mode)
 
 
 def load(name_or_path: str | os.PathLike, *, device: str | torch.device = "cpu",
@@ -103,6 +107,9 @@ class Stats:
     decode_tokens: int = 0
     context_tokens: int = 0         # tokens in the KV cache after the turn
     images: int = 0
+    visual_tokens: int = 0          # LLM tokens of this turn's images before prefill pruning
+    visual_kept: int = 0            # of those, kept (SparsityConfig.prefill_keep)
+    decode_rows: int = 0            # KV rows per head decode attended over at the turn's start (decode_keep < 1)
     finish: str = ""                # "stop" | "max_tokens" | "context" | "interrupted"
 
     @property
@@ -112,7 +119,10 @@ class Stats:
     def line(self) -> str:
         return (f"encode {self.encode_ms:.1f} ms | prefill {self.prefill_tokens} tok {self.prefill_ms:.1f} ms"
                 f" | decode {self.decode_tokens} tok {self.decode_tok_s:.1f} tok/s"
-                f" | context {self.context_tokens} tok | {self.finish}")
+                f" | context {self.context_tokens} tok"
+                + (f" | visual {self.visual_kept}/{self.visual_tokens} kept" if self.visual_tokens else "")
+                + (f" | decode over {self.decode_rows} KV rows" if self.decode_rows else "")
+                + f" | {self.finish}")
 
 
 def _sync(device: torch.device) -> None:
@@ -124,9 +134,10 @@ class Chat:
     """One multi-turn conversation with its own KV cache."""
 
     def __init__(self, vlm: Model, *, system: str | None, sampling: SamplingParams,
-                 sparsity: SparsityConfig, max_seq_len: int | None):
-        if sparsity.prefill_keep != 1.0 or sparsity.decode_keep != 1.0:
-            raise NotImplementedError("visual sparsity (prefill_keep/decode_keep < 1) is not built yet; use 1.0")
+                 sparsity: SparsityConfig, max_seq_len: int | None, mode: str = "chat"):
+        if mode not in ("chat", "eval"):
+            raise ValueError(f"mode must be 'chat' or 'eval', got {mode!r}")
+        self.mode = mode
         self.vlm, self.system, self.sampling, self.sparsity = vlm, system, sampling, sparsity
         self.decoder = Decoder(vlm.model.text, max_seq_len)
         self.stats = Stats()
@@ -139,6 +150,9 @@ class Chat:
         self.turns: list[tuple[str, int, list[int]]] = []  # (user text, n images, answer ids)
         self.pending: list[int] = []   # generated but not yet in the cache (the last answer token)
         self.images: list[torch.Tensor] = []  # encoded images waiting for the next question
+        self.image_index: list[torch.Tensor] = []  # (n, k) grid index of each kept token of those
+        self.documents: list[str] = []  # retrievable texts waiting for the next question
+        self._anchor: tuple[int, list[int]] | None = None  # eval mode: (cache slots, ids) kept per round
         self._encode_ms = 0.0
 
     def add_image(self, image) -> None:
@@ -150,7 +164,9 @@ class Chat:
         _sync(model.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            self.images.append(model.encode_images(pixels))  # (n, image_tokens, d)
+            emb, idx = model.encode_images(pixels, self.sparsity, with_index=True)  # (n, k, d), (n, k)
+        self.images.append(emb)
+        self.image_index.append(idx)
         _sync(model.device)
         self._encode_ms += 1000 * (time.perf_counter() - t0)
 
@@ -160,27 +176,104 @@ class Chat:
         Raises ContextLimitError before touching anything when the turn does not fit.
         """
         sampling = sampling or self.sampling
+        if self.mode == "eval" and self.turns:
+            return self._eval_round(question, sampling)
         images = torch.cat(self.images) if self.images else None
         n_images = 0 if images is None else images.shape[0]
         prev = self.turns[-1][2] if self.turns else None
-        ids = self.pending + turn_ids(self.vlm.tokenizer, self.vlm.template, question, n_images,
+        ids = self.pending + turn_ids(self.vlm.tokenizer, self.vlm.template, self._user_text(question), n_images,
                                       first=not self.turns, prev_answer_ids=prev, system=self.system)
+        layout = self._layout(ids, question, n_images, prev)
         model, decoder = self.vlm.model, self.decoder
-        decoder.check_room(model.n_embeds(ids) + 1)   # the prompt plus at least one answer token
-        return self._answer(question, ids, images, n_images, sampling)
+        per_image = None if images is None else images.shape[1]
+        decoder.check_room(model.n_embeds(ids, per_image) + 1)   # the prompt plus at least one answer token
+        positions = None
+        if images is not None and self.sparsity.prefill_positions == "original":
+            positions = model.positions(ids, torch.cat(self.image_index), decoder.position)
+        return self._answer(question, ids, images, n_images, sampling, positions, layout)
 
-    def _answer(self, question, ids, images, n_images, sampling) -> Iterator[str]:
+    # -- retrievable spans, decode sparsity, evaluation mode (SparseVILA decode) ---------------
+    def add_document(self, text: str) -> None:
+        """A text (e.g. a long document) that goes before the next question in the same user message,
+        marked retrievable: with decode_keep < 1 each question attends to its own subset of it."""
+        if self.mode == "eval" and self.turns:
+            raise ValueError("eval mode keeps the first round's images and documents; clear() to start over")
+        self.documents.append(text)
+
+    def _user_text(self, question: str, documents: list[str] | None = None) -> str:
+        docs = self.documents if documents is None else documents
+        return "\n\n".join([*docs, question])
+
+    def _layout(self, ids: list[int], question: str, n_images: int, prev) -> dict:
+        """Where this turn's retrievable document lies in `ids`, and (first turn) the eval anchor."""
+        tok, tmpl, first = self.vlm.tokenizer, self.vlm.template, not self.turns
+        doc = None
+        if self.documents:
+            without = self.pending + turn_ids(tok, tmpl, self._user_text(question, [""] * len(self.documents)),
+                                              n_images, first=first, prev_answer_ids=prev, system=self.system)
+            doc = changed_range(ids, without)
+        anchor = None
+        if first and self.mode == "eval":  # ids every round shares: up to the last retrievable span
+            sentinels = [i + 1 for i, t in enumerate(ids) if t == IMAGE_TOKEN]
+            anchor = max([*sentinels, doc[1] if doc else 0])
+            if not anchor:  # nothing retrievable: the prompt up to the question text
+                anchor, _ = changed_range(ids, turn_ids(tok, tmpl, self._user_text(""), n_images, True,
+                                                        system=self.system))
+        return {"doc": doc, "first": first, "anchor": anchor, "evict_to": None}
+
+    def _eval_round(self, question: str, sampling: SamplingParams) -> Iterator[str]:
+        """Eval mode after the first round: evict back to the anchor (system + visual KV) and ask the
+        question as the first turn would have, so the round equals a fresh session with only it."""
+        if self.images or self.documents:
+            raise ValueError("eval mode keeps the first round's images and documents; clear() to start over")
+        slots, prefix, docs, n_images = self._anchor
+        full = turn_ids(self.vlm.tokenizer, self.vlm.template, self._user_text(question, docs), n_images,
+                        first=True, system=self.system)
+        if full[:len(prefix)] != prefix:
+            raise ValueError("eval mode: this question changes the tokens of the kept prefix; "
+                             "start it with a space or newline, or use chat mode")
+        ids = full[len(prefix):]
+        if slots + len(ids) + 1 > self.decoder.max_len:
+            raise ContextLimitError(f"the round needs {slots + len(ids) + 1} tokens ({slots} kept + {len(ids)} "
+                                    f"new + 1) but the context is {self.decoder.max_len}; shorten the question")
+        layout = {"doc": None, "first": False, "anchor": None, "evict_to": slots}
+        return self._answer(question, ids, None, n_images, sampling, None, layout)
+
+    def _begin_turn(self, ids: list[int], images, layout: dict) -> bool:
+        """Record this prefill's spans; start retrieval scoring when decode_keep < 1. Returns whether
+        the turn decodes over a packed buffer."""
+        decoder = self.decoder
+        layout = layout or {"doc": None, "first": not self.turns, "anchor": None, "evict_to": None}
+        if layout["evict_to"] is not None:
+            decoder.truncate(layout["evict_to"])  # the last round's question and answer go
+            self.turns, self.pending = [], []
+        start, per_image = decoder.length, 0 if images is None else images.shape[1]
+        spans = turn_spans(ids, start, per_image, layout["doc"], first=layout["first"])
+        for kind, a, b in spans:
+            decoder.cache.add_span(kind, a, b, retrievable=kind in ("visual", "text"))
+        if layout["anchor"] is not None:
+            slots = start + layout["anchor"] + (per_image - 1) * ids[:layout["anchor"]].count(IMAGE_TOKEN)
+            self._anchor = (slots, ids[:layout["anchor"]], list(self.documents), images.shape[0] if images is not None else 0)
+        self.documents = []
+        retr_end = max([b for kind, a, b in spans if kind in ("visual", "text")], default=start)
+        return self.sparsity.decode_keep < 1.0 and decoder.cache.begin_scoring(retr_end) > 0
+
+    def _answer(self, question, ids, images, n_images, sampling, positions=None, layout=None) -> Iterator[str]:
         model, decoder = self.vlm.model, self.decoder
-        stats = Stats(encode_ms=self._encode_ms, images=n_images)
+        sparse = self._begin_turn(ids, images, layout)
+        stats = Stats(encode_ms=self._encode_ms, images=n_images, visual_tokens=n_images * model.cfg.image_tokens,
+                      visual_kept=0 if images is None else images.shape[0] * images.shape[1])
         self._encode_ms = 0.0
         start = decoder.length
         _sync(model.device)
         t0 = time.perf_counter()
-        logits = decoder.prefill(model.embed(ids, images))
+        logits = decoder.prefill(model.embed(ids, images), positions)
+        if sparse:  # this turn decodes over the top decode_keep of the scored retrievable tokens
+            stats.decode_rows = decoder.cache.pack(self.sparsity.decode_keep, decoder.length)
         _sync(model.device)
         t1 = time.perf_counter()
         stats.prefill_ms, stats.prefill_tokens = 1000 * (t1 - t0), decoder.length - start
-        self.last_logits, self.images, self.pending = logits, [], []
+        self.last_logits, self.images, self.image_index, self.pending = logits, [], [], []
         answer: list[int] = []
         self.turns.append((question, n_images, answer))
         stream = StreamDecoder(self.vlm.tokenizer, skip_special_tokens=True)
@@ -191,6 +284,9 @@ class Chat:
                     yield stream.push(token)
             yield stream.flush()
         finally:  # also when the caller stops reading early: the history stays consistent
+            decoder.cache.unpack()  # the full cache keeps every token for the next question
+            if decoder.length > start + stats.prefill_tokens:
+                decoder.cache.add_span("answer", start + stats.prefill_tokens, decoder.length)
             _sync(model.device)
             stats.decode_ms = 1000 * (time.perf_counter() - t1)
             stats.decode_tokens = len(answer)

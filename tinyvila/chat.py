@@ -11,6 +11,7 @@ terminal I/O; everything else goes through the Python API (tinyvila.api).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -40,6 +41,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int)
     p.add_argument("--max-seq-len", type=int, help="KV cache size (default: the model's context)")
     p.add_argument("--no-stats", action="store_true", help="do not print the stats line after answers")
+    p.add_argument("--prefill-keep", type=float, help="fraction of each image's visual tokens kept (SparseVILA "
+                   "prefill pruning; default: the checkpoint's, 1.0 = dense)")
+    p.add_argument("--prefill-method", choices=["sparsevila", "random", "visionzip"],
+                   help="how kept visual tokens are chosen (default sparsevila)")
+    p.add_argument("--prefill-positions", choices=["contiguous", "original"],
+                   help="RoPE positions of kept visual tokens (default contiguous)")
+    p.add_argument("--decode-keep", type=float, help="fraction of the cached visual tokens each question decodes "
+                   "over, chosen per question (SparseVILA retrieval; default: the checkpoint's, 1.0 = dense)")
+    p.add_argument("--eval-multiturn", action="store_true", help="evaluation mode: each question is answered "
+                   "against system + image only (the previous question and answer are evicted)")
     return p.parse_args(argv)
 
 
@@ -103,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                   "its answers are meaningless text.", file=sys.stderr)
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
-        chat = vlm.chat(system=args.system, sampling=sampling, max_seq_len=args.max_seq_len)
+        prefill = {k: v for k, v in (("prefill_keep", args.prefill_keep), ("prefill_method", args.prefill_method),
+                                     ("prefill_positions", args.prefill_positions),
+                                     ("decode_keep", args.decode_keep)) if v is not None}
+        sparsity = dataclasses.replace(vlm.cfg.sparsity, **prefill)
+        chat = vlm.chat(system=args.system, sampling=sampling, max_seq_len=args.max_seq_len, sparsity=sparsity,
+                        mode="eval" if args.eval_multiturn else "chat")
         for image in args.image:
             chat.add_image(image)
         if args.prompt is not None:

@@ -34,6 +34,8 @@ class VisionConfig:
     patch_bias: bool = True             # SigLIP's patch conv has a bias, CLIP's has none
     select_layer: int = -2              # hidden_states[select_layer]; 0 = embeddings
     select_feature: str = "cls_patch"   # "cls_patch" keeps every token, "patch" drops the CLS token
+    layer_scale: bool = False           # DINOv2: per-channel LayerScale (ls1, ls2) on both residual branches
+    post_norm: bool = False             # DINOv2: final LayerNorm on the selected features (HF last_hidden_state)
     # Preprocessing (from the checkpoint's preprocessor_config.json).
     image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
@@ -148,12 +150,24 @@ class SparsityConfig:
 
     prefill_keep: float = 1.0
     decode_keep: float = 1.0
+    # Prefill pruning (tinyvila/sparsity.py): how tokens are chosen ("sparsevila" = top salience,
+    # "random" = seeded uniform, "visionzip" = dominant + merged contextual tokens), which encoder
+    # layer's attention gives salience (index into the executed layers, -1 = the last), and the
+    # RoPE positions kept tokens take ("contiguous", or "original" with gaps where tokens were cut).
+    prefill_method: str = "sparsevila"
+    salience_layer: int = -1
+    prefill_positions: str = "contiguous"
+    seed: int = 0
 
     def __post_init__(self):
         for name in ("prefill_keep", "decode_keep"):
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
+        if self.prefill_method not in ("sparsevila", "random", "visionzip"):
+            raise ValueError(f"prefill_method must be sparsevila, random or visionzip, got {self.prefill_method!r}")
+        if self.prefill_positions not in ("contiguous", "original"):
+            raise ValueError(f"prefill_positions must be contiguous or original, got {self.prefill_positions!r}")
 
 
 @dataclass(frozen=True)

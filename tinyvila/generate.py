@@ -52,13 +52,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 class Decoder:
-    """Runs a `TextModel` over one conversation's KV cache. `length` = tokens in the cache."""
+    """Runs a `TextModel` over one conversation's KV cache. `length` = tokens in the cache;
+    `position` = the logical RoPE position of the next token, ahead of `length` once a prefill was
+    given explicit positions with gaps (pruned visual tokens that keep their original positions)."""
 
     def __init__(self, text_model, max_seq_len: int | None = None):
         self.model = text_model
         w = text_model.embed.weight
         self.cache = KVCache(text_model.cfg, max_seq_len=max_seq_len, dtype=w.dtype, device=w.device)
         self.length = 0
+        self.position = 0
+        self._explicit: list[tuple[int, torch.Tensor]] = []  # (first slot, positions) of such prefills
 
     @property
     def max_len(self) -> int:
@@ -73,11 +77,25 @@ class Decoder:
                 "start a new conversation (/clear), or load with a larger max_seq_len")
 
     @torch.inference_mode()
-    def prefill(self, h: torch.Tensor) -> torch.Tensor:
-        """Append (1, T, d) input embeddings; returns the logits (V,) after the last one."""
-        self.check_room(h.shape[1])
-        logits = self.model(h, self.cache, self.length, last_only=True)
-        self.length += h.shape[1]
+    def prefill(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Append (1, T, d) input embeddings; returns the logits (V,) after the last one.
+
+        positions (T,) long, increasing: their RoPE positions (default: the next T logical ones);
+        later tokens continue after the last of them."""
+        T = h.shape[1]
+        self.check_room(T)
+        explicit = positions is not None
+        if not explicit and self.position != self.length:
+            positions = torch.arange(self.position, self.position + T, device=h.device)
+        # Only pass positions when they differ from the slots, as models without the argument expect.
+        extra = {} if positions is None else {"positions": positions}
+        logits = self.model(h, self.cache, self.length, last_only=True, **extra)
+        if explicit:
+            self._explicit.append((self.length, positions.cpu()))
+            self.position = int(self._explicit[-1][1][-1]) + 1
+        else:
+            self.position += T
+        self.length += T
         return logits[0, -1]
 
     @torch.inference_mode()
@@ -90,7 +108,12 @@ class Decoder:
         """Forget everything past `length` (the entries are overwritten by later writes)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
-        self.length = length
+        self._explicit = [(s, p[:length - s]) for s, p in self._explicit if s < length]
+        self.cache.truncate(length)  # spans past it go; a packed decode buffer is dropped
+        self.length = self.position = length
+        if self._explicit:  # positions run on contiguously after the last explicit one
+            start, pos = self._explicit[-1]
+            self.position = int(pos[-1]) + 1 + length - (start + len(pos))
 
 
 def generate(decoder: Decoder, logits: torch.Tensor, params: SamplingParams,

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from .config import VLMConfig, preset
 from .errors import CheckpointError, ModelNotFoundError
+from .quant import quantize_w4
 from .vlm import VLM
 
 WEIGHTS = "model.safetensors"
@@ -63,11 +64,14 @@ def _meta_model(cfg: VLMConfig) -> VLM:
 def expected_tensors(cfg: VLMConfig, model: VLM | None = None) -> dict[str, Spec]:
     """Name -> (shape, dtype) of every tensor a checkpoint of `cfg` holds, read off `VLM(cfg)`.
 
-    Floating tensors are stored in `cfg.dtype`; others (packed integer weights) keep the module's dtype.
+    Floating tensors are stored in `cfg.dtype`; others (packed integer weights) keep the module's dtype,
+    and so do the tensors a module lists in `KEEP_DTYPE` (W4A16Linear's fp32 `zeros`).
     """
     model = _meta_model(cfg) if model is None else model
     dtype = getattr(torch, cfg.dtype)
-    return {k: (tuple(v.shape), dtype if v.is_floating_point() else v.dtype) for k, v in model.state_dict().items()}
+    keep = {f"{p}.{n}" if p else n for p, m in model.named_modules() for n in getattr(m, "KEEP_DTYPE", ())}
+    return {k: (tuple(v.shape), dtype if v.is_floating_point() and k not in keep else v.dtype)
+            for k, v in model.state_dict().items()}
 
 
 def _fmt(spec: Spec) -> str:
@@ -299,10 +303,22 @@ def _init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch
 def random_state_dict(cfg: VLMConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights of exactly the names, shapes and dtypes `load_model` expects for `cfg`.
 
-    Deterministic in `seed`; tensors are drawn in state-dict order on the CPU.
+    Deterministic in `seed`; tensors are drawn in state-dict order on the CPU. W4 linears (`X.qweight`,
+    `X.scales`, `X.zeros`) are a random dense weight quantized with `quantize_w4`, so their scales and
+    zero points are those a real quantizer would produce.
     """
     g = torch.Generator().manual_seed(seed)
-    return {name: _init_tensor(name, shape, dtype, g) for name, (shape, dtype) in expected_tensors(cfg).items()}
+    specs = expected_tensors(cfg)
+    sd = {}
+    for name, (shape, dtype) in specs.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "qweight":
+            dense = torch.randn(shape[0], shape[1] * 8, generator=g) * 0.02  # (N, K)
+            packed = quantize_w4(dense, cfg.quant.group_size, dtype=specs[f"{prefix}.scales"][1])
+            sd.update({f"{prefix}.{k}": v for k, v in packed.items()})
+        elif leaf not in ("scales", "zeros") or f"{prefix}.qweight" not in specs:
+            sd[name] = _init_tensor(name, shape, dtype, g)
+    return sd
 
 
 def _iter_ids(tok: dict) -> Iterator[int]:

@@ -77,3 +77,179 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 def attention_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = None,
+                     lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean attention each key receives over the first n_query rows (default all) and all heads:
+    q (B, H, T, Dh), k (B, H, N, Dh) -> (B, N) fp32. `lse` (B, H, n_query) fp32, the attention's own
+    natural-log row normaliser, saves the kernel one QK^T pass. Kernel on CUDA, reference elsewhere."""
+    if q.is_cuda:
+        from csrc_triton.prefill_salience import prefill_salience as kernel
+
+        return kernel(q, k, n_query=n_query, lse=lse)
+    from csrc_triton.prefill_salience import prefill_salience_ref
+
+    return prefill_salience_ref(q, k, n_query=n_query)
+
+
+GEMV_MAX_M = 8  # rows up to which the decode GEMV beats the tensor-core GEMM (it streams W once per row block)
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Linear with packed W4 weights (tinyvila/quant.py layout): (..., K) -> (..., N) in x's dtype.
+
+    On CUDA: the Triton GEMV for at most GEMV_MAX_M rows (decode), the GEMM otherwise (prefill).
+    Elsewhere: the reference, w = q * s + b in fp32 rounded to x's dtype, then an fp32 matmul.
+    """
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        from csrc_triton.w4a16_gemm import w4a16_gemm
+        from csrc_triton.w4a16_gemv import w4a16_gemv
+
+        kernel = w4a16_gemv if x2.shape[0] <= GEMV_MAX_M else w4a16_gemm
+        y = kernel(x2.contiguous(), qweight, scales, zeros, bias)
+    else:
+        from .quant import dequantize_w4
+
+        ct = torch.promote_types(x.dtype, torch.float32)  # fp32 math, or fp64 for a float64 model
+        y = x2.to(ct) @ dequantize_w4(qweight, scales, zeros, x.dtype).to(ct).T
+        y = (y if bias is None else y + bias.to(ct)).to(x.dtype)
+    return y.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+# -- SparseVILA decode: prefill attention with LSE, retrieval salience, packing, decode attention --
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal GQA attention of T new rows at positions q_start.. over k, v (B, Hkv, q_start+T, D),
+    also returning each row's natural-log log-sum-exp of its scaled logits: -> o (B, H, T, D),
+    lse (B, H, T) fp32. On CUDA (fp16/bf16) PyTorch's flash kernel, which returns the LSE; else a
+    reference in fp32 (or wider)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+        return _attention_lse_flash(q, k, v, q_start)
+    return _attention_lse_ref(q, k, v, q_start)
+
+
+def _attention_lse_ref(q, k, v, q_start):
+    B, H, T, D = q.shape
+    wide = torch.promote_types(q.dtype, torch.float32)
+    n_rep = H // k.shape[1]
+    kr = k.to(wide).repeat_interleave(n_rep, dim=1)  # (B, H, S, D)
+    s = (q.to(wide) @ kr.transpose(-1, -2)) * attention_scale(D)  # (B, H, T, S)
+    visible = torch.arange(k.shape[2], device=q.device)[None, :] <= torch.arange(q_start, q_start + T, device=q.device)[:, None]
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = s.logsumexp(-1)  # (B, H, T)
+    o = torch.exp(s - lse[..., None]) @ v.to(wide).repeat_interleave(n_rep, dim=1)
+    return o.to(q.dtype), lse.float()
+
+
+def _attention_lse_flash(q, k, v, q_start):
+    """Two flash calls merged by their LSEs: the cached prefix (no mask; GQA by folding each group's
+    query heads into the row dim, so cached K/V are never expanded) and the T new keys (square
+    causal, where top-left and bottom-right alignment agree)."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    n_rep = H // Hkv
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    k_new = k[:, :, q_start:].repeat_interleave(n_rep, dim=1)  # (B, H, T, D)
+    v_new = v[:, :, q_start:].repeat_interleave(n_rep, dim=1)
+    o2, lse2 = flash(q, k_new, v_new, 0.0, True)[:2]
+    if q_start == 0:
+        return o2, lse2
+    qf = q.reshape(B, Hkv, n_rep * T, D)  # (B, Hkv, n_rep*T, D): rows (head in group, t)
+    o1, lse1 = flash(qf, k[:, :, :q_start], v[:, :, :q_start], 0.0, False)[:2]
+    o1, lse1 = o1.view(B, H, T, D), lse1.view(B, H, T)
+    lse = torch.logaddexp(lse1, lse2)
+    o = o1 * torch.exp(lse1 - lse)[..., None] + o2 * torch.exp(lse2 - lse)[..., None]
+    return o.to(q.dtype), lse
+
+
+def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention mass each retrievable cached slot idx (N,) receives from the question rows q
+    (B, H, T, D) (post-RoPE) with their lse (B, H, T), summed per KV group -> (B, Hkv, N) fp32,
+    accumulated into `out` when given. Kernel on CUDA, reference elsewhere."""
+    if q.is_cuda:
+        from csrc_triton.retrieval_salience import retrieval_salience as kernel
+
+        return kernel(q, k, idx, lse, out=out)
+    from csrc_triton.retrieval_salience import retrieval_salience_ref
+
+    return retrieval_salience_ref(q, k, idx, lse, out=out)
+
+
+def kv_pack(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """dst[:, :, :L] = src gathered at slots idx (B, Hkv, L) along the sequence dim; returns dst."""
+    if src.is_cuda:
+        from csrc_triton.kv_pack import kv_pack as kernel
+
+        return kernel(src, idx, dst)
+    from csrc_triton.kv_pack import kv_pack_ref
+
+    return kv_pack_ref(src, idx, dst)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """One query per sequence: q (B, H, D) over slots 0..lengths[b]-1 of k, v (B, Hkv, L, D) -> (B, H, D).
+    `lengths` (B,) int32 lives on the device (graph-capturable). Split-K kernel on CUDA fp16/bf16."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from csrc_triton.decode_attention import decode_attention as kernel
+
+        return kernel(q, k, v, lengths)
+    from csrc_triton.decode_attention import decode_attention_ref
+
+    return decode_attention_ref(q, k, v, lengths)
+
+
+# -- W8A8 vision linears: per-token int8 activations x per-channel int8 weights (tinyvila/quant.py) --
+def _w8a8_kernels(x: torch.Tensor) -> bool:
+    """Triton kernels on CUDA; the references (same rounding, exact int32 sums) elsewhere."""
+    return x.is_cuda
+
+
+def quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) float -> (q (..., K) int8, scale (...,) fp32), symmetric per row, round half to even."""
+    if _w8a8_kernels(x):
+        from csrc_triton.quant_per_token import quant_per_token as kernel
+
+        return kernel(x)
+    from csrc_triton.quant_per_token import quant_per_token_ref
+
+    return quant_per_token_ref(x)
+
+
+def layer_norm_quant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm (fp32 math) fused with per-token int8 quantization: (..., K) -> (q, scale)."""
+    if _w8a8_kernels(x):
+        from csrc_triton.layer_norm_quant import layer_norm_quant as kernel
+
+        return kernel(x, weight, bias, eps)
+    from csrc_triton.layer_norm_quant import layer_norm_quant_ref
+
+    return layer_norm_quant_ref(x, weight, bias, eps)
+
+
+def gelu_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """GELU `kind` (as `gelu`) fused with per-token int8 quantization: (..., K) -> (q, scale)."""
+    if _w8a8_kernels(x):
+        from csrc_triton.gelu_quant import gelu_quant as kernel
+
+        return kernel(x, kind)
+    from csrc_triton.gelu_quant import gelu_quant_ref
+
+    return gelu_quant_ref(x, kind)
+
+
+def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor) -> torch.Tensor:
+    """int8 x (..., K) with scales (...,) times int8 weight (N, K) with fp32 scales (N,), + bias (N,)
+    -> (..., N) in bias's dtype. int32 accumulation, fp32 epilogue (csrc_triton/w8a8_gemm.py)."""
+    x2 = xq.reshape(-1, xq.shape[-1])  # (M, K)
+    s2 = x_scale.reshape(-1)  # (M,)
+    if _w8a8_kernels(xq):
+        from csrc_triton.w8a8_gemm import w8a8_gemm as kernel
+    else:
+        from csrc_triton.w8a8_gemm import w8a8_gemm_ref as kernel
+    y = kernel(x2, weight, s2, weight_scale, bias, out_dtype=bias.dtype)
+    return y.reshape(*xq.shape[:-1], weight.shape[0])

@@ -19,7 +19,13 @@ dequantization bit for bit. Cost: 6 bytes of metadata per group, 9.4% over the i
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+from torch import nn
+
+from . import ops
+from .config import QuantConfig
 
 W4_GROUP_SIZES = (32, 64, 128)
 
@@ -73,3 +79,163 @@ def quantize_w4(w: torch.Tensor, group_size: int = 128, dtype: torch.dtype | Non
     z = torch.clamp(torch.round(-wmin / sf), 0, 15)
     q = torch.clamp(torch.round(wg / sf[..., None]) + z[..., None], 0, 15)
     return {"qweight": pack_int4(q.view(N, K)), "scales": s, "zeros": (-z * sf).float()}
+
+
+class W4A16Linear(nn.Module):
+    """A Linear with packed W4 weights (the layout above): y = x @ dequant(W)^T + bias, via ops.w4a16_linear.
+
+    `qweight`, `scales`, `zeros` are buffers (not trained), `bias` a parameter when present; all load
+    with `load_state_dict(assign=True)` onto a meta-device build. `zeros` stays float32 whatever the
+    module is cast to (`_apply`), because the format's fp32 FMA needs it; `scales` follows the model dtype.
+    """
+
+    KEEP_DTYPE = ("zeros",)  # tensors a checkpoint stores in their own dtype, not config.dtype (loader)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = 128,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        super().__init__()
+        if group_size not in W4_GROUP_SIZES:
+            raise ValueError(f"group size {group_size} not supported; use one of {W4_GROUP_SIZES}")
+        if in_features % group_size:
+            raise ValueError(f"in_features={in_features} is not a multiple of the group size {group_size}")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        N, K, n_groups = out_features, in_features, in_features // group_size
+        self.register_buffer("qweight", torch.empty(N, K // 8, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.empty(N, n_groups, dtype=dtype, device=device))
+        self.register_buffer("zeros", torch.empty(N, n_groups, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.empty(N, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., K) -> (..., N)."""
+        return ops.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype=...) / .half() would round the fp32 zeros; move them by device only.
+        zeros = self._buffers.pop("zeros")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers["zeros"] = zeros
+        self._buffers["zeros"] = zeros.to(self.qweight.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+# The quantizable linears of each text.layers.{i} block; embeddings, lm_head and norms stay dense.
+LLM_LINEARS = ("attn.wqkv", "attn.wo", "mlp.w13", "mlp.w2")
+
+
+def swap_linears(model: nn.Module, quant: QuantConfig) -> list[str]:
+    """Replaces the LLM's quantizable nn.Linears (LLM_LINEARS of every text layer) with W4A16Linear of
+    the same shape, bias, dtype and device, in place. `model` is a VLM or a TextModel. Returns the
+    replaced names (relative to `model`). Only quant.llm == "w4a16" is a W4 format."""
+    if quant.llm != "w4a16":
+        raise ValueError(f"swap_linears: quant.llm is {quant.llm!r}; only 'w4a16' has packed linears")
+    text, prefix = (model.text, "text.") if hasattr(model, "text") else (model, "")
+    swapped = []
+    for i, block in enumerate(text.layers):
+        for path in LLM_LINEARS:
+            parent_name, attr = path.split(".")
+            parent = getattr(block, parent_name)
+            lin = getattr(parent, attr)
+            name = f"{prefix}layers.{i}.{path}"
+            if not isinstance(lin, nn.Linear):
+                raise TypeError(f"{name}: expected an nn.Linear to quantize, found {type(lin).__name__}")
+            if lin.in_features % quant.group_size:
+                raise ValueError(f"{name}: in_features {lin.in_features} is not a multiple of group size "
+                                 f"{quant.group_size}; choose a group size that divides it (32, 64 or 128)")
+            setattr(parent, attr, W4A16Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                              group_size=quant.group_size, dtype=lin.weight.dtype,
+                                              device=lin.weight.device))
+            swapped.append(name)
+    return swapped
+
+
+# == W8A8 (vision encoders): int8 weights per output channel x int8 activations per token ===========
+#
+#     weight        int8    (N, K)   q[n, k] = round_half_even(w[n, k] / s[n]), |q| <= 127
+#     weight_scale  float32 (N,)     s[n] = max(max_k |w[n, k]|, 1e-5) / 127
+#     bias          config dtype (N,)  (always present: a Linear without one stores zeros)
+#
+# Activations are quantized at run time per token (row) the same symmetric way, by the kernel that
+# produces them: ops.layer_norm_quant (before wqkv, fc1), ops.gelu_quant (before fc2),
+# ops.quant_per_token (before wo). y = (x_q @ q^T) * x_scale[:, None] * s[None, :] + bias, int32 sums.
+
+
+class QTensor(NamedTuple):
+    """Per-token int8 activations: `q` (..., K) int8, `scale` (...,) fp32; x ~= q * scale[..., None]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.q.float() * self.scale[..., None]).to(dtype)
+
+
+def quantize_w8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Dense (N, K) weight -> {"weight": int8 (N, K), "weight_scale": fp32 (N,)}, symmetric per output channel."""
+    wf = w.float()
+    s = wf.abs().amax(-1).clamp(min=1e-5) / 127
+    q = torch.round(wf / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return {"weight": q, "weight_scale": s}
+
+
+def dequantize_w8(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int8 (N, K) + fp32 (N,) -> dense (N, K) in `dtype`."""
+    return (weight.float() * weight_scale[:, None]).to(dtype)
+
+
+class W8A8Linear(nn.Module):
+    """A Linear with int8 weights (the layout above) and per-token int8 activations.
+
+    forward takes a float tensor (quantized per token here, through ops.quant_per_token) or a
+    `QTensor` from a fused producer (LayerNorm+quant, GELU+quant); output (..., N) in the bias dtype.
+    Buffers load with `load_state_dict(assign=True)` onto a meta-device build; `weight_scale` stays
+    float32 whatever the module is cast to (KEEP_DTYPE, `_apply`).
+    """
+
+    KEEP_DTYPE = ("weight_scale",)  # tensors a checkpoint stores in their own dtype (loader)
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype or torch.get_default_dtype(), device=device))
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> "W8A8Linear":
+        """Quantizes a dense nn.Linear (round to nearest, per output channel)."""
+        m = cls(lin.in_features, lin.out_features, dtype=lin.weight.dtype, device=lin.weight.device)
+        qw = quantize_w8(lin.weight.detach())
+        m.weight.copy_(qw["weight"])
+        m.weight_scale.copy_(qw["weight_scale"])
+        m.bias.copy_(lin.bias.detach() if lin.bias is not None else torch.zeros_like(m.bias))
+        return m
+
+    def forward(self, x: torch.Tensor | QTensor) -> torch.Tensor:
+        """(..., K) float or QTensor -> (..., N) in the bias dtype."""
+        if not isinstance(x, QTensor):
+            x = QTensor(*ops.quant_per_token(x))
+        return ops.w8a8_linear(x.q, x.scale, self.weight, self.weight_scale, self.bias)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype=...) / .half() would round the fp32 scales; move them by device only.
+        scale = self._buffers.pop("weight_scale")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers["weight_scale"] = scale
+        self._buffers["weight_scale"] = scale.to(self.weight.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"

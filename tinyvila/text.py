@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from tinyvila import ops
 from tinyvila.config import RopeScaling, TextConfig
-from tinyvila.errors import ContextLimitError
 
 
 # -- RoPE ----------------------------------------------------------------------------------------
@@ -57,40 +56,8 @@ def rope_cos_sin(cfg: TextConfig, positions: torch.Tensor, dtype: torch.dtype) -
 
 
 # -- KV cache ------------------------------------------------------------------------------------
-class KVCache:
-    """Preallocated keys and values: per layer `k[i]`, `v[i]` of shape (B, Hkv, max_seq_len, Dh).
-
-    Keys are stored rotated, at their cache slot. Every write is bounds-checked before anything is
-    written, so running past the declared context is an error, never a silent overwrite.
-    """
-
-    def __init__(self, cfg: TextConfig, batch: int = 1, max_seq_len: int | None = None,
-                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu"):
-        self.max_seq_len = cfg.max_seq_len if max_seq_len is None else max_seq_len
-        self.batch, self.dtype = batch, dtype
-        shape = (batch, cfg.n_kv_heads, self.max_seq_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-
-    def check(self, start: int, T: int) -> None:
-        """Raise ContextLimitError (a ValueError) unless slots start..start+T-1 exist."""
-        if start < 0 or T < 1:
-            raise ValueError(f"bad cache write: start {start}, {T} tokens")
-        if start + T > self.max_seq_len:
-            raise ContextLimitError(
-                f"KV cache overflow: writing {T} tokens at {start} needs {start + T} slots, "
-                f"max_seq_len is {self.max_seq_len}; declare a larger max_seq_len")
-
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, Hkv, T, Dh) at slots start..start+T-1 of `layer`.
-
-        Returns the views of slots 0..start+T-1, (B, Hkv, start+T, Dh), for attention.
-        """
-        end = start + k.shape[2]
-        self.check(start, k.shape[2])
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+# The cache (spans, retrieval scoring, packed decode) lives in kv_cache.py; re-exported here.
+from tinyvila.kv_cache import KVCache  # noqa: E402
 
 
 # -- modules -------------------------------------------------------------------------------------
@@ -125,8 +92,8 @@ class Attention(nn.Module):
         v = v.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
         # Keys are rotated before they are cached, so later packing never has to re-rotate.
         q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
-        k_all, v_all = cache.write(self.layer, start, k, v)  # (B, Hkv, start+T, D)
-        o = ops.attention(q, k_all, v_all, causal=True, q_start=start)  # (B, H, T, D)
+        # Writes k, v at their slots; dense, scored (SparseVILA question) or packed-decode attention.
+        o = cache.attend(self.layer, start, q, k, v)  # (B, H, T, D)
         return self.wo(o.transpose(1, 2).reshape(B, T, H * D))
 
 

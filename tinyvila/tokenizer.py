@@ -800,6 +800,14 @@ TEMPLATES: dict[str, Template] = {
         roles=("<|im_start|>user\n", "<|im_start|>assistant\n"), style="mpt", sep="<|im_end|>", sep2=None,
         stop_strings=("<|im_end|>",), special_tokens=("<|im_start|>", "<|im_end|>"), bos=None,
     ),
+    # ChatML as SmolLM2's embedded chat template writes it (newline after each <|im_end|>), with its
+    # default system prompt. The newline leads the roles so that `answer_end` stays one token.
+    "smollm2": Template(
+        name="smollm2",
+        system="<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face",
+        roles=("\n<|im_start|>user\n", "\n<|im_start|>assistant\n"), style="mpt", sep="<|im_end|>", sep2=None,
+        stop_strings=("<|im_end|>",), special_tokens=("<|im_start|>", "<|im_end|>"), bos=None,
+    ),
 }
 
 

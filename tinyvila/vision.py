@@ -2,8 +2,9 @@
 
 SigLIP: patch conv with bias, no CLS token, tanh-GELU. CLIP: CLS token, LayerNorm on the
 embeddings (`pre_norm`), quick-GELU, conv without bias. Only the layers up to the selected one
-(`VisionConfig.n_run_layers`) are built and run; no post-layernorm is ever applied, matching HF's
-`hidden_states[select_layer]`. Tensor names follow docs/checkpoint_format.md.
+(`VisionConfig.n_run_layers`) are built and run; the final LayerNorm only with `post_norm` (DINOv2),
+else HF's `hidden_states[select_layer]`. W8A8 (quant="w8a8"): int8 linears fed by fused kernels.
+Tensor names follow docs/checkpoint_format.md.
 Tested against transformers' SiglipVisionModel / CLIPVisionModel in tests/test_vision.py.
 """
 
@@ -17,6 +18,9 @@ from torch import nn
 
 from tinyvila import ops
 from tinyvila.config import VisionConfig
+from tinyvila.quant import QTensor, W8A8Linear
+
+VISION_QUANT = ("none", "w8a8")  # QuantConfig.vision values
 
 
 class LayerNorm(nn.LayerNorm):
@@ -26,14 +30,28 @@ class LayerNorm(nn.LayerNorm):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+class LayerNormQuant(LayerNorm):
+    """W8A8: LayerNorm fused with per-token int8 quantization; returns a QTensor for the next W8A8Linear."""
+
+    def forward(self, x: torch.Tensor) -> QTensor:
+        return QTensor(*ops.layer_norm_quant(x, self.weight, self.bias, self.eps))
+
+
+def _linear(quant: str):
+    """The Linear class of a vision quantization mode (same state-dict names either way)."""
+    if quant not in VISION_QUANT:
+        raise ValueError(f"unknown vision quantization {quant!r}; known: {', '.join(VISION_QUANT)}")
+    return W8A8Linear if quant == "w8a8" else nn.Linear
+
+
 class Attention(nn.Module):
     """Non-causal multi-head self-attention with q, k, v fused into one Linear."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, quant: str = "none"):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.wqkv = nn.Linear(cfg.dim, 3 * cfg.dim)
-        self.wo = nn.Linear(cfg.dim, cfg.dim)
+        self.wqkv = _linear(quant)(cfg.dim, 3 * cfg.dim)
+        self.wo = _linear(quant)(cfg.dim, cfg.dim)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, T, D) -> q, k, v each (B, H, T, Dh)."""
@@ -52,48 +70,60 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, quant: str = "none"):
         super().__init__()
-        self.act = cfg.act
-        self.fc1 = nn.Linear(cfg.dim, cfg.mlp_dim)
-        self.fc2 = nn.Linear(cfg.mlp_dim, cfg.dim)
+        self.act, self.quant_act = cfg.act, quant == "w8a8"
+        self.fc1 = _linear(quant)(cfg.dim, cfg.mlp_dim)
+        self.fc2 = _linear(quant)(cfg.mlp_dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(ops.gelu(self.fc1(x), self.act))
+    def forward(self, x: torch.Tensor | QTensor) -> torch.Tensor:
+        h = self.fc1(x)
+        # W8A8: GELU fused with the per-token quantization that fc2 needs.
+        h = QTensor(*ops.gelu_quant(h, self.act)) if self.quant_act else ops.gelu(h, self.act)
+        return self.fc2(h)
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(norm1(x)), then + mlp(norm2(x))."""
+    """Pre-LN transformer block: x + attn(norm1(x)) [* ls1], then + mlp(norm2(x)) [* ls2] (LayerScale)."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, quant: str = "none"):
         super().__init__()
-        self.norm1 = LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.norm2 = LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        Norm = LayerNormQuant if quant == "w8a8" else LayerNorm  # W8A8: the norms emit int8 directly
+        self.norm1 = Norm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, quant)
+        self.norm2 = Norm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg, quant)
+        self.ls1 = nn.Parameter(torch.empty(cfg.dim)) if cfg.layer_scale else None
+        self.ls2 = nn.Parameter(torch.empty(cfg.dim)) if cfg.layer_scale else None
 
     def forward(self, x: torch.Tensor, return_qk: bool = False):
         """(B, T, D) -> (B, T, D); with `return_qk` also this layer's (q, k), each (B, H, T, Dh)."""
         a = self.attn(self.norm1(x), return_qk=return_qk)
         a, qk = a if return_qk else (a, None)
-        x = x + a
-        x = x + self.mlp(self.norm2(x))
+        x = x + (a if self.ls1 is None else a * self.ls1)
+        m = self.mlp(self.norm2(x))
+        x = x + (m if self.ls2 is None else m * self.ls2)
         return (x, qk) if return_qk else x
 
 
 class VisionEncoder(nn.Module):
-    """ViT truncated at `cfg.select_layer`: pixels (B, C, S, S) -> features (B, n_out_tokens, D)."""
+    """ViT truncated at `cfg.select_layer`: pixels (B, C, S, S) -> features (B, n_out_tokens, D).
 
-    def __init__(self, cfg: VisionConfig):
+    `quant` "w8a8" builds W8A8Linear q/k/v, o, fc1, fc2 fed by fused LayerNorm/GELU+quant kernels
+    (attention, embeddings and norms' parameters stay in the float dtype).
+    """
+
+    def __init__(self, cfg: VisionConfig, quant: str = "none"):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.quant = cfg, quant
         D, P = cfg.dim, cfg.patch_size
         self.patch_embed = nn.Conv2d(cfg.n_channels, D, P, stride=P, bias=cfg.patch_bias)
         self.cls_token = nn.Parameter(torch.empty(D)) if cfg.cls_token else None
         self.pos_embed = nn.Parameter(torch.empty(cfg.n_tokens, D))
         self.pre_norm = LayerNorm(D, eps=cfg.norm_eps) if cfg.pre_norm else None
         # Layers past the selected one never influence the output, so they are not even built.
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_run_layers))
+        self.layers = nn.ModuleList(Block(cfg, quant) for _ in range(cfg.n_run_layers))
+        self.post_norm = LayerNorm(D, eps=cfg.norm_eps) if cfg.post_norm else None
 
     def embed(self, pixels: torch.Tensor) -> torch.Tensor:
         """(B, C, S, S) -> (B, T, D) = hidden_states[0]: patches (+ CLS first) + positions (+ pre_norm)."""
@@ -122,6 +152,7 @@ class VisionEncoder(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         x, _ = self.run_layers(self.embed(pixels))
+        x = x if self.post_norm is None else self.post_norm(x)
         return self.select(x)
 
 

@@ -4,6 +4,8 @@
 that join them: `encode_images` (pixels -> LLM-width image embeddings) and `embed` (a prompt's token
 ids, with `IMAGE_TOKEN` sentinels, -> input embeddings with each image's tokens spliced in at its
 sentinel, as VILA's `tokenizer_image_token` + `prepare_inputs_labels_for_multimodal` do).
+With `SparsityConfig.prefill_keep` < 1, `encode_images` prunes each image's tokens before the projector
+MLP (tinyvila/sparsity.py) and `positions` gives the kept tokens their original RoPE positions.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import VLMConfig
+from . import sparsity as sparse
+from .config import SparsityConfig, VLMConfig
 from .projector import Projector
+from .quant import swap_linears
 from .text import TextModel
 from .tokenizer import IMAGE_TOKEN  # VILA's IMAGE_TOKEN_INDEX (-200): one sentinel per image
 from .vision import VisionEncoder
@@ -22,9 +26,11 @@ class VLM(nn.Module):
     def __init__(self, cfg: VLMConfig):
         super().__init__()
         self.cfg = cfg
-        self.vision = VisionEncoder(cfg.vision) if cfg.vision is not None else None
+        self.vision = VisionEncoder(cfg.vision, cfg.quant.vision) if cfg.vision is not None else None
         self.projector = Projector(cfg.projector, cfg.vision) if cfg.projector is not None else None
         self.text = TextModel(cfg.text)
+        if cfg.quant.llm == "w4a16":  # packed W4 LLM linears, stored as such in the checkpoint
+            swap_linears(self.text, cfg.quant)
 
     @property
     def device(self) -> torch.device:
@@ -34,12 +40,20 @@ class VLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.text.embed.weight.dtype
 
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """(N, C, S, S) preprocessed images -> (N, image_tokens, d) LLM-width embeddings."""
+    def encode_images(self, pixels: torch.Tensor, sparsity: SparsityConfig | None = None,
+                      with_index: bool = False):
+        """(N, C, S, S) preprocessed images -> (N, k, d) LLM-width embeddings, k = image_tokens, or
+        fewer when `sparsity.prefill_keep` < 1 (tinyvila/sparsity.py; 1.0 is exactly the dense path).
+        `with_index` also returns (N, k) long: each kept token's index in the image's token grid."""
         if self.vision is None:
             raise ValueError(f"this checkpoint ({self.cfg.text.arch}, text only) has no vision encoder")
-        feats = self.vision(pixels.to(self.device, self.dtype))  # (N, n_out_tokens, D)
-        return self.projector(feats)  # (N, image_tokens, d)
+        pixels = pixels.to(self.device, self.dtype)
+        if sparsity is not None and sparsity.prefill_keep < 1.0:
+            out, idx = sparse.prune(self.vision, self.projector, pixels, sparsity)
+        else:
+            out = self.projector(self.vision(pixels))  # (N, image_tokens, d)
+            idx = torch.arange(out.shape[1], device=out.device).expand(out.shape[0], -1)
+        return (out, idx) if with_index else out
 
     def embed(self, ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids with IMAGE_TOKEN sentinels -> (1, T, d) input embeddings.
@@ -63,7 +77,24 @@ class VLM(nn.Module):
         pieces.append(h[prev:])
         return torch.cat(pieces)[None]  # (1, T, d)
 
-    def n_embeds(self, ids: list[int]) -> int:
-        """Sequence length `embed` will produce for these ids (checked before any work is done)."""
+    def n_embeds(self, ids: list[int], tokens_per_image: int | None = None) -> int:
+        """Sequence length `embed` will produce for these ids (checked before any work is done);
+        tokens_per_image: what each image holds after pruning (default image_tokens)."""
         n_img = sum(t == IMAGE_TOKEN for t in ids)
-        return len(ids) - n_img + n_img * self.cfg.image_tokens
+        per_image = self.cfg.image_tokens if tokens_per_image is None else tokens_per_image
+        return len(ids) - n_img + n_img * per_image
+
+    def positions(self, ids: list[int], index: torch.Tensor, start: int) -> torch.Tensor:
+        """RoPE positions (T,) long of `embed(ids, images)` when kept image tokens keep their original
+        positions: text tokens count one each, image i spans image_tokens positions and its kept
+        tokens sit at their grid index `index[i]` (n_sentinels, k) inside that span."""
+        pos, p, i = [], start, 0
+        index = index.tolist()
+        for t in ids:
+            if t == IMAGE_TOKEN:
+                pos += [p + j for j in index[i]]
+                p, i = p + self.cfg.image_tokens, i + 1
+            else:
+                pos.append(p)
+                p += 1
+        return torch.tensor(pos, device=self.device)  # (T,)

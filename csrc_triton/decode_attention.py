@@ -1,0 +1,180 @@
+"""Decoding attention: one query token per sequence over a (packed) KV buffer, GQA, split-K.
+
+    o[b, h] = softmax(scale * q[b, h] . K[b, g]ᵀ over slots 0..lengths[b]-1) @ V[b, g],  g = h // n_rep
+
+q (B, H, D), k/v (B, Hkv, L_max, D) fp16/bf16 with unit stride along D, lengths (B,) int32 on the
+device (read by the kernel, so a CUDA graph can replay the step as the length grows; 1 <= length <=
+L_max is checked only by `decode_attention_ref`). Flash-decoding: program (b, g, s) handles split s of
+the keys for all n_rep query heads of KV head g (K/V are read once per group), keeping an online
+max/sum in fp32, and writes an fp32 partial output with its log-sum-exp; a second kernel merges the
+splits. Split boundaries come from the device length, so the grid is fixed at launch. D <= 256.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr,
+    sqb, sqh, skb, skh, skl, svb, svh, svl, sob, soh, sos, slb, slh,
+    scale_log2, HKV, N_REP: tl.constexpr, D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, N_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    bg = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bg // HKV
+    g = bg % HKV
+    length = tl.load(len_ptr + b)
+    # Split s covers whole BLOCK_N tiles [start, end) of the valid keys.
+    tiles = tl.cdiv(length, BLOCK_N)
+    per_split = tl.cdiv(tiles, N_SPLITS)
+    start = split * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, length)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < N_REP
+    d_ok = offs_d < D
+    heads = g * N_REP + offs_h
+    # Rows past N_REP are padding so tl.dot sees M >= 16; they load zeros and are never stored.
+    q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_H, BLOCK_D)
+    if UPCAST:  # the CPU interpreter multiplies bf16 wrongly; it runs the dots in fp32 instead
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    k_base = k_ptr + b * skb + g * skh
+    v_base = v_ptr + b * svb + g * svh
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + offs_n
+        n_ok = n < end
+        kt = tl.load(k_base + n[None, :] * skl + offs_d[:, None],
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt) * scale_log2  # (BLOCK_H, BLOCK_N), in log2 units
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + n[:, None] * svl + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # An empty split (start >= length) leaves l_i = 0: it stores lse = -inf and o = 0.
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+    out_ok = h_ok[:, None] & d_ok[None, :]
+    tl.store(o_ptr + b * sob + heads[:, None] * soh + split * sos + offs_d[None, :], o, mask=out_ok)
+    tl.store(lse_ptr + b * slb + heads * slh + split, lse, mask=h_ok)
+
+
+@triton.jit
+def _decode_attention_reduce_kernel(
+    o_part_ptr, lse_ptr, out_ptr, sob, soh, sos, slb, slh, s_outb, s_outh, H,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < N_SPLITS
+    lse = tl.load(lse_ptr + b * slb + h * slh + offs_s, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
+    m = tl.max(lse, axis=0)  # finite: split 0 always holds keys (length >= 1)
+    w = tl.exp2(lse - m)
+    w = w / tl.sum(w, axis=0)
+    o = tl.load(o_part_ptr + b * sob + h * soh + offs_s[:, None] * sos + offs_d[None, :],
+                mask=s_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (BLOCK_S, BLOCK_D)
+    o = tl.sum(o * w[:, None], axis=0)
+    tl.store(out_ptr + b * s_outb + h * s_outh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_splits(max_len: int, n_programs: int, device: torch.device) -> int:
+    """Splits so that B*Hkv*splits programs fill the GPU about twice, with >= 256 keys per split."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = max(1, -(-2 * sms // max(n_programs, 1)))
+    return int(min(want, max(1, -(-max_len // 256)), 128))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     scale: float | None = None, n_splits: int | None = None,
+                     block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, H, D) x k, v (B, Hkv, L_max, D), lengths (B,) int32 on q's device -> (B, H, D) in q's dtype.
+
+    `out` (like q) receives the result when given (a captured graph's fixed output buffer).
+    """
+    B, H, D = q.shape
+    Hkv, L_max = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or H % Hkv:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                         "must be (B, H, D), (B, Hkv, L, D) with H a multiple of Hkv")
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"decode_attention: q, k, v must share dtype float16/bfloat16, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if lengths.shape != (B,) or lengths.dtype != torch.int32 or lengths.device != q.device:
+        raise ValueError("decode_attention: lengths must be an int32 (B,) tensor on q's device")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or D > 256:
+        raise ValueError("decode_attention: the last dim must be contiguous and at most 256")
+    n_rep = H // Hkv
+    n_splits = n_splits or default_splits(L_max, B * Hkv, q.device)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    o_part = torch.empty(B, H, n_splits, D, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, H, n_splits, device=q.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"decode_attention: out must be {q.dtype} {tuple(q.shape)} with a contiguous last dim")
+    block_d = max(16, triton.next_power_of_2(D))
+    _decode_attention_kernel[(B * Hkv, n_splits)](
+        q, k, v, lengths, o_part, lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse.stride(0), lse.stride(1), scale * LOG2E, Hkv,
+        N_REP=n_rep, D=D, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n,
+        BLOCK_D=block_d, N_SPLITS=n_splits, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        num_warps=4, num_stages=2,
+    )
+    _decode_attention_reduce_kernel[(B * H,)](
+        o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), H,
+        D=D, BLOCK_D=block_d, N_SPLITS=n_splits, BLOCK_S=triton.next_power_of_2(n_splits), num_warps=4,
+    )
+    return out
+
+
+def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                         scale: float | None = None) -> torch.Tensor:
+    """Plain PyTorch: per sequence, SDPA of the one query over slots 0..length-1 (GQA expanded)."""
+    B, H, D = q.shape
+    n_rep = H // k.shape[1]
+    outs = []
+    for b, n in enumerate(lengths.tolist()):
+        if not 1 <= n <= k.shape[2]:
+            raise ValueError(f"decode_attention: length {n} outside 1..{k.shape[2]}")
+        kb = k[b, :, :n].repeat_interleave(n_rep, dim=0)  # (H, n, D)
+        vb = v[b, :, :n].repeat_interleave(n_rep, dim=0)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q[b, :, None], kb, vb, scale=scale)[:, 0])
+    return torch.stack(outs)  # (B, H, D)

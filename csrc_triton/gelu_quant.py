@@ -1,0 +1,67 @@
+"""GELU fused with per-token int8 quantization: the input of fc2 in W8A8 ViTs.
+
+Per row h (K,), in fp32: g = GELU(h) with KIND "gelu" (exact: 0.5 h (1 + erf(h / sqrt 2))),
+"gelu_tanh" (0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))) or "quick_gelu" (h * sigmoid(1.702 h));
+then quantized per token as quant_per_token's `_quant_rows` (scale = amax / 127, round half to even,
+clamp +-127). tanh is computed as 1 - 2 / (exp(2u) + 1) (no libdevice, which the interpreter lacks):
+within a few fp32 ulps of torch's tanh, so int8 values differ from the reference only at near-ties.
+h: (..., K) fp16/bf16/fp32 (fc1's output). Out: q (..., K) int8, scale (...,) fp32. Whole rows per program.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .quant_per_token import _launch_rows, _quant_rows, quantize_rows_ref
+
+KINDS = {"gelu": 0, "gelu_tanh": 1, "quick_gelu": 2}
+
+
+@triton.jit
+def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, K, stride_hm, stride_qm, KIND: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (offs[None, :] < K)  # (ROWS, BLOCK_K)
+    h = tl.load(h_ptr + rows[:, None] * stride_hm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    if KIND == 0:
+        g = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
+    elif KIND == 1:
+        u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
+        # tanh(u) = 1 - 2 / (exp(2u) + 1); |u| <= 20 already gives tanh = +-1 in fp32, and the clamp
+        # keeps exp finite.
+        t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.maximum(u, -20.0), 20.0)) + 1.0)
+        g = 0.5 * h * (1.0 + t)
+    else:
+        g = h / (1.0 + tl.exp(tl.minimum(-1.702 * h, 80.0)))  # exp(80) is finite in fp32
+    g = tl.where(mask, g, 0.0)
+    _quant_rows(g, mask, q_ptr + rows[:, None] * stride_qm + offs[None, :], scale_ptr + rows, rows < M)
+
+
+def gelu_quant(h: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (..., K) -> (q (..., K) int8, scale (...,) fp32) of GELU_kind(h)."""
+    if kind not in KINDS:
+        raise ValueError(f"gelu_quant: unknown activation {kind!r}; known: {', '.join(KINDS)}")
+    h2, q, scale, meta = _launch_rows(h, "gelu_quant")
+    M = h2.shape[0]
+    if M:
+        _gelu_quant_kernel[(triton.cdiv(M, meta["ROWS"]),)](h2, q, scale, M, h2.shape[1], h2.stride(0), q.stride(0),
+                                                            KIND=KINDS[kind], **meta)
+    return q.view(h.shape), scale.view(h.shape[:-1])
+
+
+def gelu_quant_ref(h: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch reference (the CPU path): GELU in fp32, then the shared quantizer."""
+    hf = h.float()
+    if kind == "gelu":
+        g = F.gelu(hf)
+    elif kind == "gelu_tanh":
+        g = F.gelu(hf, approximate="tanh")
+    elif kind == "quick_gelu":
+        g = hf * torch.sigmoid(1.702 * hf)
+    else:
+        raise ValueError(f"gelu_quant: unknown activation {kind!r}; known: {', '.join(KINDS)}")
+    return quantize_rows_ref(g)

@@ -1,0 +1,51 @@
+"""Shared inputs and tolerance check of the W4A16 kernel tests (test_w4a16_gemv.py, test_w4a16_gemm.py).
+
+Oracle: the exact product with the exact quantized weight, w = q * s + b in float64. The kernel's error
+against it must be at most 2x that of PyTorch at the kernel's precision (F.linear on the weight
+dequantized to x's dtype, what a dense fp16/bf16 checkpoint would compute) plus a floor of ~1 ulp of max|y|.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from tinyvila.quant import dequantize_w4, quantize_w4, unpack_int4
+
+FLOOR = {torch.float16: 1e-3, torch.bfloat16: 8e-3}  # relative to max|y|
+# Llama-3-8B layer shapes (K, N): fused qkv, o, fused gate/up, down.
+LLAMA3_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+
+
+def make(M: int, N: int, K: int, G: int, dtype: torch.dtype, seed: int, bias: bool = False,
+         device: str = "cpu") -> dict:
+    """Fresh random x (M, K) and a W4 weight quantized from a random dense (N, K); optional bias."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.05 + torch.rand(N, 1, generator=g) * 0.02  # uneven row offsets
+    packed = quantize_w4(w, G, dtype=dtype)
+    args = {"x": torch.randn(M, K, generator=g).to(dtype), **packed,
+            "bias": torch.randn(N, generator=g).to(dtype) if bias else None}
+    return {k: (v.to(device) if v is not None else None) for k, v in args.items()}
+
+
+def exact(a: dict) -> torch.Tensor:
+    """x @ (q * s + b)^T (+ bias) in float64: the value the quantized layer stands for."""
+    q = unpack_int4(a["qweight"]).double()
+    G = q.shape[1] // a["scales"].shape[1]
+    w = q * a["scales"].double().repeat_interleave(G, 1) + a["zeros"].double().repeat_interleave(G, 1)
+    y = a["x"].double() @ w.T
+    return y if a["bias"] is None else y + a["bias"].double()
+
+
+def assert_w4_close(y: torch.Tensor, a: dict) -> None:
+    x = a["x"]
+    assert y.shape == (x.shape[0], a["qweight"].shape[0]) and y.dtype == x.dtype
+    assert torch.isfinite(y).all(), "non-finite output (unwritten poisoned elements?)"
+    y64 = exact(a)
+    lowp = F.linear(x, dequantize_w4(a["qweight"], a["scales"], a["zeros"], x.dtype), a["bias"])
+    err = (y.double() - y64).abs().max().item()
+    err_torch = (lowp.double() - y64).abs().max().item()
+    bound = 2 * err_torch + FLOOR[x.dtype] * y64.abs().max().item()
+    assert err <= bound, f"max error {err:.3g} > bound {bound:.3g} (torch at {x.dtype}: {err_torch:.3g})"
+
+
+def poisoned(M: int, N: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.full((M, N), float("nan"), dtype=dtype, device=device)

@@ -1,0 +1,48 @@
+"""csrc_triton.gelu_quant against its reference for exact, tanh and quick GELU: int8 values equal
+except at rounding ties. On CPU under TRITON_INTERPRET=1; on CUDA also the so400m MLP width 4304."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from _quant_check import assert_int8_match  # noqa: E402
+from csrc_triton.gelu_quant import gelu_quant, gelu_quant_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(1, 96), (5, 123), (2 * 729, 40)] + ([(8 * 729, 4304), (257, 1536)] if DEVICE == "cuda" else [])
+KINDS = ["gelu", "gelu_tanh", "quick_gelu"]
+
+
+def gelu64(h, kind):
+    if kind == "gelu":
+        return torch.nn.functional.gelu(h)
+    if kind == "gelu_tanh":
+        return torch.nn.functional.gelu(h, approximate="tanh")
+    return h * torch.sigmoid(1.702 * h)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M,K", SHAPES)
+def test_matches_reference(M, K, dtype, kind):
+    g = torch.Generator().manual_seed(M + K)
+    h = (torch.randn(M, K, generator=g) * 2.5).to(DEVICE, dtype)
+    h[0, : min(K, 4)] = torch.tensor([-60.0, 30.0, -3.0, 0.0])[: min(K, 4)].to(dtype)  # saturating tails
+    q, s = gelu_quant(h, kind)
+    q_ref, s_ref = gelu_quant_ref(h, kind)
+    assert_int8_match(q, s, q_ref, s_ref, gelu64(h.double(), kind))
+
+
+def test_kinds_differ():
+    h = torch.randn(3, 64, device=DEVICE, dtype=torch.float16) * 2
+    outs = [gelu_quant(h, k)[0] for k in KINDS]
+    assert not torch.equal(outs[0], outs[2]) and not torch.equal(outs[1], outs[2])
+
+
+def test_bad_kind():
+    with pytest.raises(ValueError, match="unknown activation"):
+        gelu_quant(torch.ones(2, 4, device=DEVICE), "relu")

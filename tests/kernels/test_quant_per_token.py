@@ -1,0 +1,46 @@
+"""csrc_triton.quant_per_token against its reference: int8 values equal except at rounding ties.
+
+On CPU under TRITON_INTERPRET=1 (M=1, odd widths, M=729*2); on CUDA also so400m widths and 8 images.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from _quant_check import assert_int8_match  # noqa: E402
+from csrc_triton.quant_per_token import quant_per_token, quant_per_token_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(1, 40), (5, 217), (2 * 729, 48)] + ([(8 * 729, 1152), (729, 4304)] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,K", SHAPES)
+def test_matches_reference(M, K, dtype):
+    g = torch.Generator().manual_seed(M * K)
+    x = (torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 4).to(DEVICE, dtype)
+    x[:, 3 % K] *= 20  # an outlier channel, as real activations have
+    q, s = quant_per_token(x)
+    q_ref, s_ref = quant_per_token_ref(x)
+    assert_int8_match(q, s, q_ref, s_ref, x.double())
+    # Dequantized error is at most half a step (the tolerance of any symmetric int8 quantizer).
+    err = (q.double() * s.double()[:, None] - x.double()).abs()
+    assert (err <= s.double()[:, None] * 0.5 * (1 + 1e-5)).all()
+
+
+def test_leading_dims_and_zero_row():
+    x = torch.randn(2, 3, 24, device=DEVICE, dtype=torch.float16)
+    x[1, 2] = 0
+    q, s = quant_per_token(x)
+    assert q.shape == (2, 3, 24) and s.shape == (2, 3)
+    assert (q[1, 2] == 0).all() and s[1, 2].item() == pytest.approx(1e-5 / 127)
+    torch.testing.assert_close(q.cpu(), quant_per_token_ref(x)[0].cpu(), rtol=0, atol=1)
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="fp16"):
+        quant_per_token(torch.ones(2, 4, dtype=torch.int32, device=DEVICE))

@@ -1,0 +1,77 @@
+"""csrc_triton.retrieval_salience against its reference: odd lengths, GQA 1/4/7, chunked questions.
+
+On CPU the kernel runs under TRITON_INTERPRET=1 at small shapes; on CUDA also at Llama-3-8B shapes
+(32 query heads, 8 KV heads, D=128, a 64-token question over a 32K cache).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from csrc_triton.retrieval_salience import retrieval_salience, retrieval_salience_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make(B, H, Hkv, S, T, D, dtype, n_retr, seed=0):
+    """A question of T rows at the end of an S-slot cache, its LSE (right-aligned causal), and
+    n_retr retrievable slots drawn from before the question."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g).to(DEVICE, dtype)
+    k = (torch.randn(B, Hkv, S, D, generator=g) * 1.5).to(DEVICE, dtype)
+    idx = torch.randperm(S - T, generator=g)[:n_retr].sort().values.to(DEVICE, torch.int32)
+    logits = torch.einsum("bhtd,bhsd->bhts", q.double(), k.double().repeat_interleave(H // Hkv, 1)) / D**0.5
+    visible = torch.arange(S, device=DEVICE)[None, :] <= (S - T + torch.arange(T, device=DEVICE))[:, None]
+    lse = logits.masked_fill(~visible, float("-inf")).logsumexp(-1).float()  # (B, H, T)
+    return q, k, idx, lse
+
+
+def check(got, q, k, idx, lse):
+    exact = retrieval_salience_ref(q.double(), k.double(), idx, lse)
+    torch_err = (retrieval_salience_ref(q, k, idx, lse).double() - exact).abs().max().item()
+    err = (got.double() - exact).abs().max().item()
+    assert torch.isfinite(got).all()
+    assert err <= 2 * torch_err + 1e-5 * exact.abs().max().item() + 1e-6, (err, torch_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n_rep", [1, 4, 7])
+@pytest.mark.parametrize("S,T,n_retr", [(40, 1, 5), (300, 7, 123), (1200, 37, 1001)])
+def test_against_reference(dtype, n_rep, S, T, n_retr):
+    Hkv = 2
+    q, k, idx, lse = make(1, Hkv * n_rep, Hkv, S, T, 32, dtype, n_retr)
+    # The kernel accumulates into `out`: start from random values so an unwritten column fails.
+    prev = torch.rand(1, Hkv, n_retr, device=DEVICE) + 1
+    got = retrieval_salience(q, k, idx, lse, out=prev.clone()) - prev
+    check(got, q, k, idx, lse)
+
+
+def test_chunked_question_accumulates_to_the_whole():
+    q, k, idx, lse = make(2, 8, 2, 500, 21, 64, torch.float16, 217, seed=3)
+    whole = retrieval_salience(q, k, idx, lse)
+    acc = retrieval_salience(q[:, :, :8], k, idx, lse[:, :, :8])
+    retrieval_salience(q[:, :, 8:], k, idx, lse[:, :, 8:], out=acc)
+    torch.testing.assert_close(acc, whole, rtol=1e-5, atol=1e-6)
+    check(acc, q, k, idx, lse)
+
+
+def test_salience_mass():
+    """With every pre-question key retrievable, the mass is each row's attention outside the question."""
+    S, T = 129, 5
+    q, k, _, lse = make(1, 4, 1, S, T, 16, torch.float16, 1, seed=4)
+    # Make every key before the question retrievable: each row's mass on them is 1 - mass on the question.
+    idx = torch.arange(S - T, device=DEVICE, dtype=torch.int32)
+    got = retrieval_salience(q, k, idx, lse)
+    assert got.shape == (1, 1, S - T) and (got > 0).all()
+    check(got, q, k, idx, lse)
+    assert got.sum().item() < 4 * T
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need a GPU")
+def test_llama3_8b_shapes():
+    q, k, idx, lse = make(1, 32, 8, 32768 + 64, 64, 128, torch.float16, 30000)
+    check(retrieval_salience(q, k, idx, lse), q, k, idx, lse)

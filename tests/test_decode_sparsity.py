@@ -1,0 +1,187 @@
+"""SparseVILA decode sparsity in sessions: retrieval, packed decode, chat and evaluation modes.
+
+A tiny synthetic checkpoint in float64, so "the same computation" is exact to ~1e-15 and the
+comparisons are about bookkeeping (which slots, which positions, which buffers), not rounding.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tinyvila
+from tinyvila import ops
+from tinyvila.config import SparsityConfig
+from tinyvila.generate import Decoder, SamplingParams
+from tinyvila.kv_cache import KVCache
+from tinyvila.loader import build_synthetic
+from tinyvila.tokenizer import conversation_ids
+
+DEMO_IMAGE = Path(tinyvila.__file__).parent / "assets" / "demo.png"
+QUESTIONS = ["What is in the picture?", "Which colour dominates?", "Is there a roof?", "Count the windows."]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    build_synthetic(path, "tiny-siglip-llama", seed=0)
+    return tinyvila.load(path, dtype=torch.float64)
+
+
+def ask(chat, question, image=False):
+    if image:
+        chat.add_image(DEMO_IMAGE)
+    "".join(chat.ask(question))
+    return list(chat.turns[-1][2])
+
+
+def greedy(n=6):
+    return SamplingParams(max_new_tokens=n)
+
+
+def test_keep_one_is_the_dense_path_bit_for_bit(vlm):
+    dense = vlm.chat(sampling=greedy(8))
+    keep1 = vlm.chat(sampling=greedy(8), sparsity=SparsityConfig(decode_keep=1.0))
+    for k, q in enumerate(QUESTIONS[:2]):
+        assert ask(keep1, q, image=k == 0) == ask(dense, q, image=k == 0)
+        assert torch.equal(keep1.last_logits, dense.last_logits)
+        assert keep1.stats.decode_rows == 0 and keep1.decoder.cache.packed is None
+
+
+def test_packing_everything_matches_dense_decoding(vlm):
+    """A keep that rounds to all retrievable tokens goes through scoring, packing and the decode
+    kernel path, and must still give the dense tokens and logits."""
+    dense = vlm.chat(sampling=greedy(8))
+    packed = vlm.chat(sampling=greedy(8), sparsity=SparsityConfig(decode_keep=0.999))
+    assert ask(packed, QUESTIONS[0], image=True) == ask(dense, QUESTIONS[0], image=True)
+    assert packed.stats.decode_rows == packed.stats.prefill_tokens  # nothing dropped
+    assert ask(packed, QUESTIONS[1]) == ask(dense, QUESTIONS[1])
+
+
+class MaskedCache(KVCache):
+    """Dense decode that hides, per layer and KV head, every slot the sparse run did not pack."""
+
+    def __init__(self, *a, keep_idx, dropped_after, **kw):
+        super().__init__(*a, **kw)
+        self.keep_idx, self.dropped_after = keep_idx, dropped_after
+
+    def attend(self, layer, start, q, k, v):
+        k_all, v_all = self.write(layer, start, k, v)
+        if q.shape[2] > 1:
+            return ops.attention(q, k_all, v_all, causal=True, q_start=start)
+        S, (B, Hkv) = start + 1, k_all.shape[:2]
+        visible = torch.zeros(B, Hkv, S, dtype=torch.bool)
+        visible.scatter_(2, self.keep_idx[layer].long(), True)
+        visible[:, :, self.dropped_after:] = True  # tokens generated this turn
+        n_rep = q.shape[1] // Hkv
+        mask = visible.repeat_interleave(n_rep, dim=1)[:, :, None]  # (B, H, 1, S)
+        kr, vr = (t.repeat_interleave(n_rep, dim=1) for t in (k_all, v_all))
+        return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+
+
+def test_sparse_decode_equals_dense_attention_over_the_selected_slots(vlm):
+    """Logical RoPE positions, both buffers written, the per-head selection: decoding over the packed
+    buffer equals dense decoding that masks exactly the unselected retrievable slots."""
+    chat = vlm.chat(sampling=greedy(6), sparsity=SparsityConfig(decode_keep=0.25))
+    chat.add_image(DEMO_IMAGE)
+    ids_images = torch.cat(chat.images)
+    tokens = ask(chat, QUESTIONS[0])
+    cache = chat.decoder.cache
+    n_visual = sum(s.end - s.start for s in cache.spans if s.kind == "visual")
+    assert n_visual == vlm.cfg.image_tokens
+    prompt = chat.stats.prefill_tokens
+    assert chat.stats.decode_rows == prompt - n_visual + round(0.25 * n_visual)
+    keep_idx = cache._storage.idx
+    assert all((i >= 0).all() and (i < prompt).all() for i in keep_idx)
+    # Heads may select differently: the selection is per layer and KV head.
+    ref_cache = MaskedCache(vlm.cfg.text, dtype=torch.float64, keep_idx=keep_idx, dropped_after=prompt)
+    dec = Decoder(vlm.model.text)
+    dec.cache = ref_cache
+    ids = conversation_ids(vlm.tokenizer, vlm.template, [(QUESTIONS[0], 1, None)])
+    logits = dec.prefill(vlm.model.embed(ids, ids_images))
+    ref_tokens = []
+    for _ in range(6):
+        ref_tokens.append(int(logits[:vlm.tokenizer.vocab_size].argmax()))  # as generate() does
+        logits = dec.step(ref_tokens[-1])
+    assert tokens == ref_tokens
+    # The full cache got the answer's K/V at its logical slots too.
+    assert chat.decoder.length == prompt + 5 and cache.packed is None
+    torch.testing.assert_close(cache.k[1][:, :, :prompt + 5], ref_cache.k[1][:, :, :prompt + 5], rtol=0, atol=1e-12)
+
+
+def fresh_tokens(vlm, question, sparsity, n=6):
+    chat = vlm.chat(sampling=greedy(n), sparsity=sparsity)
+    return ask(chat, question, image=True)
+
+
+@pytest.mark.parametrize("keep", [1.0, 0.3])
+def test_eval_mode_rounds_equal_fresh_sessions(vlm, keep):
+    sp = SparsityConfig(decode_keep=keep)
+    chat = vlm.chat(sampling=greedy(6), sparsity=sp, mode="eval")
+    chat.add_image(DEMO_IMAGE)
+    for q in QUESTIONS[:3]:
+        assert ask(chat, q) == fresh_tokens(vlm, q, sp), q
+
+
+def test_chat_mode_keeps_history_and_the_visual_cache(vlm):
+    chat = vlm.chat(sampling=greedy(4), sparsity=SparsityConfig(decode_keep=0.5))
+    ask(chat, QUESTIONS[0], image=True)
+    first_len = chat.decoder.length
+    ask(chat, QUESTIONS[1])
+    kinds = [s.kind for s in chat.decoder.cache.spans]
+    assert kinds.count("answer") == 2 and kinds.count("visual") == 1
+    assert chat.decoder.length > first_len + 4
+    assert chat.decoder.cache.retrievable_slots().numel() == vlm.cfg.image_tokens
+
+
+def test_fifty_eval_rounds_leave_no_stale_state(vlm):
+    chat = vlm.chat(sampling=greedy(3), sparsity=SparsityConfig(decode_keep=0.4), mode="eval")
+    chat.add_image(DEMO_IMAGE)
+    ask(chat, "warm up")
+    anchor = chat._anchor[0]
+    n_spans = None
+    for r in range(50):
+        q = QUESTIONS[r % len(QUESTIONS)] + " " * (r % 3)
+        ask(chat, q)
+        cache = chat.decoder.cache
+        assert cache.packed is None and cache.scoring is None
+        assert len(chat.turns) == 1 and chat.turns[0][0] == q
+        # anchor + this question's prefill + its answer, nothing of earlier rounds
+        assert chat.decoder.length == anchor + chat.stats.prefill_tokens + chat.stats.decode_tokens - 1
+        assert all(s.start < chat.decoder.length for s in cache.spans)
+        n_spans = n_spans or len(cache.spans)
+        assert len(cache.spans) == n_spans
+        chat.decoder.truncate(anchor)  # what the next round does first
+        assert chat.decoder.length == anchor and max(s.end for s in cache.spans) == anchor
+    assert ask(chat, QUESTIONS[2]) == fresh_tokens(vlm, QUESTIONS[2], SparsityConfig(decode_keep=0.4), n=3)
+
+
+def test_document_span_is_retrievable_and_found_by_token_diff(vlm):
+    chat = vlm.chat(sampling=greedy(3), sparsity=SparsityConfig(decode_keep=0.2))
+    doc = "The secret code word is banana. " * 6
+    chat.add_document(doc)
+    ask(chat, "What is the code word?")
+    spans = [s for s in chat.decoder.cache.spans if s.retrievable]
+    assert len(spans) == 1 and spans[0].kind == "text"
+    n = spans[0].end - spans[0].start
+    assert n >= len(vlm.tokenizer.encode(doc, add_special_tokens=False)) - 2
+    assert chat.stats.decode_rows == chat.stats.prefill_tokens - n + round(0.2 * n)
+
+
+def test_bad_mode_and_late_media_in_eval_mode_are_clear_errors(vlm):
+    with pytest.raises(ValueError, match="mode"):
+        vlm.chat(mode="exam")
+    chat = vlm.chat(sampling=greedy(2), mode="eval")
+    ask(chat, "hi", image=True)
+    chat.add_image(DEMO_IMAGE)
+    with pytest.raises(ValueError, match="clear"):
+        chat.ask("again")
+
+
+def test_cli_flags_reach_the_session(vlm, capsys):
+    from tinyvila import chat as cli
+
+    rc = cli.main(["--model", str(vlm.folder), "--image", str(DEMO_IMAGE), "-p", "hi", "--decode-keep", "0.3",
+                   "--eval-multiturn", "--max-new-tokens", "3", "--dtype", "float32"])
+    assert rc == 0
+    assert "decode over" in capsys.readouterr().err

@@ -1,0 +1,127 @@
+"""W8A8 vision path on tiny synthetic SigLIP and CLIP encoders: W8A8Linear against the dequantized
+reference, the W8A8 encoder against fp32, SmoothQuant's exact folding, and vision checkpoints.
+
+Runs the CPU reference path of ops (the kernels are tested in tests/kernels/).
+"""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinyvila import ops
+from tinyvila.config import PRESETS
+from tinyvila.quant import QTensor, W8A8Linear, dequantize_w8, quantize_w8
+from tinyvila.vision import VisionEncoder
+from tinyvila.vision_checkpoint import load_vision, save_vision
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from smoothquant import collect_act_scales, smooth, w8a8_state_dict  # noqa: E402
+
+
+def dense_encoder(preset: str, seed: int = 0) -> VisionEncoder:
+    """A tiny fp32 encoder with random weights and a few outlier channels in the LayerNorm gains,
+    the activation pattern SmoothQuant targets."""
+    cfg = PRESETS[preset].vision
+    g = torch.Generator().manual_seed(seed)
+    enc = VisionEncoder(cfg)
+    with torch.no_grad():
+        for name, p in enc.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() > 1 else 0.05))
+            if "norm" in name and name.endswith("weight"):
+                p.add_(1.0)
+                p[:3] *= 12.0  # outlier channels
+    return enc.eval()
+
+
+def as_w8a8(enc: VisionEncoder, sd: dict) -> VisionEncoder:
+    with torch.device("meta"):
+        q = VisionEncoder(enc.cfg, "w8a8")
+    q.load_state_dict({k.removeprefix("vision."): v for k, v in sd.items()}, assign=True, strict=True)
+    return q.eval()
+
+
+def cls_cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.flatten(1).double(), b.flatten(1).double(), dim=-1).min().item()
+
+
+def test_quantize_w8_roundtrip():
+    w = torch.randn(37, 53) * torch.rand(37, 1)
+    qw = quantize_w8(w)
+    assert qw["weight"].dtype == torch.int8 and qw["weight_scale"].dtype == torch.float32
+    assert qw["weight"].abs().max() == 127
+    err = (dequantize_w8(qw["weight"], qw["weight_scale"]) - w).abs()
+    assert (err <= qw["weight_scale"][:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 2 * 729])
+def test_w8a8_linear_matches_dequantized(M, dtype):
+    lin = torch.nn.Linear(96, 40).to(dtype)
+    m = W8A8Linear.from_linear(lin)
+    x = torch.randn(M, 96).to(dtype)
+    y = torch.full((M, 40), float("nan"), dtype=dtype)
+    y.copy_(m(x))
+    # Oracle: the same quantized operands in float64.
+    xq = QTensor(*ops.quant_per_token(x))
+    want = xq.dequantize(torch.float64) @ dequantize_w8(m.weight, m.weight_scale, torch.float64).T + m.bias.double()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype] * want.abs().max().item()
+    assert y.dtype == dtype and (y.double() - want).abs().max().item() <= tol
+    # And close to the dense Linear (W8A8 error, not a mapping bug).
+    dense = lin.double()(x.double())
+    assert (y.double() - dense).abs().max().item() < 0.05 * dense.abs().max().item()
+    # The pre-quantized path gives the same result.
+    torch.testing.assert_close(m(xq), y, rtol=0, atol=0)
+
+
+def test_w8a8_linear_keeps_fp32_scales_and_builds_on_meta():
+    with torch.device("meta"):
+        m = W8A8Linear(16, 8, dtype=torch.float16)
+    assert m.weight.is_meta and m.weight.dtype == torch.int8
+    m = W8A8Linear.from_linear(torch.nn.Linear(16, 8)).to(torch.float16)
+    assert m.weight_scale.dtype == torch.float32 and m.bias.dtype == torch.float16
+
+
+@pytest.mark.parametrize("preset", ["tiny-siglip-llama", "tiny-clip-qwen2"])
+def test_smoothing_is_exact_in_float(preset):
+    enc = dense_encoder(preset)
+    px = torch.randn(2, 3, enc.cfg.image_size, enc.cfg.image_size)
+    with torch.no_grad():
+        before = enc(px)
+        smoothed = copy.deepcopy(enc)
+        smooth(smoothed, collect_act_scales(smoothed, [px]), alpha=0.5)
+        after = smoothed(px)
+    assert not torch.equal(smoothed.layers[0].norm1.weight, enc.layers[0].norm1.weight)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["tiny-siglip-llama", "tiny-clip-qwen2"])
+def test_w8a8_encoder_close_to_fp32_and_smoothing_helps(preset):
+    enc = dense_encoder(preset, seed=1)
+    g = torch.Generator().manual_seed(2)
+    calib = [torch.randn(4, 3, enc.cfg.image_size, enc.cfg.image_size, generator=g)]
+    px = torch.randn(3, 3, enc.cfg.image_size, enc.cfg.image_size, generator=g)
+    with torch.no_grad():
+        ref = enc(px)
+        plain = as_w8a8(enc, w8a8_state_dict(copy.deepcopy(enc)))(px)
+        sq = copy.deepcopy(enc)
+        smooth(sq, collect_act_scales(sq, calib), alpha=0.5)
+        smoothed = as_w8a8(enc, w8a8_state_dict(sq))(px)
+    assert cls_cos(plain, ref) > 0.95
+    assert cls_cos(smoothed, ref) >= 0.99
+    assert cls_cos(smoothed, ref) >= cls_cos(plain, ref)
+
+
+def test_vision_checkpoint_roundtrip(tmp_path):
+    enc = dense_encoder("tiny-clip-qwen2")
+    sd = w8a8_state_dict(copy.deepcopy(enc), torch.float16)
+    save_vision(tmp_path / "v", enc.cfg, sd, quant="w8a8", dtype="float16")
+    loaded = load_vision(tmp_path / "v")
+    assert loaded.quant == "w8a8" and loaded.layers[0].attn.wqkv.weight_scale.dtype == torch.float32
+    assert torch.equal(loaded.layers[1].mlp.fc2.weight, sd["vision.layers.1.mlp.fc2.weight"])
+    bad = dict(sd)
+    bad["vision.layers.0.attn.wo.weight"] = bad["vision.layers.0.attn.wo.weight"][:, :5]
+    with pytest.raises(Exception, match="attn.wo.weight"):
+        save_vision(tmp_path / "bad", enc.cfg, bad, quant="w8a8", dtype="float16")

@@ -1,0 +1,246 @@
+"""The KV cache of one conversation: preallocated full cache, spans, retrieval scoring, packed decode.
+
+`KVCache` holds per layer `k[i]`, `v[i]` (B, Hkv, max_seq_len, Dh), keys rotated at their logical
+position when written. The session records `Span`s (system, visual, text, question, answer) with a
+retrievable flag (visual by default). For SparseVILA decode sparsity (DESIGN.md sec. 3): while a
+question is prefilled with scoring on, every layer's attention also returns its log-sum-exp and the
+retrieval-salience kernel scores the retrievable slots; `pack` then keeps the top `decode_keep` of
+them per layer and KV head and gathers [non-retrievable | selected | rest] into one contiguous buffer
+per layer, which decode steps attend over (new K/V go to both buffers). `unpack` ends the turn; the
+full cache keeps every token, so the next question retrieves its own subset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .config import TextConfig
+from .errors import ContextLimitError
+
+KINDS = ("system", "visual", "text", "question", "answer")
+
+
+@dataclass
+class Span:
+    """Cache slots [start, end) of one kind; only retrievable spans are ever sparsified."""
+
+    kind: str
+    start: int
+    end: int
+    retrievable: bool
+
+
+@dataclass
+class _Scoring:
+    idx: torch.Tensor              # (N,) int32 retrievable slots, all before `q_from`
+    q_from: int                    # first slot of the question rows
+    scores: list                   # per layer: (B, Hkv, N) fp32 salience, accumulated over chunks
+
+
+@dataclass
+class _Packed:
+    k: list                        # per layer (B, Hkv, capacity, Dh)
+    v: list
+    lengths: torch.Tensor          # (B,) int32 on the device: valid packed rows (read by the kernel)
+    dropped: int                   # full-cache slots left out; packed row = slot - dropped
+    kept: int                      # retrievable slots kept per layer and KV head
+    idx: list | None = None        # per layer (B, Hkv, rows) int32: the full-cache slots packed
+
+
+class KVCache:
+    """Preallocated keys and values, spans, and the SparseVILA scoring/packing state.
+
+    Every write is bounds-checked before anything is written, so running past the declared context
+    is an error, never a silent overwrite.
+    """
+
+    def __init__(self, cfg: TextConfig, batch: int = 1, max_seq_len: int | None = None,
+                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu"):
+        self.max_seq_len = cfg.max_seq_len if max_seq_len is None else max_seq_len
+        self.batch, self.dtype, self.n_layers = batch, dtype, cfg.n_layers
+        shape = (batch, cfg.n_kv_heads, self.max_seq_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.spans: list[Span] = []
+        self.scoring: _Scoring | None = None
+        self.packed: _Packed | None = None    # active during a sparse turn's decode
+        self._storage: _Packed | None = None  # the packed buffers, kept across turns for reuse
+
+    # -- the full cache ------------------------------------------------------------------------
+    def check(self, start: int, T: int) -> None:
+        """Raise ContextLimitError (a ValueError) unless slots start..start+T-1 exist."""
+        if start < 0 or T < 1:
+            raise ValueError(f"bad cache write: start {start}, {T} tokens")
+        if start + T > self.max_seq_len:
+            raise ContextLimitError(
+                f"KV cache overflow: writing {T} tokens at {start} needs {start + T} slots, "
+                f"max_seq_len is {self.max_seq_len}; declare a larger max_seq_len")
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, T, Dh) at slots start..start+T-1 of `layer`.
+
+        Returns the views of slots 0..start+T-1, (B, Hkv, start+T, Dh), for attention.
+        """
+        end = start + k.shape[2]
+        self.check(start, k.shape[2])
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write k, v (B, Hkv, T, Dh) at slot `start`, then attend q (B, H, T, Dh) -> (B, H, T, Dh).
+
+        Dense causal attention over the full cache, unless a question is being scored (attention
+        with LSE plus retrieval salience) or a packed buffer is active (decode over it).
+        """
+        k_all, v_all = self.write(layer, start, k, v)
+        if self.packed is not None:
+            return self._attend_packed(layer, start, q, k, v)
+        if self.scoring is not None:
+            o, lse = ops.attention_lse(q, k_all, v_all, start)
+            self._score(layer, start, q, k_all, lse)
+            return o
+        return ops.attention(q, k_all, v_all, causal=True, q_start=start)
+
+    # -- spans ---------------------------------------------------------------------------------
+    def add_span(self, kind: str, start: int, end: int, retrievable: bool | None = None) -> Span:
+        """Record slots [start, end) as `kind`; retrievable defaults to kind == "visual"."""
+        if kind not in KINDS:
+            raise ValueError(f"span kind {kind!r} is not one of {', '.join(KINDS)}")
+        if not 0 <= start < end <= self.max_seq_len:
+            raise ValueError(f"bad span [{start}, {end}) for a cache of {self.max_seq_len} slots")
+        span = Span(kind, start, end, kind == "visual" if retrievable is None else retrievable)
+        self.spans.append(span)
+        return span
+
+    def truncate(self, length: int) -> None:
+        """Forget spans past `length` (cutting the one that straddles it); drops any packed buffer."""
+        self.spans = [s for s in self.spans if s.start < length]
+        if self.spans and self.spans[-1].end > length:
+            self.spans[-1].end = length
+        self.scoring = None
+        self.unpack()
+
+    def retrievable_slots(self, end: int | None = None) -> torch.Tensor:
+        """(N,) int32 slots of the retrievable spans (before `end`), in order, on the cache's device."""
+        parts = [torch.arange(s.start, min(s.end, end or s.end)) for s in self.spans
+                 if s.retrievable and s.start < (end or s.end)]
+        idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        return idx.to(self.k[0].device, torch.int32)
+
+    # -- retrieval scoring (during the question's prefill) --------------------------------------
+    def begin_scoring(self, q_from: int) -> int:
+        """Score the retrievable slots before `q_from` by the attention of the rows from `q_from` on,
+        in the next prefill calls. Returns the number of retrievable slots (0: nothing to score)."""
+        idx = self.retrievable_slots(q_from)
+        self.scoring = _Scoring(idx, q_from, [None] * self.n_layers) if idx.numel() else None
+        return idx.numel()
+
+    def _score(self, layer: int, start: int, q: torch.Tensor, k_all: torch.Tensor, lse: torch.Tensor) -> None:
+        sc = self.scoring
+        r0 = max(0, sc.q_from - start)  # first question row in this chunk
+        if r0 >= q.shape[2]:
+            return
+        sc.scores[layer] = ops.retrieval_salience(q[:, :, r0:], k_all, sc.idx, lse[:, :, r0:], out=sc.scores[layer])
+
+    # -- packed decode buffer ------------------------------------------------------------------
+    def pack(self, keep: float, length: int) -> int:
+        """End scoring; keep the top `keep` of the scored slots per layer and KV head (at least one),
+        gather [non-retrievable | selected | rest] of slots 0..length-1 into the packed buffers.
+        Returns the number of packed rows per head."""
+        sc, self.scoring = self.scoring, None
+        if sc is None or any(s is None for s in sc.scores):
+            raise RuntimeError("pack() needs a scored question: call begin_scoring() before its prefill")
+        device = self.k[0].device
+        B, Hkv = self.batch, self.k[0].shape[1]
+        N = sc.idx.numel()
+        n_keep = min(N, max(1, round(keep * N)))
+        is_retr = torch.zeros(length, dtype=torch.bool, device=device)
+        is_retr[sc.idx.long()] = True
+        others = torch.arange(length, device=device)[~is_retr].to(torch.int32)  # (length - N,)
+        rows = length - N + n_keep
+        cap = rows + self.max_seq_len - length  # room for every token this turn can still append
+        self._ensure_packed(cap, n_keep, length - rows)
+        self.packed.idx = []
+        for layer in range(self.n_layers):
+            top = sc.scores[layer].topk(n_keep, dim=-1).indices  # (B, Hkv, n_keep)
+            chosen = sc.idx[top]  # (B, Hkv, n_keep) slots
+            idx = torch.cat([others.expand(B, Hkv, -1), chosen], dim=-1).sort(dim=-1).values  # original order
+            self.packed.idx.append(idx)
+            ops.kv_pack(self.k[layer], idx, self.packed.k[layer])
+            ops.kv_pack(self.v[layer], idx, self.packed.v[layer])
+        self.packed.lengths.fill_(rows)
+        return rows
+
+    def _ensure_packed(self, cap: int, kept: int, dropped: int) -> None:
+        """Reuse the packed buffers of an earlier turn when they are large enough."""
+        old = self._storage
+        if old is None or old.k[0].shape[2] < cap:
+            B, Hkv, _, D = self.k[0].shape
+            shape, dev = (B, Hkv, cap, D), self.k[0].device
+            old = _Packed([torch.empty(shape, dtype=self.dtype, device=dev) for _ in range(self.n_layers)],
+                          [torch.empty(shape, dtype=self.dtype, device=dev) for _ in range(self.n_layers)],
+                          torch.zeros(B, dtype=torch.int32, device=dev), 0, 0)
+            self._storage = old
+        old.dropped, old.kept = dropped, kept
+        self.packed = old
+
+    def unpack(self) -> None:
+        """Back to dense attention over the full cache (the buffers are kept for reuse)."""
+        self.packed = None
+
+    def _attend_packed(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A decode step: append k, v (B, Hkv, 1, Dh) at packed row start - dropped, attend over the
+        packed rows. The query was rotated at its logical position `start` by the caller."""
+        p = self.packed
+        if q.shape[2] != 1:
+            raise RuntimeError("a packed decode buffer takes one token per step; unpack() before a prefill")
+        row = start - p.dropped
+        p.k[layer][:, :, row] = k[:, :, 0]
+        p.v[layer][:, :, row] = v[:, :, 0]
+        if layer == 0:
+            p.lengths.fill_(row + 1)
+        return ops.decode_attention(q[:, :, 0], p.k[layer], p.v[layer], p.lengths)[:, :, None]  # (B, H, 1, Dh)
+
+
+def turn_spans(ids: list[int], start: int, per_image: int, doc: tuple[int, int] | None = None,
+               first: bool = False, image_token: int = -200) -> list[tuple[str, int, int]]:
+    """(kind, start slot, end slot) of a prefill of `ids` at slot `start`, where each image sentinel
+    expands to `per_image` slots: "visual" per image, "text" for the id range `doc` (a document the
+    caller marks retrievable), "system" before the first of those in a first turn, "question" else."""
+    spans, slot, open_at, kind = [], start, start, "system" if first else "question"
+
+    def close(end, next_kind):
+        nonlocal open_at, kind
+        if end > open_at:
+            spans.append((kind, open_at, end))
+        open_at, kind = end, next_kind
+
+    for i, t in enumerate(ids):
+        if doc is not None and i == doc[0]:
+            close(slot, "text")
+        if doc is not None and i == doc[1]:
+            close(slot, "question")
+        if t == image_token:
+            close(slot, "visual")
+            slot += per_image
+            close(slot, "question")
+        else:
+            slot += 1
+    close(slot, "question")
+    return spans
+
+
+def changed_range(with_doc: list[int], without_doc: list[int]) -> tuple[int, int]:
+    """Id range [a, b) of `with_doc` that differs from `without_doc` (a document's tokens, found by
+    common prefix and suffix so BPE merges at its edges cannot misplace it)."""
+    a = 0
+    while a < min(len(with_doc), len(without_doc)) and with_doc[a] == without_doc[a]:
+        a += 1
+    s = 0
+    while s < min(len(with_doc), len(without_doc)) - a and with_doc[-1 - s] == without_doc[-1 - s]:
+        s += 1
+    return a, len(with_doc) - s
