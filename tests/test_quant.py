@@ -230,7 +230,7 @@ def test_quantize_cli_synthetic_w4(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton dispatch runs on CUDA only")
-@pytest.mark.parametrize("M", [1, 8, 9, 300])
+@pytest.mark.parametrize("M", [1, 9])
 def test_ops_dispatch_on_cuda(M):
     lin, sd = _w4_linear(N=200, K=256, G=64, dtype=torch.float16)
     lin = lin.cuda()

@@ -68,6 +68,8 @@ class KVCache:
         self.scoring: _Scoring | None = None
         self.packed: _Packed | None = None    # active during a sparse turn's decode
         self._storage: _Packed | None = None  # the packed buffers, kept across turns for reuse
+        # Permanent pruning baselines (FastV-style): (first layer, (max_seq_len,) bool keep mask).
+        self.key_mask: tuple[int, torch.Tensor] | None = None
 
     # -- the full cache ------------------------------------------------------------------------
     def check(self, start: int, T: int) -> None:
@@ -99,6 +101,8 @@ class KVCache:
         k_all, v_all = self.write(layer, start, k, v)
         if self.packed is not None:
             return self._attend_packed(layer, start, q, k, v)
+        if self.key_mask is not None and layer >= self.key_mask[0]:
+            return ops.attention_key_masked(q, k_all, v_all, start, self.key_mask[1][:k_all.shape[2]])
         if self.scoring is not None:
             o, lse = ops.attention_lse(q, k_all, v_all, start)
             self._score(layer, start, q, k_all, lse)

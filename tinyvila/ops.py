@@ -253,3 +253,15 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
         from csrc_triton.w8a8_gemm import w8a8_gemm_ref as kernel
     y = kernel(x2, weight, s2, weight_scale, bias, out_dtype=bias.dtype)
     return y.reshape(*xq.shape[:-1], weight.shape[0])
+
+
+def attention_key_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+                         keep: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention (as `attention`) that also hides the slots where keep (S,) bool is False;
+    for permanent-pruning baselines (FastV-style), so a reference is all it needs."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    T, S = q.shape[2], k.shape[2]
+    q_pos = torch.arange(q_start, q_start + T, device=q.device)
+    mask = (torch.arange(S, device=q.device)[None, :] <= q_pos[:, None]) & keep[None, :]  # (T, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

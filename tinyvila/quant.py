@@ -1,6 +1,7 @@
 """The one definition of tinyvila's quantized weight formats.
 
 W4 (LLM linears, W4A16): asymmetric uint4 per group of G input channels (G = 128, 64 or 32).
+W8A8 (vision linears): int8 per output channel x per-token int8 activations; see the section at the end.
 For a Linear with N outputs and K inputs, stored in the checkpoint exactly as the kernels read it:
 
     qweight  int32   (N, K // 8)   word j of row n holds q[n, 8j + i] in bits [4i, 4i + 4), i = 0..7

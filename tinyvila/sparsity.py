@@ -119,3 +119,25 @@ def prune(vision, projector, pixels: torch.Tensor, sparsity: SparsityConfig) -> 
     keys = projector.merge(keys[:, 1:] if cfg.n_out_tokens < cfg.n_tokens else keys)  # (B, N', E)
     tokens, idx = visionzip(merged, sal, keys, k)
     return projector.mlp(tokens), idx
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode side (issue 6): query-aware selection over the KV cache. SparseVILA retrieval itself lives
+# in kv_cache.KVCache.pack (top decode_keep per layer and KV head, re-chosen every question); this
+# section holds the peer that prunes permanently at prefill, selectable by name.
+DECODE_METHODS = ("sparsevila", "fastv")
+FASTV_LAYER = 2  # FastV's K: layers >= K lose the pruned tokens, chosen by layer K-1's attention
+
+
+def fastv_keep_mask(scores: list, idx: torch.Tensor, max_len: int, keep: float,
+                    layer: int = FASTV_LAYER) -> tuple[int, torch.Tensor]:
+    """FastV (pkunlp-icler/FastV): the last prompt token's attention at layer K-1, summed over heads,
+    keeps the top `keep` of the retrievable slots `idx` (N,); every other slot stays. scores: per
+    layer (1, Hkv, N) retrieval salience of the last row. Returns (K, (max_len,) bool keep mask) for
+    KVCache.key_mask: permanent, for every later token of the conversation."""
+    s = scores[layer - 1].sum(1)[0]  # (N,)
+    chosen = idx[s.topk(keep_count(idx.numel(), keep)).indices].long()
+    mask = torch.ones(max_len, dtype=torch.bool, device=idx.device)
+    mask[idx.long()] = False
+    mask[chosen] = True
+    return layer, mask

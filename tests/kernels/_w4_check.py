@@ -18,12 +18,11 @@ LLAMA3_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 def make(M: int, N: int, K: int, G: int, dtype: torch.dtype, seed: int, bias: bool = False,
          device: str = "cpu") -> dict:
     """Fresh random x (M, K) and a W4 weight quantized from a random dense (N, K); optional bias."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(N, K, generator=g) * 0.05 + torch.rand(N, 1, generator=g) * 0.02  # uneven row offsets
-    packed = quantize_w4(w, G, dtype=dtype)
-    args = {"x": torch.randn(M, K, generator=g).to(dtype), **packed,
-            "bias": torch.randn(N, generator=g).to(dtype) if bias else None}
-    return {k: (v.to(device) if v is not None else None) for k, v in args.items()}
+    g = torch.Generator(device).manual_seed(seed)  # drawn where they are used: real shapes stay fast
+    w = torch.randn(N, K, generator=g, device=device) * 0.05 + torch.rand(N, 1, generator=g, device=device) * 0.02
+    packed = quantize_w4(w, G, dtype=dtype)  # uneven row offsets above: zero points vary
+    return {"x": torch.randn(M, K, generator=g, device=device).to(dtype), **packed,
+            "bias": torch.randn(N, generator=g, device=device).to(dtype) if bias else None}
 
 
 def exact(a: dict) -> torch.Tensor:
