@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/eval_quality.py [--models smollm2-135m smollm2-135m-rtn smollm2-135m-awq]
         [--n-blocks 16] [--seqlen 512] [--dequantize] [--device cpu]
 
-Text: the held-out split of `pydoc_data.topics` (every 5th topic; scripts/awq_quant.py never
+Text: the held-out split of `pydoc_data.topics` (every 4th topic; scripts/awq_quant.py never
 calibrates on it), tokenized per topic, concatenated, cut into n_blocks x seqlen tokens; each block is
 scored independently (next-token NLL). Prints a table, then one JSON line. `--dequantize` evaluates a
 W4A16 checkpoint as a dense model with the dequantized weights (no W4 kernels involved).
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['model']:<28} {r['quant']:<7} {str(r['group_size'] or '-'):>4} {r['ppl']:>10.4f} "
               f"{r['tokens']:>7} {r['seconds']:>6}")
-    print(json.dumps({"eval": "perplexity", "text": "pydoc_data.topics heldout (every 5th topic)",
+    print(json.dumps({"eval": "perplexity", "text": "pydoc_data.topics heldout (every 4th topic)",
                       "device": args.device, "compute_dtype": args.dtype or "stored", "torch": torch.__version__,
                       "python": platform.python_version(), "date": datetime.date.today().isoformat(),
                       "results": rows}))

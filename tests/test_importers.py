@@ -101,6 +101,19 @@ def test_v2_unpack_inverts_the_reference_packer():
     assert torch.equal(importers.unpack_awq_v2(pack_v2(q)).long(), q)
 
 
+def _projector(folder: Path, v_dim: int) -> None:
+    """VILA's mlp_downsample projector (layers.{1,2,4}) from v_dim vision features to DIM."""
+    folder.mkdir()
+    g = torch.Generator().manual_seed(5)
+    sd = {"layers.1.weight": 1 + 0.1 * torch.randn(4 * v_dim, generator=g),
+          "layers.1.bias": 0.1 * torch.randn(4 * v_dim, generator=g),
+          "layers.2.weight": 0.05 * torch.randn(DIM, 4 * v_dim, generator=g),
+          "layers.2.bias": 0.1 * torch.randn(DIM, generator=g),
+          "layers.4.weight": 0.05 * torch.randn(DIM, DIM, generator=g), "layers.4.bias": 0.1 * torch.randn(DIM, generator=g)}
+    save_file(sd, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({"mm_projector_type": "mlp_downsample", "model_type": "v2l_projector"}))
+
+
 def _v2_folder(root: Path, G: int) -> tuple[Path, dict]:
     """A VILA AWQ folder: the tiny fp vision side of tests/test_import.py, llm/ holding a v2 .pt."""
     import test_import as ti  # noqa: F401 (skips without transformers)
@@ -108,7 +121,7 @@ def _v2_folder(root: Path, G: int) -> tuple[Path, dict]:
     src = root / "VILA-tiny-AWQ"
     (src / "llm").mkdir(parents=True)
     ti._vision(src / "vision_tower")
-    ti._projector(src / "mm_projector")
+    _projector(src / "mm_projector", ti.V_DIM)
     top = {"architectures": ["LlavaLlamaModel"], "model_type": "llava_llama", "hidden_size": DIM,
            "mm_hidden_size": ti.V_DIM, "mm_vision_select_layer": -2, "mm_vision_select_feature": "cls_patch",
            "image_aspect_ratio": "resize", "s2": False}
