@@ -4,10 +4,11 @@
 
 q (B, H, D), k/v (B, Hkv, L_max, D) fp16/bf16 with unit stride along D, lengths (B,) int32 on the
 device (read by the kernel, so a CUDA graph can replay the step as the length grows; 1 <= length <=
-L_max is checked only by `decode_attention_ref`). Flash-decoding: program (b, g, s) handles split s of
-the keys for all n_rep query heads of KV head g (K/V are read once per group), keeping an online
-max/sum in fp32, and writes an fp32 partial output with its log-sum-exp; a second kernel merges the
-splits. Split boundaries come from the device length, so the grid is fixed at launch. D <= 256.
+L_max is checked only by `decode_attention_ref`). Flash-decoding: program (b, g, s) streams split s of
+the keys once for all n_rep query heads of KV head g, keeping an online max/sum in fp32, and writes an
+fp32 partial output with its log-sum-exp; a second tiny kernel merges the splits. The split count
+(from L_max and the SM count: a few programs per SM keep HBM busy) is a runtime argument, so a new
+buffer size never recompiles; split boundaries come from the device length. K, V are read once. D <= 256.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# Programs per SM that the split count aims for: enough loads in flight to cover HBM latency.
+CTAS_PER_SM = 4
+MIN_SPLIT = 128  # keys per split at least: below that the per-program prologue/epilogue dominates
 
 
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr,
-    sqb, sqh, skb, skh, skl, svb, svh, svl, sob, soh, sos, slb, slh,
-    scale_log2, HKV, N_REP: tl.constexpr, D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, N_SPLITS: tl.constexpr,
+    sqb, sqh, skb, skh, skl, svb, svh, svl,
+    scale_log2, HKV, H, N_SPLITS, N_REP: tl.constexpr, D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     bg = tl.program_id(0)
@@ -45,6 +49,7 @@ def _decode_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < N_REP
+    # D == BLOCK_D (64, 128, 256) is the common case: the D mask folds away and loads vectorise.
     d_ok = offs_d < D
     heads = g * N_REP + offs_h
     # Rows past N_REP are padding so tl.dot sees M >= 16; they load zeros and are never stored.
@@ -55,13 +60,15 @@ def _decode_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    k_base = k_ptr + b * skb + g * skh
-    v_base = v_ptr + b * svb + g * svh
+    k_base = k_ptr + b.to(tl.int64) * skb + g * skh
+    v_base = v_ptr + b.to(tl.int64) * svb + g * svh
     for n0 in range(start, end, BLOCK_N):
         n = n0 + offs_n
         n_ok = n < end
         kt = tl.load(k_base + n[None, :] * skl + offs_d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+        v = tl.load(v_base + n[:, None] * svl + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt) * scale_log2  # (BLOCK_H, BLOCK_N), in log2 units
@@ -70,8 +77,6 @@ def _decode_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None] * svl + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
         if UPCAST:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
         else:
@@ -82,15 +87,16 @@ def _decode_attention_kernel(
     l_safe = tl.where(has, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
-    out_ok = h_ok[:, None] & d_ok[None, :]
-    tl.store(o_ptr + b * sob + heads[:, None] * soh + split * sos + offs_d[None, :], o, mask=out_ok)
-    tl.store(lse_ptr + b * slb + heads * slh + split, lse, mask=h_ok)
+    # Partials are contiguous (B, H, N_SPLITS, D) and (B, H, N_SPLITS).
+    row = (b * H + heads) * N_SPLITS + split  # (BLOCK_H,)
+    tl.store(o_ptr + row[:, None] * D + offs_d[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + row, lse, mask=h_ok)
 
 
 @triton.jit
 def _decode_attention_reduce_kernel(
-    o_part_ptr, lse_ptr, out_ptr, sob, soh, sos, slb, slh, s_outb, s_outh, H,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    o_part_ptr, lse_ptr, out_ptr, s_outb, s_outh, H, N_SPLITS,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // H
@@ -98,11 +104,11 @@ def _decode_attention_reduce_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < N_SPLITS
-    lse = tl.load(lse_ptr + b * slb + h * slh + offs_s, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
+    lse = tl.load(lse_ptr + bh * N_SPLITS + offs_s, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
     m = tl.max(lse, axis=0)  # finite: split 0 always holds keys (length >= 1)
     w = tl.exp2(lse - m)
     w = w / tl.sum(w, axis=0)
-    o = tl.load(o_part_ptr + b * sob + h * soh + offs_s[:, None] * sos + offs_d[None, :],
+    o = tl.load(o_part_ptr + (bh * N_SPLITS + offs_s[:, None]) * D + offs_d[None, :],
                 mask=s_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (BLOCK_S, BLOCK_D)
     o = tl.sum(o * w[:, None], axis=0)
     tl.store(out_ptr + b * s_outb + h * s_outh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < D)
@@ -112,19 +118,34 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def default_splits(max_len: int, n_programs: int, device: torch.device) -> int:
-    """Splits so that B*Hkv*splits programs fill the GPU about twice, with >= 256 keys per split."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = max(1, -(-2 * sms // max(n_programs, 1)))
-    return int(min(want, max(1, -(-max_len // 256)), 128))
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Cached: the launcher runs once per layer per token, so its host time matters."""
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def default_splits(max_len: int, n_programs: int, device: torch.device, ctas_per_sm: int = CTAS_PER_SM) -> int:
+    """Splits so that B*Hkv*splits programs fill every SM about `ctas_per_sm` times, each split
+    keeping >= MIN_SPLIT keys (at most 256 splits)."""
+    want = max(1, -(-ctas_per_sm * _sm_count(device) // max(n_programs, 1)))
+    return int(min(want, max(1, -(-max_len // MIN_SPLIT)), 256))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                      scale: float | None = None, n_splits: int | None = None,
-                     block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+                     block_n: int = 64, out: torch.Tensor | None = None,
+                     num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """q (B, H, D) x k, v (B, Hkv, L_max, D), lengths (B,) int32 on q's device -> (B, H, D) in q's dtype.
 
     `out` (like q) receives the result when given (a captured graph's fixed output buffer).
+    block_n, num_warps, num_stages and n_splits are tuning knobs (scripts/benches/decode_attention.py).
     """
     B, H, D = q.shape
     Hkv, L_max = k.shape[1], k.shape[2]
@@ -138,29 +159,28 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         raise ValueError("decode_attention: lengths must be an int32 (B,) tensor on q's device")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or D > 256:
         raise ValueError("decode_attention: the last dim must be contiguous and at most 256")
-    n_rep = H // Hkv
-    n_splits = n_splits or default_splits(L_max, B * Hkv, q.device)
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    o_part = torch.empty(B, H, n_splits, D, device=q.device, dtype=torch.float32)
-    lse = torch.empty(B, H, n_splits, device=q.device, dtype=torch.float32)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"decode_attention: out must be {q.dtype} {tuple(q.shape)} with a contiguous last dim")
+    n_rep = H // Hkv
+    n_splits = n_splits or default_splits(L_max, B * Hkv, q.device)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    # One fp32 workspace: partial outputs (B, H, n_splits, D) then their log-sum-exps (B, H, n_splits).
+    work = torch.empty(B * H * n_splits * (D + 1), device=q.device, dtype=torch.float32)
+    o_part, lse = work[: B * H * n_splits * D], work[B * H * n_splits * D:]
     block_d = max(16, triton.next_power_of_2(D))
     _decode_attention_kernel[(B * Hkv, n_splits)](
         q, k, v, lengths, o_part, lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse.stride(0), lse.stride(1), scale * LOG2E, Hkv,
+        v.stride(0), v.stride(1), v.stride(2), scale * LOG2E, Hkv, H, n_splits,
         N_REP=n_rep, D=D, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n,
-        BLOCK_D=block_d, N_SPLITS=n_splits, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-        num_warps=4, num_stages=2,
+        BLOCK_D=block_d, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _decode_attention_reduce_kernel[(B * H,)](
-        o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), H,
-        D=D, BLOCK_D=block_d, N_SPLITS=n_splits, BLOCK_S=triton.next_power_of_2(n_splits), num_warps=4,
+        o_part, lse, out, out.stride(0), out.stride(1), H, n_splits,
+        D=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_splits), num_warps=4,
     )
     return out
 

@@ -1,17 +1,17 @@
 """Prefill salience: the attention each key receives, averaged over query rows and heads (SparseVILA).
 
-    s[b, n] = 1 / (H * M) * sum_h sum_{m < M} softmax_n(scale * q[b, h, m] . k[b, h, :])[n]
+    s[b, n] = 1 / (H * M) * sum_h sum_{m < M} exp(scale * q[b, h, m] . k[b, h, n] - lse[b, h, m])
 
-q (B, H, T, D), k (B, H, N, D), fp16/bf16/fp32, any strides with unit stride along D (the views
-of a fused qkv projection work as they are). Rows m < M = n_query (all T, or the first few: CLIP's
-CLS / summary tokens) query all N keys; B frames are independent. Result (B, N) fp32. Two passes,
-never an M x N matrix in memory (O(B*H*(M+N)) extra): pass 1 (`_row_lse_kernel`, a FlashAttention
-forward without V) gives each row's log-sum-exp; pass 2 (`_prefill_salience_kernel`) owns a tile of
-keys per (b, h), streams every query row past it and sums exp(s - lse) down the columns in
-registers, so no atomics; the 1/(H*M) mean is folded into its store. What is fused: the salience
-layer's attention already computes the same LSE, so a caller holding it passes `lse` and pays only
-pass 2, one QK^T pass. Head dims that are not powers of two (SigLIP's 72) are split into two
-power-of-two dot slices (64 + 16, masked), not padded to 128: 11% padding instead of 78%.
+q (B, H, T, D), k (B, H, N, D), fp16/bf16/fp32, any strides with unit stride along D (views of a
+fused qkv projection work as they are); rows m < M = n_query (all T, or the first few: CLIP's CLS /
+summary tokens); B frames independent. Result (B, N) fp32; extra memory O(B*H*(M+N)), never M x N.
+Pass 1 (`_row_lse_kernel`, a FlashAttention forward without V) gives each row's natural-log LSE.
+Pass 2 (`_prefill_salience_kernel`) keeps a tile of keys resident and streams the query rows past
+it, computing S^T = K Q^T so the column sum is a cheap in-thread row sum (summing down the rows of
+Q K^T costs a cross-warp reduction per tile: 3.5x slower on the H200). Fused: the salience layer's
+attention already has the LSE (tinyvila.ops.attention_lse), so the encoder passes it and pays only
+pass 2, one QK^T. D not a power of two (SigLIP 72) = a 64 slice plus a masked 16 slice (2 dots).
+exp2 with log2(e) folded into the scale; `fast_exp` uses ex2.approx.f16x2 (2 per MUFU op, CUDA only).
 """
 
 from __future__ import annotations
@@ -23,76 +23,106 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+FAST_EXP_DEFAULT = False  # fp16x2 exponentials for 16-bit inputs on CUDA (see docs/perf_notes.md)
 
 
 @triton.jit
-def _scores(q_ptr, k_ptr, offs_m, offs_n, m_ok, n_ok, sqm, skn,
-            D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, PRECISION: tl.constexpr,
-            UPCAST: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) fp32 q.k over D as a D0 slice plus a masked D1 slice (D1 = 0: none).
-    UPCAST: exact fp32 products, for the CPU interpreter, whose bf16 tl.dot returns garbage."""
+def _exp2(x, FAST: tl.constexpr):
+    """exp2 of fp32 x <= 0; FAST: in fp16 pairs (MUFU ex2.f16x2, twice the fp32 rate, ~1e-3 rel.)."""
+    if FAST:
+        y = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)],
+                                      dtype=tl.float16, is_pure=True, pack=2)
+        return y.to(tl.float32)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _load_resident(ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """The resident (R, D0) and (R, D1) slices of R rows (the D1 slice masked past D; D1 = 0: unused)."""
     d0 = tl.arange(0, D0)
-    q = tl.load(q_ptr + offs_m[:, None] * sqm + d0[None, :], mask=m_ok[:, None], other=0.0)
-    kt = tl.load(k_ptr + offs_n[None, :] * skn + d0[:, None], mask=n_ok[None, :], other=0.0)
-    if UPCAST:
-        q, kt = q.to(tl.float32), kt.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=PRECISION, out_dtype=tl.float32)
+    a0 = tl.load(ptr + offs[:, None] * stride + d0[None, :], mask=ok[:, None], other=0.0)
+    if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage: exact fp32 products instead
+        a0 = a0.to(tl.float32)
     if D1 > 0:
         d1 = D0 + tl.arange(0, D1)
-        q1 = tl.load(q_ptr + offs_m[:, None] * sqm + d1[None, :], mask=m_ok[:, None] & (d1[None, :] < D),
-                     other=0.0)
-        k1 = tl.load(k_ptr + offs_n[None, :] * skn + d1[:, None], mask=n_ok[None, :] & (d1[:, None] < D),
+        a1 = tl.load(ptr + offs[:, None] * stride + d1[None, :], mask=ok[:, None] & (d1[None, :] < D),
                      other=0.0)
         if UPCAST:
-            q1, k1 = q1.to(tl.float32), k1.to(tl.float32)
-        s = tl.dot(q1, k1, acc=s, input_precision=PRECISION, out_dtype=tl.float32)
+            a1 = a1.to(tl.float32)
+    else:
+        a1 = a0  # unused: _dot_streamed skips the second slice
+    return a0, a1
+
+
+@triton.jit
+def _dot_streamed(a0, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """(R, S) fp32 = resident rows . streamed rows `offs`, the streamed tile loaded transposed (D, S)."""
+    d0 = tl.arange(0, D0)
+    b0 = tl.load(ptr + offs[None, :] * stride + d0[:, None], mask=ok[None, :], other=0.0)
+    if UPCAST:
+        b0 = b0.to(tl.float32)
+    s = tl.dot(a0, b0, input_precision=PRECISION, out_dtype=tl.float32)
+    if D1 > 0:
+        d1 = D0 + tl.arange(0, D1)
+        b1 = tl.load(ptr + offs[None, :] * stride + d1[:, None], mask=ok[None, :] & (d1[:, None] < D),
+                     other=0.0)
+        if UPCAST:
+            b1 = b1.to(tl.float32)
+        s = tl.dot(a1, b1, acc=s, input_precision=PRECISION, out_dtype=tl.float32)
     return s
 
 
 @triton.jit
 def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N, scale_log2,
                     D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 1: lse2[bh, m] = log2 sum_n exp2(scale_log2 * q.k), online max/sum over key tiles."""
+                    UPCAST: tl.constexpr, FAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Pass 1: lse[bh, m] = ln sum_n exp(scale q.k) for BLOCK_R resident rows, online over key tiles."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     q_ptr += b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
     k_ptr += b.to(tl.int64) * skb + h.to(tl.int64) * skh
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_ok = offs_m < M
-    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+    q0, q1 = _load_resident(q_ptr, offs_m, m_ok, sqm, D, D0, D1, UPCAST)
+    m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    for n0 in range(0, N, BLOCK_S):
+        offs_n = n0 + tl.arange(0, BLOCK_S)
         n_ok = offs_n < N
-        s = _scores(q_ptr, k_ptr, offs_m, offs_n, m_ok, n_ok, sqm, skn, D, D0, D1, PRECISION, UPCAST) * scale_log2
+        s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST) * scale_log2
         s = tl.where(n_ok[None, :], s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds at least one valid key
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(_exp2(s - m_new[:, None], FAST), axis=1)
         m_i = m_new
-    tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, m_i + tl.log2(l_i), mask=m_ok)
+    tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, (m_i + tl.log2(l_i)) * LN2, mask=m_ok)
 
 
 @triton.jit
-def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N,
-                             scale_log2, inv_count, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                             PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 * q.k - lse2[bh, m]) for one key tile."""
+def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb, skh, skn, slb, slh,
+                             H, M, N, scale_log2, inv_count, D: tl.constexpr, D0: tl.constexpr,
+                             D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                             FAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q - log2e lse[m]), BLOCK_R resident keys."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     q_ptr += b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
     k_ptr += b.to(tl.int64) * skb + h.to(tl.int64) * skh
-    lse_ptr += bh.to(tl.int64) * M
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lse_ptr += b.to(tl.int64) * slb + h.to(tl.int64) * slh
+    offs_n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_ok = offs_n < N
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for m0 in range(0, M, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
+    k0, k1 = _load_resident(k_ptr, offs_n, n_ok, skn, D, D0, D1, UPCAST)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for m0 in range(0, M, BLOCK_S):
+        offs_m = m0 + tl.arange(0, BLOCK_S)
         m_ok = offs_m < M
         # Rows past M get lse = +inf, so exp2 gives exactly 0 and no extra select is needed.
-        lse = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("inf"))
-        s = _scores(q_ptr, k_ptr, offs_m, offs_n, m_ok, n_ok, sqm, skn, D, D0, D1, PRECISION, UPCAST)
-        acc += tl.sum(tl.exp2(s * scale_log2 - lse[:, None]), axis=0)
+        lse2 = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("inf")) * LOG2E
+        s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST)  # (R, S) = K Q^T
+        acc += tl.sum(_exp2(s * scale_log2 - lse2[None, :], FAST), axis=1)
     tl.store(out_ptr + bh.to(tl.int64) * N + offs_n, acc * inv_count, mask=n_ok)
 
 
@@ -124,50 +154,49 @@ def _check(q: torch.Tensor, k: torch.Tensor, n_query: int | None, lse: torch.Ten
     return M
 
 
-def _blocks(bh: int, M: int, N: int, device: torch.device) -> tuple[int, int, int]:
-    """Pass 1's BLOCK_M and pass 2's (BLOCK_M, BLOCK_N): the wide tile when it still gives two
-    programs per SM (one frame of 729 tokens does not), query tiles no taller than the rows there
-    are (summary mode reads 1..few rows; tl.dot needs 16)."""
+def default_tiles(bh: int, M: int, N: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(resident rows, streamed rows, num_warps, num_stages) for both passes: 128 resident rows (two
+    warpgroups) when that still fills every SM once, else 64 (one frame of 729 tokens: 192 programs)."""
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    rows = max(16, triton.next_power_of_2(M))
-    block_m1 = min(128 if bh * triton.cdiv(M, 128) >= 2 * n_sm else 64, rows)
-    block_n2 = 128 if bh * triton.cdiv(N, 128) >= 2 * n_sm else 64
-    return block_m1, min(64, rows), block_n2
+    wide = bh * triton.cdiv(min(M, N), 128) >= n_sm
+    return (128, 64, 8, 3) if wide else (64, 64, 4, 3)
 
 
 def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = None,
                      lse: torch.Tensor | None = None, scale: float | None = None,
-                     blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+                     tiles: tuple[int, int, int, int] | None = None, fast_exp: bool | None = None) -> torch.Tensor:
     """Mean attention each key receives: q (B, H, T, D), k (B, H, N, D) -> (B, N) fp32.
 
     n_query: average over the first n_query rows only (summary tokens); default all T rows.
-    lse: (B, H, n_query) fp32 natural-log log-sum-exp of each row's scaled logits, when the caller's
-    attention already computed it (then only pass 2 runs). scale: default D ** -0.5.
-    blocks: (pass-1 BLOCK_M, pass-2 BLOCK_M, pass-2 BLOCK_N) instead of the defaults (tuning sweeps).
+    lse: (B, H, n_query) fp32 natural-log log-sum-exp of each row's scaled logits (unit stride along
+    rows), when the caller's attention already computed it: then only pass 2 runs. scale: default
+    D ** -0.5. tiles: (resident, streamed, num_warps, num_stages) instead of `default_tiles` (sweeps).
+    fast_exp: fp16x2 exponentials (CUDA, 16-bit inputs only); default FAST_EXP_DEFAULT.
     """
     M = _check(q, k, n_query, lse)
     B, H, _, D = q.shape
     N = k.shape[2]
     scale_log2 = (scale if scale is not None else D ** -0.5) * LOG2E
     d0, d1 = _split_head_dim(D)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    if upcast:
-        precision = "ieee"
-    block_m1, block_m, block_n = blocks or _blocks(B * H, M, N, q.device)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    upcast = q.dtype == torch.bfloat16 and interpret
+    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # tf32 is ignored for 16-bit inputs
+    fast = (FAST_EXP_DEFAULT if fast_exp is None else fast_exp) and q.dtype != torch.float32 and not interpret
+    res, stream, warps, stages = tiles or default_tiles(B * H, M, N, q.device)
+    streamed_m = min(stream, max(16, triton.next_power_of_2(M)))  # summary mode: 1..few rows (dot needs 16)
+    meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, FAST=fast, num_warps=warps, num_stages=stages)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     if lse is None:
-        lse2 = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
-        _row_lse_kernel[(triton.cdiv(M, block_m1), B * H)](
-            q, k, lse2, *strides, H, M, N, scale_log2, D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast,
-            BLOCK_M=block_m1, BLOCK_N=64, num_warps=8 if block_m1 == 128 else 4, num_stages=3)
-    else:
-        lse2 = (lse * LOG2E).contiguous()  # the kernels work in base 2 (exp2 is the hardware op)
+        lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
+        _row_lse_kernel[(triton.cdiv(M, min(res, max(16, triton.next_power_of_2(M)))), B * H)](
+            q, k, lse, *strides, H, M, N, scale_log2, BLOCK_R=min(res, max(16, triton.next_power_of_2(M))),
+            BLOCK_S=stream, **meta)
+    elif lse.stride(2) != 1:
+        lse = lse.contiguous()
     part = torch.empty(B, H, N, device=q.device, dtype=torch.float32)
-    _prefill_salience_kernel[(triton.cdiv(N, block_n), B * H)](
-        q, k, lse2, part, *strides, H, M, N, scale_log2, 1.0 / (H * M), D=D, D0=d0, D1=d1,
-        PRECISION=precision, UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if block_n == 128 else 4,
-        num_stages=3)
+    _prefill_salience_kernel[(triton.cdiv(N, res), B * H)](
+        q, k, lse, part, *strides, lse.stride(0), lse.stride(1), H, M, N, scale_log2, 1.0 / (H * M),
+        BLOCK_R=res, BLOCK_S=streamed_m, **meta)
     return part.sum(1)  # (B, N): heads summed outside, so every store above is plain (no atomics)
 
 

@@ -82,7 +82,8 @@ def _check(q, k, idx, lse, out):
 
 def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor,
                        scale: float | None = None, out: torch.Tensor | None = None,
-                       block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+                       block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                       num_stages: int = 2) -> torch.Tensor:
     """q (B, H, T, D), k (B, Hkv, S, D), idx (N,), lse (B, H, T) fp32 -> (B, Hkv, N) fp32 (added to `out`)."""
     _check(q, k, idx, lse, out)
     B, H, T, D = q.shape
@@ -103,7 +104,7 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse:
         # fp32 caches (tests) get exact products; tf32 would blur the ranking for no gain here.
         PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
         UPCAST=os.environ.get("TRITON_INTERPRET", "0") == "1" and torch.bfloat16 in (q.dtype, k.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

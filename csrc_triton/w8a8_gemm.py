@@ -1,28 +1,34 @@
-"""W8A8 GEMM: int8 activations x int8 weights, int32 accumulation, fused dequant epilogue.
+"""W8A8 GEMM: int8 activations x int8 weights, int32 accumulation, fused dequant(+residual) epilogue.
 
-    out[m, n] = (sum_k a[m, k] * b[n, k]) * a_scale[m] * b_scale[n] + bias[n]
+    out[m, n] = (sum_k a[m, k] * b[n, k]) * a_scale[m] * b_scale[n] + bias[n] + residual[m, n]
 
 a: (M, K) int8, row-major (per-token quantized activations); b: (N, K) int8, row-major (the
-nn.Linear layout, per-output-channel quantized weights, read as the column-major (K, N) operand);
-a_scale: (M,) fp32; b_scale: (N,) fp32; bias: (N,) any float dtype or None; out: (M, N) fp16/bf16/fp32.
-The int32 accumulator is exact (|sum| <= K * 127 * 128 < 2**31 for K < 132000). The epilogue is fp32:
-acc -> fp32, * a_scale, * b_scale, + bias (in that order, as the reference), one rounding to out dtype.
-Limits: any M, N, K (masked tails); contiguous inner dims. Tiles are >= 32 in every dim (tl.dot needs 16;
-int8 MMA wants K tiles of 32+); on sm_90 BLOCK_M=128 with 4/8 warps lets Triton pick wgmma (MMAv3).
+nn.Linear layout, per-output-channel quantized weights, read K-major as wgmma wants for 8-bit types);
+a_scale: (M,) fp32; b_scale: (N,) fp32; bias: (N,) any float dtype or None; residual: (M, N) in the
+out dtype or None (the ViT's skip connection, so the block needs no separate add); out: (M, N)
+fp16/bf16/fp32. The int32 accumulator is exact (|sum| <= K * 127 * 128 < 2**31 for K < 132000).
+Epilogue in fp32: acc -> fp32, * a_scale, * b_scale, + bias, + residual (the reference's order), one
+rounding to the out dtype. Operands come through TMA descriptors on sm_90+ when every row stride is
+16-byte aligned (TMA zero-fills out-of-range tiles), else through pointers (clamped rows, a peeled K
+tail). K is a compile-time constant: full K tiles run unmasked. Any M, N, K; contiguous inner dims.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit
-def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
-                      stride_am, stride_bn, stride_cm,
-                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, M, N,
+                      stride_am, stride_bn, stride_rm, stride_cm, K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
     # Grouped program order: GROUP_M row-tiles share each column tile of b while it is in L2.
     pid = tl.program_id(0)
     n_pid_m = tl.cdiv(M, BLOCK_M)
@@ -35,25 +41,30 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, M
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    # Clamp row/col indices instead of masking the loads: out-of-range rows compute garbage that
-    # the masked store drops, and the hot loop stays free of M/N masks.
+    # Clamped indices: out-of-range rows/cols compute garbage that the masked store drops, so the
+    # hot loop carries no M/N masks.
     rm_c = tl.minimum(rm, M - 1)
     rn_c = tl.minimum(rn, N - 1)
-    a_ptrs = a_ptr + rm_c[:, None] * stride_am + rk[None, :]  # (BLOCK_M, BLOCK_K)
-    b_ptrs = b_ptr + rn_c[None, :] * stride_bn + rk[:, None]  # (BLOCK_K, BLOCK_N): b^T tile
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0)
-            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if TMA:
+        # a_ptr / b_ptr are tensor descriptors; the K tail (and M/N edges) load as zeros.
+        for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+            b = b_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])  # (BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+    else:
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rm_c[:, None] * stride_am + rk[None, :]  # (BLOCK_M, BLOCK_K)
+        b_ptrs = b_ptr + rn_c[None, :] * stride_bn + rk[:, None]  # (BLOCK_K, BLOCK_N): b^T tile
+        # Full tiles unmasked (K is constexpr, so the trip count is known); one masked tail after.
+        for _ in tl.range(0, K // BLOCK_K):
+            acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, out_dtype=tl.int32)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if K % BLOCK_K != 0:
+            a = tl.load(a_ptrs, mask=rk[None, :] < K % BLOCK_K, other=0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < K % BLOCK_K, other=0)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
 
     # Epilogue in fp32, in the reference's order.
     a_s = tl.load(a_scale_ptr + rm_c)
@@ -61,31 +72,53 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, M
     out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
     if HAS_BIAS:
         out += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :]
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if HAS_RES:
+        out += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], out.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_caps(index: int) -> tuple[int, int, int]:
+    """(SM count, opt-in shared memory per block in bytes, compute capability major) of a GPU."""
+    p = torch.cuda.get_device_properties(index)
+    return p.multi_processor_count, getattr(p, "shared_memory_per_block_optin", 101376), p.major
+
+
+# Tile shapes tried largest first: the first whose grid fills every SM once wins (small grids leave
+# SMs idle at one image, where 128x256 tiles give only 6 x 5 programs for the 1152-wide GEMMs).
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, max stages); int8 operands take (BM + BN) * BK bytes a stage.
+_TILES = ((128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4), (64, 64, 128, 4, 4))
 
 
 def _config(M: int, N: int, K: int, device: torch.device) -> dict:
-    """Tile shapes: small under the interpreter (it is slow), Hopper-sized on CUDA.
-
-    Large M: 128x128 tiles with BLOCK_K=128 (int8: 32 KB of operands per stage, 3 stages fit in
-    shared memory). Small M (decode, M <= 64): 64-row tiles waste less of the MMA.
-    """
+    """Tile shapes: small under the interpreter (it is slow), Hopper-sized on CUDA (see _TILES);
+    pipeline stages as many as shared memory holds, up to the tile's maximum."""
     if device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
-    if M <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    if M <= 1024:
-        return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+    n_sm, smem, _ = _device_caps(device.index if device.index is not None else torch.cuda.current_device())
+    for bm, bn, bk, warps, max_stages in _TILES:
+        if triton.cdiv(M, bm) * triton.cdiv(N, bn) >= n_sm:
+            break
+    stages = max(2, min(max_stages, (smem - 8192) // ((bm + bn) * bk)))
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """TMA needs sm_90+, 16-byte aligned bases and 16-byte aligned row strides."""
+    if not ts[0].is_cuda or _device_caps(ts[0].device.index or 0)[2] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts)
 
 
 def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
-              config: dict | None = None) -> torch.Tensor:
-    """(M, K) int8 x (N, K) int8 -> (M, N) `out_dtype`, scaled per token and per channel (+ bias).
+              residual: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """(M, K) int8 x (N, K) int8 -> (M, N) `out_dtype`, scaled per token and per channel (+ bias)
+    (+ residual (M, N) in `out_dtype`).
 
-    `config` overrides the tile choice (benchmarks sweep it); see `_config` for the keys.
+    `config` overrides the tile choice (benchmarks sweep it): the keys of `_config`, plus "TMA"
+    (bool; default: on where `_tma_ok`).
     """
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"w8a8_gemm: a and b must be int8, got {a.dtype} and {b.dtype}")
@@ -100,22 +133,33 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
         raise TypeError("w8a8_gemm: a_scale and b_scale must be float32")
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"w8a8_gemm: bias must be ({N},), got {tuple(bias.shape)}")
+    if residual is not None and (residual.shape != (M, N) or residual.dtype != out_dtype or residual.stride(1) != 1):
+        raise ValueError(f"w8a8_gemm: residual must be ({M}, {N}) {out_dtype} with a contiguous last dim, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("w8a8_gemm: a and b need a contiguous last dim")
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
     cfg = dict(config or _config(M, N, K, a.device))
+    tma = cfg.pop("TMA", None)
+    tma = _tma_ok(a, b) if tma is None else tma
+    a_arg, b_arg = a, b
+    if tma:
+        a_arg = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        b_arg = TensorDescriptor.from_tensor(b, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _w8a8_gemm_kernel[grid](
-        a, b, a_scale.contiguous(), b_scale.contiguous(), bias if bias is not None else b_scale, c, M, N, K,
-        a.stride(0), b.stride(0), c.stride(0), HAS_BIAS=bias is not None,
-        EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
+        a_arg, b_arg, a_scale.contiguous(), b_scale.contiguous(), bias if bias is not None else b_scale,
+        residual if residual is not None else c, c, M, N, a.stride(0), b.stride(0),
+        (residual if residual is not None else c).stride(0), c.stride(0), K=K, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, TMA=tma, **cfg)
     return c
 
 
 def w8a8_gemm_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-                  bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """Plain PyTorch: exact int32 product (torch._int_mm on CPU, float64 elsewhere: both exact), then
     the kernel's fp32 epilogue. The CPU path of ops.w8a8_linear."""
     if a.device.type == "cpu":
@@ -125,4 +169,6 @@ def w8a8_gemm_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sca
     out = acc.float() * a_scale.float()[:, None] * b_scale.float()[None, :]
     if bias is not None:
         out = out + bias.float()[None, :]
+    if residual is not None:
+        out = out + residual.float()
     return out.to(out_dtype)

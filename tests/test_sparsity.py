@@ -44,7 +44,7 @@ def _pixels(model, n=2, seed=0):
 def _oracle_grid_salience(model, pixels, layer=-1):
     """(B, N') salience per projector token, from scratch."""
     enc, cfg = model.vision, model.cfg.vision
-    _, (q, k) = enc.run_layers(enc.embed(pixels), qk_layer=layer % cfg.n_run_layers)
+    _, (q, k, _) = enc.run_layers(enc.embed(pixels), qk_layer=layer % cfg.n_run_layers)
     p = torch.softmax(q @ k.transpose(-1, -2) * cfg.head_dim ** -0.5, dim=-1)  # (B, H, T, T)
     rows = p[:, :, :1] if cfg.cls_token else p
     s = rows.mean(dim=(1, 2))  # (B, T)

@@ -178,7 +178,7 @@ def test_qk_of_a_layer(name, request):
     px = _pixels(hf, seed=3)
     with torch.no_grad():
         hs = hf(pixel_values=px, output_hidden_states=True).hidden_states
-        x, (q, k) = enc.run_layers(enc.embed(px), qk_layer=1)
+        x, (q, k, _) = enc.run_layers(enc.embed(px), qk_layer=1)
         layer = hf.encoder.layers[1]
         h = layer.layer_norm1(hs[1])
         ref_q = layer.self_attn.q_proj(h).view(2, -1, 4, 12).transpose(1, 2)  # (B, H, T, Dh)

@@ -14,6 +14,7 @@ sees the same logits as a fresh prefill of the conversation. The CLI (`tinyvila.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -22,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from .config import SparsityConfig, VLMConfig
+from .config import SparsityConfig, VLMConfig, preset
 from .errors import ContextLimitError, ModelNotFoundError
 from .generate import Decoder, SamplingParams, generate
 from .kv_cache import changed_range, turn_spans
 from .image import preprocess
-from .loader import build_synthetic, load_model
-from .tokenizer import IMAGE_TOKEN, TEMPLATES, StreamDecoder, load_tokenizer, stop_ids, turn_ids
+from .loader import build_synthetic, load_model, random_model, synthetic_tokenizer
+from .tokenizer import IMAGE_TOKEN, TEMPLATES, BPETokenizer, StreamDecoder, load_tokenizer, stop_ids, turn_ids
 from .vlm import VLM
 
 DEMO_MODEL = "demo"              # built on first use: tiny, random weights, for the README demo
@@ -94,6 +95,15 @@ def load(name_or_path: str | os.PathLike, *, device: str | torch.device = "cpu",
     folder = resolve_model(name_or_path)
     model = load_model(folder, device=device, dtype=dtype)
     return Model(folder, model, load_tokenizer(folder / model.cfg.tokenizer))
+
+
+def from_config(cfg: VLMConfig | str, *, device: str | torch.device = "cpu", seed: int = 0) -> Model:
+    """A random-weight model of any config or preset, made in memory on `device`, with a byte-level
+    tokenizer holding its template's special tokens: for benchmarks at real shapes and tests."""
+    cfg = preset(cfg) if isinstance(cfg, str) else cfg
+    cfg = dataclasses.replace(cfg, synthetic=True, eos_ids=())
+    return Model(None, random_model(cfg, device=device, seed=seed),
+                 BPETokenizer(synthetic_tokenizer(cfg), source="<synthetic>"))
 
 
 @dataclass

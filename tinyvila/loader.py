@@ -353,3 +353,32 @@ def build_synthetic(folder: str | os.PathLike, cfg_or_preset: VLMConfig | str, s
     sd = random_state_dict(cfg, seed)
     return save_checkpoint(folder, cfg, sd, {"tokenizer.json": json.dumps(tok, ensure_ascii=False)},
                            overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+
+
+@torch.no_grad()
+def random_model(cfg: VLMConfig, *, device: str | torch.device = "cpu", seed: int = 0) -> VLM:
+    """A VLM with random weights made directly on `device`, no checkpoint written (benchmarks at
+    real shapes: an 8B model is initialised on the GPU in a second instead of written to disk).
+
+    Values follow `_init_tensor`'s scheme; quantized tensors get valid, sane values: random int4
+    nibbles with scales ~ 0.02/8 and zero point 8 (W4), random int8 with scale 0.02/127 (W8A8).
+    """
+    model = _meta_model(cfg).to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, t in tensors.items():
+        leaf = name.rpartition(".")[2]
+        if leaf == "qweight":
+            t.copy_(torch.randint(-2**31, 2**31, t.shape, generator=g, device=device, dtype=torch.int64).to(t.dtype))
+        elif not t.dtype.is_floating_point:
+            t.copy_(torch.randint(-127, 128, t.shape, generator=g, device=device, dtype=t.dtype))
+        elif leaf == "scales":
+            t.copy_(torch.rand(t.shape, generator=g, device=device) * 0.002 + 0.002)
+        elif leaf == "weight_scale":
+            t.copy_(torch.rand(t.shape, generator=g, device=device) * 1e-4 + 1e-4)
+        elif leaf != "zeros":
+            t.copy_(torch.randn(t.shape, generator=g, device=device) * 0.02 + (1.0 if t.dim() == 1 and leaf == "weight" else 0.0))
+    for name, t in tensors.items():  # zero point 8: w = (q - 8) * s, centred like a real quantizer's
+        if name.endswith(".zeros"):
+            t.copy_(-8.0 * tensors[name[: -len("zeros")] + "scales"].float())
+    return model.eval()

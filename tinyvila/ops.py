@@ -93,6 +93,17 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     return prefill_salience_ref(q, k, n_query=n_query)
 
 
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Non-causal attention (the vision salience layer), (B, H, T, D) -> o (B, H, T, D) and each row's
+    natural-log LSE (B, H, T) fp32, which `prefill_salience` reuses (one QK^T pass saved). On CUDA
+    fp16/bf16: PyTorch's flash kernel, the one SDPA picks there, with its LSE. Elsewhere: `attention`
+    and None: the CPU salience reference needs no LSE, and the output stays exactly the plain path's."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False)[:2]
+        return o, lse
+    return attention(q, k, v, causal=False), None
+
+
 GEMV_MAX_M = 8  # rows up to which the decode GEMV beats the tensor-core GEMM (it streams W once per row block)
 
 
@@ -242,16 +253,18 @@ def gelu_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor) -> torch.Tensor:
+                bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """int8 x (..., K) with scales (...,) times int8 weight (N, K) with fp32 scales (N,), + bias (N,)
-    -> (..., N) in bias's dtype. int32 accumulation, fp32 epilogue (csrc_triton/w8a8_gemm.py)."""
+    [+ residual (..., N)] -> (..., N) in bias's dtype. int32 accumulation, fp32 epilogue with the
+    residual added before the one rounding (csrc_triton/w8a8_gemm.py)."""
     x2 = xq.reshape(-1, xq.shape[-1])  # (M, K)
     s2 = x_scale.reshape(-1)  # (M,)
+    r2 = None if residual is None else residual.reshape(-1, weight.shape[0]).to(bias.dtype)  # (M, N)
     if _w8a8_kernels(xq):
         from csrc_triton.w8a8_gemm import w8a8_gemm as kernel
     else:
         from csrc_triton.w8a8_gemm import w8a8_gemm_ref as kernel
-    y = kernel(x2, weight, s2, weight_scale, bias, out_dtype=bias.dtype)
+    y = kernel(x2, weight, s2, weight_scale, bias, out_dtype=bias.dtype, residual=r2)
     return y.reshape(*xq.shape[:-1], weight.shape[0])
 
 

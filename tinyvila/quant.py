@@ -31,6 +31,11 @@ from .config import QuantConfig
 W4_GROUP_SIZES = (32, 64, 128)
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move a tensor that must keep its dtype; from meta (`to_empty`) it becomes fresh storage."""
+    return torch.empty_like(t, device=device) if t.is_meta and device.type != "meta" else t.to(device)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """(N, K) integers in [0, 15] -> (N, K // 8) int32, nibble i of word j = q[:, 8j + i]."""
     N, K = q.shape
@@ -117,7 +122,7 @@ class W4A16Linear(nn.Module):
             super()._apply(fn, recurse)
         finally:
             self._buffers["zeros"] = zeros
-        self._buffers["zeros"] = zeros.to(self.qweight.device)
+        self._buffers["zeros"] = _to_device(zeros, self.qweight.device)
         return self
 
     def extra_repr(self) -> str:
@@ -222,11 +227,12 @@ class W8A8Linear(nn.Module):
         m.bias.copy_(lin.bias.detach() if lin.bias is not None else torch.zeros_like(m.bias))
         return m
 
-    def forward(self, x: torch.Tensor | QTensor) -> torch.Tensor:
-        """(..., K) float or QTensor -> (..., N) in the bias dtype."""
+    def forward(self, x: torch.Tensor | QTensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., K) float or QTensor -> (..., N) in the bias dtype; `residual` (..., N), when given, is
+        added in the GEMM's epilogue (a fused skip connection)."""
         if not isinstance(x, QTensor):
             x = QTensor(*ops.quant_per_token(x))
-        return ops.w8a8_linear(x.q, x.scale, self.weight, self.weight_scale, self.bias)
+        return ops.w8a8_linear(x.q, x.scale, self.weight, self.weight_scale, self.bias, residual)
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype=...) / .half() would round the fp32 scales; move them by device only.
@@ -235,7 +241,7 @@ class W8A8Linear(nn.Module):
             super()._apply(fn, recurse)
         finally:
             self._buffers["weight_scale"] = scale
-        self._buffers["weight_scale"] = scale.to(self.weight.device)
+        self._buffers["weight_scale"] = _to_device(scale, self.weight.device)
         return self
 
     def extra_repr(self) -> str:

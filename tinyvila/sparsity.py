@@ -35,11 +35,16 @@ def salience_layer(vision: VisionConfig, sparsity: SparsityConfig) -> int:
     return sparsity.salience_layer % n
 
 
-def token_salience(q: torch.Tensor, k: torch.Tensor, vision: VisionConfig) -> torch.Tensor:
+def token_salience(q: torch.Tensor, k: torch.Tensor, vision: VisionConfig, lse: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """Salience of the tokens handed to the projector: q, k (B, H, T, Dh) -> (B, n_out_tokens) fp32.
 
-    No summary token (SigLIP): mean attention received from all rows. CLS (CLIP): from the CLS row."""
-    s = ops.prefill_salience(q, k, n_query=1 if vision.cls_token else None)  # (B, T)
+    No summary token (SigLIP): mean attention received from all rows. CLS (CLIP): from the CLS row.
+    lse (B, H, T): the salience layer's own attention normaliser, when it has one (fused: the kernel
+    then runs only its column pass)."""
+    n_query = 1 if vision.cls_token else None
+    lse = lse[:, :, :1] if lse is not None and n_query == 1 else lse
+    s = ops.prefill_salience(q, k, n_query=n_query, lse=lse)  # (B, T)
     return s[:, 1:] if vision.n_out_tokens < vision.n_tokens else s
 
 
@@ -109,9 +114,9 @@ def prune(vision, projector, pixels: torch.Tensor, sparsity: SparsityConfig) -> 
         merged = projector.merge(vision(pixels))  # (B, N', C)
         idx = random_k(merged.shape[0], merged.shape[1], k, sparsity.seed, merged.device)
         return projector.mlp(gather(merged, idx)), idx
-    x, (q, kk) = vision.run_layers(vision.embed(pixels), qk_layer=salience_layer(cfg, sparsity))
+    x, (q, kk, lse) = vision.run_layers(vision.embed(pixels), qk_layer=salience_layer(cfg, sparsity))
     merged = projector.merge(vision.select(x))  # (B, N', C)
-    sal = grid_salience(token_salience(q, kk, cfg), projector)  # (B, N')
+    sal = grid_salience(token_salience(q, kk, cfg, lse), projector)  # (B, N')
     if sparsity.prefill_method == "sparsevila":
         idx = top_k(sal, k)
         return projector.mlp(gather(merged, idx)), idx

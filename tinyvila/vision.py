@@ -44,6 +44,13 @@ def _linear(quant: str):
     return W8A8Linear if quant == "w8a8" else nn.Linear
 
 
+def _linear_add(lin: nn.Module, x, residual: torch.Tensor | None) -> torch.Tensor:
+    """lin(x) [+ residual]; a W8A8Linear adds the residual inside its GEMM epilogue (one kernel)."""
+    if residual is None:
+        return lin(x)
+    return lin(x, residual) if isinstance(lin, W8A8Linear) else lin(x) + residual
+
+
 class Attention(nn.Module):
     """Non-causal multi-head self-attention with q, k, v fused into one Linear."""
 
@@ -60,13 +67,18 @@ class Attention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, Dh)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, return_qk: bool = False):
-        """(B, T, D) -> (B, T, D); with `return_qk` also (q, k), each (B, H, T, Dh)."""
+    def forward(self, x: torch.Tensor, return_qk: bool = False, residual: torch.Tensor | None = None):
+        """(B, T, D) -> (B, T, D) [+ residual]; with `return_qk` also (q, k, lse): q, k (B, H, T, Dh)
+        and the attention's row LSE (B, H, T) fp32 where the kernel gives one (CUDA), else None; the
+        prefill-salience kernel reuses it, so salience costs one extra QK^T pass, not two."""
         B, T, D = x.shape
         q, k, v = self.qkv(x)
-        o = ops.attention(q, k, v, causal=False)  # scale Dh^-0.5, as HF
-        o = self.wo(o.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
-        return (o, (q, k)) if return_qk else o
+        if return_qk:
+            o, lse = ops.attention_with_lse(q, k, v)
+        else:
+            o = ops.attention(q, k, v, causal=False)  # scale Dh^-0.5, as HF
+        o = _linear_add(self.wo, o.transpose(1, 2).reshape(B, T, D), residual)  # (B, T, D)
+        return (o, (q, k, lse)) if return_qk else o
 
 
 class MLP(nn.Module):
@@ -76,11 +88,12 @@ class MLP(nn.Module):
         self.fc1 = _linear(quant)(cfg.dim, cfg.mlp_dim)
         self.fc2 = _linear(quant)(cfg.mlp_dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor | QTensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QTensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D) [+ residual]."""
         h = self.fc1(x)
         # W8A8: GELU fused with the per-token quantization that fc2 needs.
         h = QTensor(*ops.gelu_quant(h, self.act)) if self.quant_act else ops.gelu(h, self.act)
-        return self.fc2(h)
+        return _linear_add(self.fc2, h, residual)
 
 
 class Block(nn.Module):
@@ -97,12 +110,13 @@ class Block(nn.Module):
         self.ls2 = nn.Parameter(torch.empty(cfg.dim)) if cfg.layer_scale else None
 
     def forward(self, x: torch.Tensor, return_qk: bool = False):
-        """(B, T, D) -> (B, T, D); with `return_qk` also this layer's (q, k), each (B, H, T, Dh)."""
-        a = self.attn(self.norm1(x), return_qk=return_qk)
+        """(B, T, D) -> (B, T, D); with `return_qk` also this layer's (q, k, lse) (Attention.forward)."""
+        # Without LayerScale the skip connection rides in the output GEMMs (fused in W8A8).
+        a = self.attn(self.norm1(x), return_qk=return_qk, residual=x if self.ls1 is None else None)
         a, qk = a if return_qk else (a, None)
-        x = x + (a if self.ls1 is None else a * self.ls1)
-        m = self.mlp(self.norm2(x))
-        x = x + (m if self.ls2 is None else m * self.ls2)
+        x = a if self.ls1 is None else x + a * self.ls1
+        m = self.mlp(self.norm2(x), residual=x if self.ls2 is None else None)
+        x = m if self.ls2 is None else x + m * self.ls2
         return (x, qk) if return_qk else x
 
 
@@ -136,8 +150,8 @@ class VisionEncoder(nn.Module):
         return x if self.pre_norm is None else self.pre_norm(x)
 
     def run_layers(self, x: torch.Tensor, qk_layer: int | None = None):
-        """The layer loop, (B, T, D) -> (B, T, D) = hidden_states[n_run_layers], and the (q, k) of
-        layer `qk_layer` (0-based; each (B, H, T, Dh)) or None."""
+        """The layer loop, (B, T, D) -> (B, T, D) = hidden_states[n_run_layers], and the (q, k, lse)
+        of layer `qk_layer` (0-based; see Attention.forward) or None."""
         qk = None
         for i, layer in enumerate(self.layers):
             if i == qk_layer:

@@ -11,7 +11,9 @@ the question's prefill attention; retrieval + packing of 32 layers against a 50-
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -31,33 +33,93 @@ def _kv(S, n):
             for _ in range(n)]
 
 
+def graph_ms(fn, inputs: list, calls: int = 16) -> float | None:
+    """Per-call median ms of fn replayed from one CUDA graph of >= `calls` calls cycling through
+    `inputs` (the decode loop replays a captured step, so this is its device time without Python
+    launch overhead); None when the call cannot be captured."""
+    n = max(calls, len(inputs))
+    try:
+        for args in inputs:  # compile and allocate outside the capture
+            fn(*args)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(n):
+                fn(*inputs[i % len(inputs)])
+    except RuntimeError as e:
+        print(f"graph capture failed: {e}")
+        return None
+    ms = common.bench(graph.replay, [()], warmup=3, iters=20) / n
+    del graph
+    return ms
+
+
 def decode_rows(lengths) -> list[dict]:
     rows, bw = [], common.copy_bandwidth_gbs()
     q = torch.randn(1, H, D, device="cuda", dtype=DT)
     for L in lengths:
         kv = _kv(L, common.n_copies(4 * HKV * L * D))
         lens = torch.tensor([L], dtype=torch.int32, device="cuda")
-        ms = common.bench(lambda k, v, lens=lens: ops.decode_attention(q, k, v, lens), kv)
-        gbs = 4 * HKV * L * D / ms / 1e6  # K and V, 2 bytes each
-        rows.append({"case": "decode packed", "L": L, "keep": 1.0, "us": 1000 * ms, "GB/s": gbs,
-                     "of_copy_bw": gbs / bw, "target": ">=0.75 for L>=8K"})
+        fn = lambda k, v, lens=lens: ops.decode_attention(q, k, v, lens)  # noqa: E731
+        eager, graph = common.bench(fn, kv), graph_ms(fn, kv)
+        gbs = 4 * HKV * L * D / graph / 1e6  # K and V, 2 bytes each
+        rows.append({"case": "decode packed (graph)", "L": L, "keep": 1.0, "us": 1000 * graph,
+                     "eager_us": 1000 * eager, "GB/s": gbs, "of_copy_bw": gbs / bw, "target": ">=0.75 for L>=8K"})
         del kv
     return rows
 
 
 def sparse_vs_sdpa(caches, keeps) -> list[dict]:
+    """Both sides timed the same two ways: replayed from a CUDA graph (us, sdpa_us) and eager."""
     rows = []
     q = torch.randn(1, H, D, device="cuda", dtype=DT)
     for S in caches:
         kv = _kv(S, common.n_copies(4 * HKV * S * D))
-        sdpa = common.bench(lambda k, v: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True), kv)
+        sdpa_fn = lambda k, v: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)  # noqa: E731
+        sdpa_eager, sdpa = common.bench(sdpa_fn, kv), graph_ms(sdpa_fn, kv)
         for keep in keeps:
             L = round(keep * S)
             lens = torch.tensor([L], dtype=torch.int32, device="cuda")
-            ms = common.bench(lambda k, v, lens=lens: ops.decode_attention(q, k, v, lens), kv)
-            speedup = sdpa / ms
-            rows.append({"case": "keep vs SDPA full", "L": S, "keep": keep, "us": 1000 * ms, "sdpa_us": 1000 * sdpa,
-                         "speedup": speedup, "of_ideal": speedup * keep, "target": ">=0.8 of ideal"})
+            fn = lambda k, v, lens=lens: ops.decode_attention(q, k, v, lens)  # noqa: E731
+            eager, ms = common.bench(fn, kv), graph_ms(fn, kv)
+            speedup = sdpa / ms if sdpa and ms else None
+            rows.append({"case": "keep vs SDPA full (graph)", "L": S, "keep": keep, "us": 1000 * ms,
+                         "sdpa_us": 1000 * sdpa if sdpa else None, "speedup": speedup,
+                         "of_ideal": speedup * keep if speedup else None,
+                         "eager_us": 1000 * eager, "sdpa_eager_us": 1000 * sdpa_eager,
+                         "eager_of_ideal": sdpa_eager / eager * keep, "target": ">=0.8 of ideal"})
+        del kv
+    return rows
+
+
+SWEEP = [  # (block_n, num_warps, num_stages, ctas_per_sm)
+    (64, 4, 3, 4), (64, 4, 2, 4), (64, 4, 4, 4), (32, 4, 4, 4), (128, 4, 2, 4), (128, 8, 3, 2),
+    (64, 4, 3, 2), (64, 4, 3, 8), (32, 2, 4, 8), (64, 8, 3, 4),
+]
+
+
+def sweep_rows(lengths=(8192, 32768, 131072)) -> list[dict]:
+    """Tile configurations of the decode kernel, graph-timed (set DECODE_SWEEP=1 to run)."""
+    from csrc_triton.decode_attention import decode_attention, default_splits
+
+    rows, bw = [], common.copy_bandwidth_gbs()
+    q = torch.randn(1, H, D, device="cuda", dtype=DT)
+    for L in lengths:
+        kv = _kv(L, common.n_copies(4 * HKV * L * D))
+        lens = torch.tensor([L], dtype=torch.int32, device="cuda")
+        for bn, warps, stages, per_sm in SWEEP:
+            splits = default_splits(L, HKV, q.device, per_sm)
+            fn = functools.partial(decode_attention, q, lengths=lens, n_splits=splits, block_n=bn,
+                                   num_warps=warps, num_stages=stages)
+            try:
+                ms = graph_ms(fn, kv)
+            except Exception as e:  # a config that does not compile (shared memory) is a row, not a crash
+                print(f"config {bn, warps, stages, per_sm} failed: {type(e).__name__}: {e}")
+                ms = None
+            gbs = 4 * HKV * L * D / ms / 1e6 if ms else None
+            rows.append({"case": "sweep (graph)", "L": L, "config": f"n{bn}w{warps}s{stages}c{per_sm}",
+                         "splits": splits, "us": 1000 * ms if ms else None, "GB/s": gbs,
+                         "of_copy_bw": gbs / bw if gbs else None})
         del kv
     return rows
 
@@ -126,6 +188,8 @@ def overhead_rows(S=8192, T=64, keep=0.1) -> list[dict]:
 
 def run(args) -> list[dict]:
     quick = getattr(args, "quick", False)
+    if os.environ.get("DECODE_SWEEP") == "1":
+        return sweep_rows()
     rows = decode_rows([1024, 8192, 32768] if quick else [1024, 8192, 32768, 131072])
     rows += sparse_vs_sdpa([32768] if quick else [32768, 131072], [0.25, 0.1])
     rows += retrieval_rows()

@@ -1,28 +1,28 @@
 """Prefill salience (SparseVILA column-reduce) against naive PyTorch and the public flash-colreduce, fp16.
 
-    PYTHONPATH=. python scripts/bench_kernels.py --only prefill_salience      (needs `flash-colreduce`)
+    PYTHONPATH=. python scripts/bench_kernels.py --only prefill_salience [--quick]   (needs `flash-colreduce`)
 
 Shapes of issue 5: SigLIP (H=16, N=729, D=72) at 1/8/64 frames, long sequences (H=16, D=80) at
-N=4K/16K/64K. Rows: naive (softmax(QK^T) materialised, then the mean; and flash_colreduce's own
-naive_colreduce), flash-colreduce's kernel, ours standalone (LSE pass + column pass) at the default
-tiles and at the best of a small tile sweep, and ours given the attention's LSE (column pass only:
-its cost when fused with the salience layer's attention). TFLOP/s counts the two QK^T passes the
-method needs (4*B*H*N^2*D; one pass for "lse given"); peak memory is the call's own allocation.
-Last row: salience over the full fp16 SigLIP-so400m encoder time at 64 frames.
+N=4K/16K/64K (--quick: up to 4K, no sweep). Rows: naive (softmax(QK^T) materialised, then the mean;
+and flash_colreduce's naive_colreduce), flash-colreduce, ours standalone (LSE pass + column pass),
+ours fused (the salience layer's flash attention already gave the LSE: column pass only, the
+encoder's real cost), each at default tiles and at the best of a tile x fast-exp sweep; and the
+flash attention (+LSE) itself for scale. TFLOP/s counts the QK^T passes run (2 standalone, 1 fused).
+Last rows: salience's share of the W8A8 SigLIP-so400m encoder at 64 frames (synthetic weights).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from benches import common
-from csrc_triton.prefill_salience import prefill_salience
+from csrc_triton.prefill_salience import default_tiles, prefill_salience
+from tinyvila import ops
 
 SIGLIP = [(1, 16, 729, 72), (8, 16, 729, 72), (64, 16, 729, 72)]
 LONG = [(1, 16, 4096, 80), (1, 16, 16384, 80), (1, 16, 65536, 80)]
-SWEEP = [(64, 64, 64), (64, 64, 128), (128, 64, 64), (128, 64, 128), (128, 128, 128), (128, 32, 128)]
+# (resident rows, streamed rows, num_warps, num_stages); each also with fp16x2 exponentials.
+SWEEP = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)]
 NAIVE_MAX_BYTES = 40 << 30  # the materialised fp16 matrix plus its softmax must fit comfortably
 
 
@@ -42,78 +42,129 @@ def _peak_mib(fn, args) -> float:
 
 
 def _time(fn, inputs, iters):
+    """(median ms, peak MiB) or (None, None) when it runs out of memory or does not compile."""
     try:
-        return common.bench(fn, inputs, warmup=3, iters=iters), _peak_mib(fn, inputs[0])
-    except torch.OutOfMemoryError:
+        return common.bench(fn, inputs, warmup=2, iters=iters), _peak_mib(fn, inputs[0])
+    except Exception as e:  # noqa: BLE001 - one failing config must not hide the other rows
+        print(f"  skipped: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
         torch.cuda.empty_cache()
         return None, None
 
 
 def _methods(fc):
-    out = [("naive torch", naive)]
+    out = [("naive torch", lambda q, k, lse: naive(q, k))]
     if fc is not None:
-        out += [("naive_colreduce", lambda q, k: fc.naive_colreduce(q, k, "mean").float().mean(1)),
-                ("flash-colreduce", lambda q, k: fc.flash_colreduce(q, k, "mean").float().mean(1))]
-    out.append(("ours", lambda q, k: prefill_salience(q, k)))
+        out += [("naive_colreduce", lambda q, k, lse: fc.naive_colreduce(q, k, "mean").float().mean(1)),
+                ("flash-colreduce", lambda q, k, lse: fc.flash_colreduce(q, k, "mean").float().mean(1))]
+    out += [("ours standalone", lambda q, k, lse: prefill_salience(q, k)),
+            ("ours fused (lse given)", lambda q, k, lse: prefill_salience(q, k, lse=lse))]
     return out
 
 
-def _shape_rows(B, H, N, D, fc, quick) -> list[dict]:
-    flops2 = 4 * B * H * N * N * D  # two QK^T passes
-    per_set = 2 * B * H * N * D * 2
-    n_sets = 1 if quick else common.n_copies(per_set)
+def _inputs(B, H, N, D, quick):
+    """Input sets (q, k, flash attention's LSE) rotated so that together they exceed L2."""
+    n_sets = 1 if quick else min(3, common.n_copies(2 * B * H * N * D * 2))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    inputs = [tuple(torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=gen) for _ in "qk")
-              for _ in range(n_sets)]
-    iters = 5 if quick else (10 if N >= 16384 else 50)
-    ref = prefill_salience(*inputs[0])
-    results, rows = {}, []
+    sets = []
+    for _ in range(n_sets):
+        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=gen) for _ in "qkv")
+        sets.append((q, k, ops.attention_with_lse(q, k, v)[1]))
+        del v
+    return sets
+
+
+def _sweep(inputs, iters) -> dict:
+    """Best (ms, config) of the tile x fast-exp sweep, standalone and fused."""
+    best = {}
+    for fused in (False, True):
+        for tiles in SWEEP:
+            for fast in (False, True):
+                fn = (lambda q, k, lse, t=tiles, f=fast, u=fused:
+                      prefill_salience(q, k, lse=lse if u else None, tiles=t, fast_exp=f))
+                ms = _time(fn, inputs, iters)[0]
+                key = "fused" if fused else "standalone"
+                if ms is not None and ms < best.get(key, (float("inf"),))[0]:
+                    best[key] = (ms, f"{tiles}{' fast' if fast else ''}")
+    return best
+
+
+def _shape_rows(B, H, N, D, fc, quick) -> list[dict]:
+    shape = f"B{B} H{H} N{N} D{D}"
+    flops1 = 2 * B * H * N * N * D  # one QK^T pass
+    inputs = _inputs(B, H, N, D, quick)
+    iters = 5 if quick or N >= 65536 else (10 if N >= 16384 else 30)
+    ref = prefill_salience(*inputs[0][:2]).double()
+    small = B * H * N * N * 4 <= NAIVE_MAX_BYTES  # an fp32 reference fits
+    results = {}
     for name, fn in _methods(fc):
         if name.startswith("naive") and 2 * B * H * N * N * 2 > NAIVE_MAX_BYTES:
-            results[name] = (None, None)
+            results[name] = (None, None, None)
             continue
-        err = (fn(*inputs[0]) - ref).abs().max().item() if N * N * B * H * 4 <= NAIVE_MAX_BYTES else float("nan")
-        results[name] = (*_time(fn, inputs, iters), err)
-    # Tile sweep of ours, and the column pass alone when the attention's LSE is given.
-    best = min(((_time(lambda q, k, b=b: prefill_salience(q, k, blocks=b), inputs, iters)[0], b)
-                for b in ([] if quick else SWEEP)), default=(None, None), key=lambda t: t[0] or math.inf)
-    # Timing only: the column pass does the same work whatever the normaliser's values are.
-    lse_inputs = [(q, k, torch.full((B, H, N), math.log(N), device="cuda")) for q, k in inputs]
-    results["ours, lse given"] = _time(lambda q, k, ls: prefill_salience(q, k, lse=ls), lse_inputs, iters)
-    naive_ms = results["naive torch"][0]
-    fc_ms = results.get("flash-colreduce", (None,))[0]
-    for name, (ms, mib, *err) in results.items():
-        fl = flops2 / 2 if "lse given" in name else flops2
-        rows.append(dict(shape=f"B{B} H{H} N{N} D{D}", method=name, ms=ms, tflops=fl / ms / 1e9 if ms else None,
+        ms, mib = _time(fn, inputs, iters)
+        err = (fn(*inputs[0]).double() - ref).abs().max().item() if ms is not None and small else None
+        results[name] = (ms, mib, err)
+    results["flash attention + LSE"] = (*_time(lambda q, k, lse: ops.attention_with_lse(q, k, k), inputs, iters), None)
+    best = {} if quick else _sweep(inputs, iters)
+    for key, (ms, cfg) in best.items():
+        results[f"ours {key} best {cfg}"] = (ms, None, None)
+    naive_ms, fc_ms = results["naive torch"][0], results.get("flash-colreduce", (None,))[0]
+    rows = []
+    for name, (ms, mib, err) in results.items():
+        passes = 2 if "standalone" in name else (1 if "fused" in name else (2 if "attention" not in name else 2))
+        rows.append(dict(shape=shape, method=name, ms=ms, tflops=passes * flops1 / ms / 1e9 if ms else None,
                          x_naive=naive_ms / ms if ms and naive_ms else None,
-                         x_fc=fc_ms / ms if ms and fc_ms else None, peak_mib=mib,
-                         max_err=err[0] if err else None))
-    if best[0] is not None:
-        rows.append(dict(shape=f"B{B} H{H} N{N} D{D}", method=f"ours best {best[1]}", ms=best[0],
-                         tflops=flops2 / best[0] / 1e9, x_naive=naive_ms / best[0] if naive_ms else None,
-                         x_fc=fc_ms / best[0] if fc_ms else None, peak_mib=None, max_err=None))
+                         x_fc=fc_ms / ms if ms and fc_ms else None, peak_mib=mib, max_err=err))
+    print(f"  {shape}: default tiles {default_tiles(B * H, N, N, inputs[0][0].device)}")
     return rows
 
 
-def _encoder_overhead(quick) -> dict:
-    """Salience time over the fp16 SigLIP-so400m encoder (26 layers) at 64 frames."""
-    from tinyvila.config import SIGLIP_SO400M
+def _w8a8_encoder(cfg):
+    """SigLIP-so400m W8A8 encoder (26 layers) on the GPU with random int8 weights and sane scales."""
     from tinyvila.vision import VisionEncoder
 
-    cfg = SIGLIP_SO400M
     with torch.device("cuda"):
-        enc = VisionEncoder(cfg).half()
-    for p in enc.parameters():
-        p.data.normal_(0, 0.02)
+        enc = VisionEncoder(cfg, "w8a8").half().eval()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, t in list(enc.named_parameters()) + list(enc.named_buffers()):
+            if t.dtype == torch.int8:
+                t.copy_(torch.randint(-127, 128, t.shape, device="cuda", generator=g, dtype=torch.int8))
+            elif name.endswith("weight_scale"):
+                t.fill_(0.02 / 127)  # ~N(0, 0.02)-sized weights after dequantization
+            else:
+                t.normal_(0, 0.02, generator=g)
+                if "norm" in name and name.endswith("weight"):
+                    t.add_(1.0)
+    return enc
+
+
+def _encoder_rows(quick) -> list[dict]:
+    """Salience's added time on the W8A8 encoder: the fused column pass alone, and end to end
+    (encoder with the salience layer's flash+LSE attention and the kernel, minus the plain encoder)."""
+    from tinyvila.config import SIGLIP_SO400M
+
+    cfg = SIGLIP_SO400M
+    enc = _w8a8_encoder(cfg)
     B = 8 if quick else 64
-    px = torch.randn(B, 3, cfg.image_size, cfg.image_size, device="cuda", dtype=torch.float16)
+    px = [(torch.randn(B, 3, cfg.image_size, cfg.image_size, device="cuda", dtype=torch.float16),)]
+    last = cfg.n_run_layers - 1
+
+    def with_salience(x):
+        h, (q, k, lse) = enc.run_layers(enc.embed(x), qk_layer=last)
+        return h, ops.prefill_salience(q, k, lse=lse)
+
     with torch.inference_mode():
-        enc_ms = common.bench(lambda x: enc(x), [(px,)], warmup=2, iters=5 if quick else 10)
-        _, (q, k) = enc.run_layers(enc.embed(px), qk_layer=cfg.n_run_layers - 1)
-        sal_ms = common.bench(lambda a, b: prefill_salience(a, b), [(q, k)], warmup=3, iters=20)
-    return dict(shape=f"encoder fp16 B{B}", method="salience / encoder", ms=sal_ms, tflops=None,
-                x_naive=None, x_fc=None, peak_mib=None, max_err=100 * sal_ms / enc_ms,
-                note=f"encoder {enc_ms:.2f} ms; max_err column = overhead %")
+        enc_ms = common.bench(enc, px, warmup=2, iters=5)
+        both_ms = common.bench(with_salience, px, warmup=2, iters=5)
+        _, (q, k, lse) = enc.run_layers(enc.embed(px[0][0]), qk_layer=last)
+        col_ms = common.bench(lambda a, b, c: prefill_salience(a, b, lse=c), [(q, k, lse)], warmup=3, iters=20)
+    base = dict(x_naive=None, x_fc=None, peak_mib=None, max_err=None, tflops=None)
+    print(f"  W8A8 encoder B{B}: {enc_ms:.2f} ms; with salience {both_ms:.2f} ms; column pass {col_ms:.3f} ms")
+    return [dict(shape=f"encoder w8a8 B{B}", method="encoder alone", ms=enc_ms, **base),
+            dict(shape=f"encoder w8a8 B{B}", method="salience column pass", ms=col_ms, **base,
+                 pct_encoder=100 * col_ms / enc_ms),
+            dict(shape=f"encoder w8a8 B{B}", method="encoder + salience (fused)", ms=both_ms, **base,
+                 pct_encoder=100 * (both_ms - enc_ms) / enc_ms)]
 
 
 def run(args) -> list[dict]:
@@ -130,9 +181,10 @@ def run(args) -> list[dict]:
     mm = common.matmul_tflops(torch.float16)
     for r in rows:
         r["pct_mm"] = 100 * r["tflops"] / mm if r.get("tflops") else None
-    over = _encoder_overhead(quick)
-    print(over["note"])
-    over.pop("note")
-    over["pct_mm"] = None
-    rows.append(over)
+        r["pct_encoder"] = None
+    try:
+        for r in _encoder_rows(quick):
+            rows.append({**r, "pct_mm": None, "pct_encoder": r.get("pct_encoder")})
+    except Exception as e:  # noqa: BLE001 - the kernel rows above still count
+        print(f"encoder rows failed: {type(e).__name__}: {e}")
     return rows

@@ -55,6 +55,12 @@ def test_gqa_ratios_and_head_dims(H, Hkv, D):
     check(q, k, v, lens, n_splits=3)
 
 
+@pytest.mark.parametrize("block_n,lengths", [(16, [77, 300]), (32, [300, 1]), (128, [129, 300])])
+def test_tile_sizes(block_n, lengths):
+    q, k, v, lens = make(2, 8, 2, 300, 64, torch.float16, lengths, seed=3)
+    check(q, k, v, lens, n_splits=5, block_n=block_n)
+
+
 def test_sampled_lengths_default_splits():
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(1, 5001, (3,), generator=g).tolist()

@@ -88,6 +88,25 @@ def test_matches_reference(shape, dtype, poisoned):
     torch.testing.assert_close(out.sum(-1), torch.ones(B, device=DEVICE), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tiles", [(128, 64, 8, 3), (64, 128, 4, 2), (128, 128, 8, 3), (32, 16, 4, 3)],
+                         ids=lambda t: "r{}s{}w{}p{}".format(*t))
+def test_every_tile_config(tiles, poisoned):
+    """The configurations the bench sweeps give the same salience (masks at every tile edge)."""
+    q, k = _inputs(2, 2, 197, 72, torch.float16, seed=7)
+    _assert_within(prefill_salience(q, k, tiles=tiles), q, k, None)
+    _assert_within(prefill_salience(q, k, n_query=3, tiles=tiles), q, k, 3)
+
+
+@pytest.mark.skipif(not CUDA, reason="ex2.approx.f16x2 is PTX inline assembly: CUDA only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", REAL, ids=lambda s: "x".join(map(str, s)))
+def test_fast_exp(shape, dtype, poisoned):
+    """fp16x2 exponentials stay within the tolerance rule at the real shapes."""
+    B, H, N, D, n_query = shape
+    q, k = _inputs(B, H, N, D, dtype, seed=N + 1)
+    _assert_within(prefill_salience(q, k, n_query=n_query, fast_exp=True), q, k, n_query)
+
+
 def test_reused_lse_runs_only_the_column_pass(poisoned):
     """With the attention's own (natural-log) LSE the kernel gives the same salience."""
     q, k = _inputs(2, 3, 197, 72, torch.float16, seed=1)
