@@ -141,11 +141,12 @@ def default_splits(max_len: int, n_programs: int, device: torch.device, ctas_per
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                      scale: float | None = None, n_splits: int | None = None,
                      block_n: int = 64, out: torch.Tensor | None = None,
-                     num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q (B, H, D) x k, v (B, Hkv, L_max, D), lengths (B,) int32 on q's device -> (B, H, D) in q's dtype.
 
     `out` (like q) receives the result when given (a captured graph's fixed output buffer).
-    block_n, num_warps, num_stages and n_splits are tuning knobs (scripts/benches/decode_attention.py).
+    block_n, num_warps, num_stages and n_splits are tuning knobs; the defaults won the H200 sweep of
+    scripts/benches/decode_attention.py (DECODE_SWEEP=1; docs/perf_notes.md).
     """
     B, H, D = q.shape
     Hkv, L_max = k.shape[1], k.shape[2]

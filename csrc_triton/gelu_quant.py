@@ -41,11 +41,12 @@ def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, K, stride_hm, stride_qm, KIND
     _quant_rows(g, mask, q_ptr + rows[:, None] * stride_qm + offs[None, :], scale_ptr + rows, rows < M)
 
 
-def gelu_quant(h: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """h (..., K) -> (q (..., K) int8, scale (...,) fp32) of GELU_kind(h)."""
+def gelu_quant(h: torch.Tensor, kind: str, meta: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (..., K) -> (q (..., K) int8, scale (...,) fp32) of GELU_kind(h).
+    `meta` overrides the launch shape (ROWS, num_warps; quant_per_token._row_meta)."""
     if kind not in KINDS:
         raise ValueError(f"gelu_quant: unknown activation {kind!r}; known: {', '.join(KINDS)}")
-    h2, q, scale, meta = _launch_rows(h, "gelu_quant")
+    h2, q, scale, meta = _launch_rows(h, "gelu_quant", meta)
     M = h2.shape[0]
     if M:
         _gelu_quant_kernel[(triton.cdiv(M, meta["ROWS"]),)](h2, q, scale, M, h2.shape[1], h2.stride(0), q.stride(0),

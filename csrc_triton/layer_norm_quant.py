@@ -34,13 +34,14 @@ def _layer_norm_quant_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, M, K, stride
     _quant_rows(y, mask, q_ptr + rows[:, None] * stride_qm + offs[None, :], scale_ptr + rows, rows < M)
 
 
-def layer_norm_quant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., K) -> (q (..., K) int8, scale (...,) fp32) of LayerNorm(x; weight, bias, eps)."""
+def layer_norm_quant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                     meta: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) -> (q (..., K) int8, scale (...,) fp32) of LayerNorm(x; weight, bias, eps).
+    `meta` overrides the launch shape (ROWS, num_warps; quant_per_token._row_meta)."""
     K = x.shape[-1]
     if weight.shape != (K,) or bias.shape != (K,):
         raise ValueError(f"layer_norm_quant: weight and bias must be ({K},), got {tuple(weight.shape)}, {tuple(bias.shape)}")
-    x2, q, scale, meta = _launch_rows(x, "layer_norm_quant")
+    x2, q, scale, meta = _launch_rows(x, "layer_norm_quant", meta)
     M = x2.shape[0]
     if M:
         _layer_norm_quant_kernel[(triton.cdiv(M, meta["ROWS"]),)](

@@ -8,7 +8,7 @@ summary tokens); B frames independent. Result (B, N) fp32; extra memory O(B*H*(M
 Pass 1 (`_row_lse_kernel`, a FlashAttention forward without V) gives each row's natural-log LSE.
 Pass 2 (`_prefill_salience_kernel`) keeps a tile of keys resident and streams the query rows past
 it, computing S^T = K Q^T so the column sum is a cheap in-thread row sum (summing down the rows of
-Q K^T costs a cross-warp reduction per tile: 3.5x slower on the H200). Fused: the salience layer's
+Q K^T costs a cross-warp reduction per tile; that layout was 2-2.7x slower on the H200). Fused: the salience layer's
 attention already has the LSE (tinyvila.ops.attention_lse), so the encoder passes it and pays only
 pass 2, one QK^T. D not a power of two (SigLIP 72) = a 64 slice plus a masked 16 slice (2 dots).
 exp2 with log2(e) folded into the scale; `fast_exp` uses ex2.approx.f16x2 (2 per MUFU op, CUDA only).
@@ -24,6 +24,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+_LOG2E, _LN2 = tl.constexpr(LOG2E), tl.constexpr(LN2)  # what a @triton.jit body may read
 FAST_EXP_DEFAULT = False  # fp16x2 exponentials for 16-bit inputs on CUDA (see docs/perf_notes.md)
 
 
@@ -79,12 +80,14 @@ def _dot_streamed(a0, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constex
 @triton.jit
 def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N, scale_log2,
                     D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr, FAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+                    UPCAST: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
     """Pass 1: lse[bh, m] = ln sum_n exp(scale q.k) for BLOCK_R resident rows, online over key tiles."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
-    q_ptr += b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    k_ptr += b.to(tl.int64) * skb + h.to(tl.int64) * skh
+    sqm, skn = sqm * ALIGN, skn * ALIGN  # strides arrive divided by ALIGN (see prefill_salience)
+    q_ptr += b.to(tl.int64) * sqb * ALIGN + h.to(tl.int64) * sqh * ALIGN
+    k_ptr += b.to(tl.int64) * skb * ALIGN + h.to(tl.int64) * skh * ALIGN
     offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_ok = offs_m < M
     q0, q1 = _load_resident(q_ptr, offs_m, m_ok, sqm, D, D0, D1, UPCAST)
@@ -98,19 +101,21 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds at least one valid key
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(_exp2(s - m_new[:, None], FAST), axis=1)
         m_i = m_new
-    tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, (m_i + tl.log2(l_i)) * LN2, mask=m_ok)
+    tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, (m_i + tl.log2(l_i)) * _LN2, mask=m_ok)
 
 
 @triton.jit
 def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb, skh, skn, slb, slh,
                              H, M, N, scale_log2, inv_count, D: tl.constexpr, D0: tl.constexpr,
                              D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                             FAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+                             FAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_S: tl.constexpr):
     """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q - log2e lse[m]), BLOCK_R resident keys."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
-    q_ptr += b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    k_ptr += b.to(tl.int64) * skb + h.to(tl.int64) * skh
+    sqm, skn = sqm * ALIGN, skn * ALIGN
+    q_ptr += b.to(tl.int64) * sqb * ALIGN + h.to(tl.int64) * sqh * ALIGN
+    k_ptr += b.to(tl.int64) * skb * ALIGN + h.to(tl.int64) * skh * ALIGN
     lse_ptr += b.to(tl.int64) * slb + h.to(tl.int64) * slh
     offs_n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_ok = offs_n < N
@@ -120,7 +125,7 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
         offs_m = m0 + tl.arange(0, BLOCK_S)
         m_ok = offs_m < M
         # Rows past M get lse = +inf, so exp2 gives exactly 0 and no extra select is needed.
-        lse2 = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("inf")) * LOG2E
+        lse2 = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("inf")) * _LOG2E
         s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST)  # (R, S) = K Q^T
         acc += tl.sum(_exp2(s * scale_log2 - lse2[None, :], FAST), axis=1)
     tl.store(out_ptr + bh.to(tl.int64) * N + offs_n, acc * inv_count, mask=n_ok)
@@ -154,12 +159,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, n_query: int | None, lse: torch.Ten
     return M
 
 
-def default_tiles(bh: int, M: int, N: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(resident rows, streamed rows, num_warps, num_stages) for both passes: 128 resident rows (two
-    warpgroups) when that still fills every SM once, else 64 (one frame of 729 tokens: 192 programs)."""
-    n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    wide = bh * triton.cdiv(min(M, N), 128) >= n_sm
-    return (128, 64, 8, 3) if wide else (64, 64, 4, 3)
+# (resident rows, streamed rows, num_warps, num_stages) for both passes. The H200 sweep
+# (docs/perf_notes.md, 2026-11-29) found 128 resident x 64 streamed rows on one warpgroup the best
+# standalone config at every shape (1-64 SigLIP frames, N = 4K-64K), and the best or within 10% fused.
+DEFAULT_TILES = (128, 64, 4, 3)
 
 
 def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = None,
@@ -170,7 +173,7 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     n_query: average over the first n_query rows only (summary tokens); default all T rows.
     lse: (B, H, n_query) fp32 natural-log log-sum-exp of each row's scaled logits (unit stride along
     rows), when the caller's attention already computed it: then only pass 2 runs. scale: default
-    D ** -0.5. tiles: (resident, streamed, num_warps, num_stages) instead of `default_tiles` (sweeps).
+    D ** -0.5. tiles: (resident, streamed, num_warps, num_stages) instead of DEFAULT_TILES (sweeps).
     fast_exp: fp16x2 exponentials (CUDA, 16-bit inputs only); default FAST_EXP_DEFAULT.
     """
     M = _check(q, k, n_query, lse)
@@ -182,10 +185,16 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     upcast = q.dtype == torch.bfloat16 and interpret
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # tf32 is ignored for 16-bit inputs
     fast = (FAST_EXP_DEFAULT if fast_exp is None else fast_exp) and q.dtype != torch.float32 and not interpret
-    res, stream, warps, stages = tiles or default_tiles(B * H, M, N, q.device)
+    res, stream, warps, stages = tiles or DEFAULT_TILES
     streamed_m = min(stream, max(16, triton.next_power_of_2(M)))  # summary mode: 1..few rows (dot needs 16)
-    meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, FAST=fast, num_warps=warps, num_stages=stages)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    # Triton only learns that an int argument is a multiple of 16; SigLIP's strides (72, 729*72) are
+    # multiples of 8, i.e. 16-byte rows. Passing stride // 8 and multiplying by a constexpr 8 inside
+    # tells the compiler, which then issues 16-byte (cp.async) loads instead of 2-byte ones.
+    align = 8 if all(st % 8 == 0 for st in strides) else 1
+    strides = tuple(st // align for st in strides)
+    meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, FAST=fast, ALIGN=align, num_warps=warps,
+                num_stages=stages)
     if lse is None:
         lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
         _row_lse_kernel[(triton.cdiv(M, min(res, max(16, triton.next_power_of_2(M)))), B * H)](

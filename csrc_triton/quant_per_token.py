@@ -49,9 +49,23 @@ def _quant_per_token_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm,
     _quant_rows(y, mask, q_ptr + rows[:, None] * stride_qm + offs[None, :], scale_ptr + rows, rows < M)
 
 
-def _launch_rows(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+def _row_meta(K: int, device: torch.device) -> dict:
+    """ROWS per program, BLOCK_K, num_warps of the row kernels."""
+    block = triton.next_power_of_2(K)
+    if device.type == "cuda":
+        # One row per program and 4 warps: many small programs per SM hide the load -> reduce ->
+        # store latency chain. Best of the H200 sweep for all three row kernels at 64 images, within
+        # 12% of the best at 8 (docs/perf_notes.md); the old 4-row/16-warp programs were 1.1-1.8x slower.
+        return dict(ROWS=1, BLOCK_K=block, num_warps=4 if block <= 8192 else 8)
+    # The interpreter's cost is per program: ~8K elements a program keeps CPU tests fast.
+    rows = max(1, min(64, 8192 // block))
+    return dict(ROWS=rows, BLOCK_K=block, num_warps=min(16, max(1, rows * block // 512)))
+
+
+def _launch_rows(x: torch.Tensor, name: str, meta: dict | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """Shared checks/allocation of the row-wise quantizing launchers: x (..., K) -> x2 (M, K),
-    q (M, K) int8, scale (M,) fp32, launch kwargs."""
+    q (M, K) int8, scale (M,) fp32, launch kwargs (`meta` overrides ROWS / num_warps; benchmarks)."""
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"{name}: x must be fp16, bf16 or fp32, got {x.dtype}")
     K = x.shape[-1]
@@ -63,17 +77,12 @@ def _launch_rows(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor
     M = x2.shape[0]
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(K)
-    # Several rows per program when rows are short: ~8K elements a tile keeps a program busy on
-    # the GPU (and the interpreter, whose cost is per program, fast).
-    rows = max(1, min(64, 8192 // block))
-    meta = dict(ROWS=rows, BLOCK_K=block, num_warps=min(16, max(1, rows * block // 512)))
-    return x2, q, scale, meta
+    return x2, q, scale, {**_row_meta(K, x.device), **(meta or {})}
 
 
-def quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_per_token(x: torch.Tensor, meta: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) float -> (q (..., K) int8, scale (...,) fp32), one scale per row."""
-    x2, q, scale, meta = _launch_rows(x, "quant_per_token")
+    x2, q, scale, meta = _launch_rows(x, "quant_per_token", meta)
     M = x2.shape[0]
     if M:
         _quant_per_token_kernel[(triton.cdiv(M, meta["ROWS"]),)](x2, q, scale, M, x2.shape[1], x2.stride(0),

@@ -82,9 +82,11 @@ def _check(q, k, idx, lse, out):
 
 def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor,
                        scale: float | None = None, out: torch.Tensor | None = None,
-                       block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                       block_m: int = 64, block_n: int = 128, num_warps: int = 8,
                        num_stages: int = 2) -> torch.Tensor:
-    """q (B, H, T, D), k (B, Hkv, S, D), idx (N,), lse (B, H, T) fp32 -> (B, Hkv, N) fp32 (added to `out`)."""
+    """q (B, H, T, D), k (B, Hkv, S, D), idx (N,), lse (B, H, T) fp32 -> (B, Hkv, N) fp32 (added to `out`).
+
+    Tile defaults: best of the H200 sweep in scripts/benches/decode_attention.py (docs/perf_notes.md)."""
     _check(q, k, idx, lse, out)
     B, H, T, D = q.shape
     Hkv, N = k.shape[1], idx.numel()

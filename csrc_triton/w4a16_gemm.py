@@ -6,7 +6,8 @@ Math: each (BLOCK_N, BLOCK_K) weight tile is dequantized once in registers, w = 
 rounded to x's dtype (exactly what `_ref` and a dense checkpoint hold), and fed to tl.dot (wgmma on
 sm_90) against the (BLOCK_M, BLOCK_K) activation tile with fp32 accumulation. BLOCK_K divides G, so a
 tile has one scale and zero per row. Programs are grouped along M (GROUP_M) so weight tiles are reused
-from L2. Limits: K % G == 0; any M, N. Autotuned on CUDA; one fixed config under TRITON_INTERPRET.
+from L2. Long prompts (M >= DEQUANT_MIN_M on CUDA) take another path: w4a16_dequant to a workspace, then cuBLAS.
+Limits: K % G == 0; any M, N. Autotuned on CUDA; one fixed config under TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.w4a16_gemv import check_w4_args, dequantize_ref
+from csrc_triton.w4a16_dequant import w4a16_dequant
+from csrc_triton.w4a16_gemv import INTERPRET, check_w4_args, dequantize_ref
+
+# From this many rows on (CUDA), the launcher dequantizes W once into an (N, K) workspace in x's dtype
+# (w4a16_dequant: memory-bound, ~K*N*2.5 bytes, tens of microseconds at Llama-3-8B shapes) and calls
+# cuBLAS: at M = 2048 the fused kernel below reached only ~0.2x cuBLAS on the H200 (first GPU run),
+# while the dequantization pass costs ~10-15% of a cuBLAS GEMM there. Below it, the fused kernel.
+DEQUANT_MIN_M = 256
 
 _MAGIC = tl.constexpr(0x4B000000)  # fp32 bits of 2**23: OR-ing q < 2**23 into the mantissa gives 2**23 + q
 
@@ -98,15 +106,25 @@ _w4a16_gemm_tuned = triton.autotune(CONFIGS, key=["M_KEY", "N", "K", "G", "HAS_B
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-               config: dict | None = None) -> torch.Tensor:
-    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins a tile (else autotuned on CUDA)."""
+               config: dict | None = None, path: str | None = None) -> torch.Tensor:
+    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins a tile (else autotuned on CUDA);
+    `path` forces "fused" or "dequant" (dequantize to a workspace + cuBLAS); default by M (DEQUANT_MIN_M)."""
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
+    if path is None:
+        path = "dequant" if x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M else "fused"
+    if path not in ("fused", "dequant"):
+        raise ValueError(f"path must be 'fused' or 'dequant', got {path!r}")
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be ({M}, {N}) {x.dtype} with unit stride along N")
     if M == 0:
         return out
+    if path == "dequant":
+        w = w4a16_dequant(qweight, scales, zeros)  # (N, K) in x's dtype, rounded like `_ref`
+        if bias is None:
+            return torch.mm(x, w.T, out=out)
+        return torch.addmm(bias, x, w.T, out=out)
     m_key = min(triton.next_power_of_2(M), 4096)
     args = (x, qweight, scales, zeros, bias if bias is not None else scales, out, M, N, K,
             x.stride(0), out.stride(0), m_key)

@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every token count (M is masked anyway)
 def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, M, N,
                       stride_am, stride_bn, stride_rm, stride_cm, K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
@@ -85,10 +85,13 @@ def _device_caps(index: int) -> tuple[int, int, int]:
     return p.multi_processor_count, getattr(p, "shared_memory_per_block_optin", 101376), p.major
 
 
-# Tile shapes tried largest first: the first whose grid fills every SM once wins (small grids leave
-# SMs idle at one image, where 128x256 tiles give only 6 x 5 programs for the 1152-wide GEMMs).
+# Tile shapes tried largest first: the first whose grid covers 3/4 of the SMs wins (small grids
+# leave SMs idle at one image, where 128x256 tiles give only 6 x 5 programs for the 1152-wide GEMMs).
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, max stages); int8 operands take (BM + BN) * BK bytes a stage.
-_TILES = ((128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4), (64, 64, 128, 4, 4))
+# Chosen by the H200 sweep in scripts/benches/w8a8.py (docs/perf_notes.md): 128x256 (TMA) wins or
+# ties at 8 and 64 images (815-940 TOPS), 64x128 at one image (108 programs for N=1152 beat 64x64's
+# 216: hence 3/4, not all, of the 132 SMs); 128x128 never won.
+_TILES = ((128, 256, 128, 8, 3), (64, 128, 128, 4, 4), (64, 64, 128, 4, 4))
 
 
 def _config(M: int, N: int, K: int, device: torch.device) -> dict:
@@ -97,9 +100,8 @@ def _config(M: int, N: int, K: int, device: torch.device) -> dict:
     if device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     n_sm, smem, _ = _device_caps(device.index if device.index is not None else torch.cuda.current_device())
-    for bm, bn, bk, warps, max_stages in _TILES:
-        if triton.cdiv(M, bm) * triton.cdiv(N, bn) >= n_sm:
-            break
+    bm, bn, bk, warps, max_stages = next(
+        (t for t in _TILES if triton.cdiv(M, t[0]) * triton.cdiv(N, t[1]) >= 3 * n_sm // 4), _TILES[-1])
     stages = max(2, min(max_stages, (smem - 8192) // ((bm + bn) * bk)))
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
 
@@ -133,9 +135,11 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
         raise TypeError("w8a8_gemm: a_scale and b_scale must be float32")
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"w8a8_gemm: bias must be ({N},), got {tuple(bias.shape)}")
-    if residual is not None and (residual.shape != (M, N) or residual.dtype != out_dtype or residual.stride(1) != 1):
-        raise ValueError(f"w8a8_gemm: residual must be ({M}, {N}) {out_dtype} with a contiguous last dim, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
+    if residual is not None and (residual.shape != (M, N) or residual.dtype != out_dtype):
+        raise ValueError(f"w8a8_gemm: residual must be ({M}, {N}) {out_dtype}, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()  # e.g. a ViT's first-layer input, still in the patch conv's layout
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("w8a8_gemm: a and b need a contiguous last dim")
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)

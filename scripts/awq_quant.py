@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 
 from tinyvila import quant
-from tinyvila.config import QuantConfig
 from tinyvila.errors import CheckpointError
 from tinyvila.loader import WEIGHTS, _read_tensors, load_model, read_headers, save_checkpoint
 from tinyvila.text import Block, KVCache, rope_cos_sin

@@ -32,7 +32,7 @@ def tiny_model(cfg: TextConfig, seed: int = 0, outliers: bool = True) -> TextMod
     g = torch.Generator().manual_seed(seed)
     model = TextModel(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.05 if p.ndim == 2 else 0.1) + (p.ndim == 1))
         if outliers:
             for block in model.layers:

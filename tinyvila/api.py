@@ -94,6 +94,8 @@ def load(name_or_path: str | os.PathLike, *, device: str | torch.device = "cpu",
     """Load a checkpoint folder or a named model (see `resolve_model`)."""
     folder = resolve_model(name_or_path)
     model = load_model(folder, device=device, dtype=dtype)
+    if model.vision is not None and torch.device(device).type == "cuda":
+        model.vision.use_cuda_graphs()  # the encoder is launch-bound at one image (tinyvila/cuda_graph.py)
     return Model(folder, model, load_tokenizer(folder / model.cfg.tokenizer))
 
 

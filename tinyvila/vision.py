@@ -18,6 +18,7 @@ from torch import nn
 
 from tinyvila import ops
 from tinyvila.config import VisionConfig
+from tinyvila.cuda_graph import GraphCache
 from tinyvila.quant import QTensor, W8A8Linear
 
 VISION_QUANT = ("none", "w8a8")  # QuantConfig.vision values
@@ -138,6 +139,7 @@ class VisionEncoder(nn.Module):
         # Layers past the selected one never influence the output, so they are not even built.
         self.layers = nn.ModuleList(Block(cfg, quant) for _ in range(cfg.n_run_layers))
         self.post_norm = LayerNorm(D, eps=cfg.norm_eps) if cfg.post_norm else None
+        self.graphs: GraphCache | None = None  # see use_cuda_graphs
 
     def embed(self, pixels: torch.Tensor) -> torch.Tensor:
         """(B, C, S, S) -> (B, T, D) = hidden_states[0]: patches (+ CLS first) + positions (+ pre_norm)."""
@@ -164,10 +166,33 @@ class VisionEncoder(nn.Module):
         """(B, T, D) -> (B, n_out_tokens, D): drops the CLS token for select_feature "patch"."""
         return x[:, 1:] if self.cfg.n_out_tokens < self.cfg.n_tokens else x
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def use_cuda_graphs(self, enabled: bool = True) -> "VisionEncoder":
+        """Run `forward` on CUDA inputs as a CUDA graph replay, one graph per input shape and dtype
+        (tinyvila/cuda_graph.py): removes the launch overhead that dominates at one image. Inference
+        only; graphs are dropped when the weights are moved or reloaded."""
+        self.graphs = GraphCache(self._forward) if enabled else None
+        return self
+
+    def _apply(self, fn, recurse=True):
+        if self.graphs is not None:
+            self.graphs.clear()  # captured graphs hold the old weight addresses
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        if self.graphs is not None:
+            self.graphs.clear()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def _forward(self, pixels: torch.Tensor) -> torch.Tensor:
         x, _ = self.run_layers(self.embed(pixels))
         x = x if self.post_norm is None else self.post_norm(x)
         return self.select(x)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, C, S, S) -> (B, n_out_tokens, D); a graph replay on CUDA after `use_cuda_graphs`."""
+        if self.graphs is not None and pixels.is_cuda:
+            return self.graphs(pixels)
+        return self._forward(pixels)
 
 
 # -- HF import -------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def decode_rows(lengths) -> list[dict]:
         kv = _kv(L, common.n_copies(4 * HKV * L * D))
         lens = torch.tensor([L], dtype=torch.int32, device="cuda")
         fn = lambda k, v, lens=lens: ops.decode_attention(q, k, v, lens)  # noqa: E731
-        eager, graph = common.bench(fn, kv), graph_ms(fn, kv)
+        eager = common.bench(fn, kv)
+        graph = graph_ms(fn, kv) or eager
         gbs = 4 * HKV * L * D / graph / 1e6  # K and V, 2 bytes each
         rows.append({"case": "decode packed (graph)", "L": L, "keep": 1.0, "us": 1000 * graph,
                      "eager_us": 1000 * eager, "GB/s": gbs, "of_copy_bw": gbs / bw, "target": ">=0.75 for L>=8K"})
@@ -81,7 +82,8 @@ def sparse_vs_sdpa(caches, keeps) -> list[dict]:
             L = round(keep * S)
             lens = torch.tensor([L], dtype=torch.int32, device="cuda")
             fn = lambda k, v, lens=lens: ops.decode_attention(q, k, v, lens)  # noqa: E731
-            eager, ms = common.bench(fn, kv), graph_ms(fn, kv)
+            eager = common.bench(fn, kv)
+            ms = graph_ms(fn, kv) or eager
             speedup = sdpa / ms if sdpa and ms else None
             rows.append({"case": "keep vs SDPA full (graph)", "L": S, "keep": keep, "us": 1000 * ms,
                          "sdpa_us": 1000 * sdpa if sdpa else None, "speedup": speedup,
@@ -120,7 +122,42 @@ def sweep_rows(lengths=(8192, 32768, 131072)) -> list[dict]:
             rows.append({"case": "sweep (graph)", "L": L, "config": f"n{bn}w{warps}s{stages}c{per_sm}",
                          "splits": splits, "us": 1000 * ms if ms else None, "GB/s": gbs,
                          "of_copy_bw": gbs / bw if gbs else None})
+            print(rows[-1], flush=True)  # a sweep cut short by a time limit still reports
         del kv
+    return rows
+
+
+RETRIEVAL_SWEEP = [  # (block_m, block_n, num_warps, num_stages)
+    (64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2),
+    (32, 256, 8, 2), (64, 256, 8, 2), (128, 128, 8, 3), (32, 128, 4, 3), (256, 64, 8, 2),
+]
+
+
+def retrieval_sweep_rows(S=32768, T=64) -> list[dict]:
+    """Tile configurations of the retrieval-salience kernel (64-token question, 32K cache)."""
+    from csrc_triton.retrieval_salience import retrieval_salience
+
+    sets = []
+    for _ in range(common.n_copies(2 * HKV * (S + T) * D)):
+        k = torch.randn(1, HKV, S + T, D, device="cuda", dtype=DT)
+        q = torch.randn(1, H, T, D, device="cuda", dtype=DT)
+        sets.append((q, k, ops.attention_lse(q, k, torch.randn_like(k), S)[1]))
+    idx = torch.arange(S, device="cuda", dtype=torch.int32)
+    prefill = common.bench(lambda q, k, lse: ops.attention_lse(q, k, k, S), sets)
+    rows = []
+    for bm, bn, warps, stages in RETRIEVAL_SWEEP:
+        fn = functools.partial(retrieval_salience, idx=idx, block_m=bm, block_n=bn, num_warps=warps,
+                               num_stages=stages)
+        try:
+            eager = common.bench(lambda q, k, lse, fn=fn: fn(q, k, lse=lse), sets)
+            graph = graph_ms(lambda q, k, lse, fn=fn: fn(q, k, lse=lse), sets)
+        except Exception as e:  # a config that does not compile is a row, not a crash
+            print(f"config {bm, bn, warps, stages} failed: {type(e).__name__}: {e}")
+            eager = graph = None
+        rows.append({"case": "retrieval sweep", "L": S, "config": f"m{bm}n{bn}w{warps}s{stages}",
+                     "us": 1000 * eager if eager else None, "graph_us": 1000 * graph if graph else None,
+                     "prefill_us": 1000 * prefill, "share": eager / prefill if eager else None})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -188,8 +225,12 @@ def overhead_rows(S=8192, T=64, keep=0.1) -> list[dict]:
 
 def run(args) -> list[dict]:
     quick = getattr(args, "quick", False)
-    if os.environ.get("DECODE_SWEEP") == "1":
-        return sweep_rows()
+    if os.environ.get("DECODE_SWEEP") == "1":  # tile sweeps first, then the quick rows
+        return sweep_rows() + retrieval_sweep_rows() + run_rows(quick=True)
+    return run_rows(quick)
+
+
+def run_rows(quick: bool) -> list[dict]:
     rows = decode_rows([1024, 8192, 32768] if quick else [1024, 8192, 32768, 131072])
     rows += sparse_vs_sdpa([32768] if quick else [32768, 131072], [0.25, 0.1])
     rows += retrieval_rows()

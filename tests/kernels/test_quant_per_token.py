@@ -44,3 +44,14 @@ def test_leading_dims_and_zero_row():
 def test_bad_input():
     with pytest.raises(TypeError, match="fp16"):
         quant_per_token(torch.ones(2, 4, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("meta", [dict(ROWS=1, num_warps=4), dict(ROWS=2, num_warps=8), dict(ROWS=4, num_warps=16)])
+def test_launch_shapes_agree(meta):
+    """Every launch shape the benchmark sweeps (rows per program, warps) gives the default's bits."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(37, 300, generator=g) * 3).to(DEVICE, torch.float16)
+    q, s = quant_per_token(x)
+    q2, s2 = quant_per_token(x, meta=meta)
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+    assert q.abs().max().item() == 127

@@ -2,7 +2,8 @@
 
 On CPU the kernel runs under TRITON_INTERPRET=1 at small odd shapes (M in {17, 128} beside the decode
 sizes 1 and 8, groups 32/64/128, fp16/bf16); on CUDA the same cases run autotuned, plus Llama-3-8B
-layer shapes at M = 128 and 2048 and every config of the autotune space.
+layer shapes at M = 128 and 2048 through both paths (fused kernel; dequantize + cuBLAS, the default
+from DEQUANT_MIN_M rows) and every config of the autotune space.
 """
 
 import os
@@ -48,6 +49,15 @@ def test_odd_shapes_with_bias(M, N, K, G, dtype):
     assert_w4_close(run(a, config=FIXED), a)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequant_path(dtype):
+    """The long-prompt path (dequantize to a workspace, then a dense matmul), forced at a small shape."""
+    a = make(37, 75, 256, 64, dtype, seed=11, bias=True, device=DEVICE)
+    assert_w4_close(run(a, path="dequant"), a)
+    a["bias"] = None
+    assert_w4_close(run(a, path="dequant"), a)
+
+
 def test_matches_reference():
     """Both round w to x's dtype and accumulate in fp32: equal up to summation order."""
     a = make(33, 64, 256, 64, torch.float16, seed=7, bias=True, device=DEVICE)
@@ -59,9 +69,10 @@ def test_matches_reference():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [128, 2048])
 @pytest.mark.parametrize("K,N", LLAMA3_8B)
-def test_llama3_8b_shapes(K, N, M, dtype):
+@pytest.mark.parametrize("path", ["fused", "dequant"])
+def test_llama3_8b_shapes(K, N, M, dtype, path):
     a = make(M, N, K, 128, dtype, seed=K + N + M, device=DEVICE)
-    assert_w4_close(run(a), a)
+    assert_w4_close(run(a, path=path), a)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiles every autotune config: GPU only")

@@ -2,7 +2,8 @@
 
 On CPU the kernel runs under TRITON_INTERPRET=1 at small odd shapes (M in {1, 3, 8}, groups 32/64/128,
 fp16/bf16, a K that leaves a partial tile); on CUDA the same cases run with the autotuned kernel, plus
-Llama-3-8B layer shapes and every config of the autotune space.
+Llama-3-8B layer shapes and every config of the autotune space; the small cases run with both nibble
+unpackings there (plain shifts, and the PTX block that is the GPU default).
 """
 
 import os
@@ -23,6 +24,8 @@ DTYPES = [torch.float16, torch.bfloat16]
 # Small cases pin one tile (on the GPU too: autotuning every small key would compile hundreds of
 # variants); the autotuned path runs at the real shapes, and every tuned tile runs in test_every_config.
 FIXED = INTERPRET_CONFIG
+# Nibble unpacking: 0 = plain shifts (the interpreter's), 1 = the PTX block (the GPU default); both on the GPU.
+UNPACKS = [0, 1] if ON_GPU else [0]
 
 
 def run(a: dict, **kw) -> torch.Tensor:
@@ -32,20 +35,22 @@ def run(a: dict, **kw) -> torch.Tensor:
     return y
 
 
+@pytest.mark.parametrize("unpack", UNPACKS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("G", [32, 64, 128])
 @pytest.mark.parametrize("M", [1, 3, 8])
-def test_small(M, G, dtype):
+def test_small(M, G, dtype, unpack):
     a = make(M, 123, 384, G, dtype, seed=M * 1000 + G, device=DEVICE)
-    assert_w4_close(run(a, config=FIXED), a)
+    assert_w4_close(run(a, config=FIXED, unpack=unpack), a)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,N,K,G", [(1, 217, 576, 64), (5, 40, 1152, 128), (2, 9, 32, 32)])
-def test_odd_shapes_with_bias(M, N, K, G, dtype):
+@pytest.mark.parametrize("unpack", UNPACKS)
+def test_odd_shapes_with_bias(M, N, K, G, dtype, unpack):
     """K = 576 (SmolLM2) is 72 words: a partial last tile; N = 9 is below one row block; Qwen2-style bias."""
     a = make(M, N, K, G, dtype, seed=N + K, bias=True, device=DEVICE)
-    assert_w4_close(run(a, config=FIXED), a)
+    assert_w4_close(run(a, config=FIXED, unpack=unpack), a)
 
 
 def test_matches_reference_closely():
@@ -66,10 +71,10 @@ def test_llama3_8b_shapes(K, N, M, dtype):
 
 @pytest.mark.skipif(not ON_GPU, reason="compiles every autotune config: GPU only")
 @pytest.mark.parametrize("M", [1, 5])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "n{BLOCK_N}w{BLOCK_W}".format(**c.kwargs) + f"x{c.num_warps}s{c.num_stages}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "n{BLOCK_N}w{BLOCK_W}s{STAGES}".format(**c.kwargs) + f"x{c.num_warps}")
 def test_every_config(cfg, M):
     a = make(M, 300, 1536, 128, torch.float16, seed=M, bias=True, device=DEVICE)
-    config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    config = {**cfg.kwargs, "num_warps": cfg.num_warps}
     assert_w4_close(run(a, config=config), a)
 
 
