@@ -49,7 +49,7 @@ def _decode_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < N_REP
-    # D == BLOCK_D (64, 128, 256) is the common case: the D mask folds away and loads vectorise.
+    # With D == BLOCK_D (64, 128, 256) this mask is all-true and constant along D: loads still vectorise.
     d_ok = offs_d < D
     heads = g * N_REP + offs_h
     # Rows past N_REP are padding so tl.dot sees M >= 16; they load zeros and are never stored.

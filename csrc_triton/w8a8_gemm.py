@@ -100,8 +100,9 @@ def _config(M: int, N: int, K: int, device: torch.device) -> dict:
     if device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
     n_sm, smem, _ = _device_caps(device.index if device.index is not None else torch.cuda.current_device())
+    fits = [t for t in _TILES if 2 * (t[0] + t[1]) * t[2] + 8192 <= smem]  # 2 stages at least (~100 KB GPUs)
     bm, bn, bk, warps, max_stages = next(
-        (t for t in _TILES if triton.cdiv(M, t[0]) * triton.cdiv(N, t[1]) >= 3 * n_sm // 4), _TILES[-1])
+        (t for t in fits if triton.cdiv(M, t[0]) * triton.cdiv(N, t[1]) >= 3 * n_sm // 4), fits[-1])
     stages = max(2, min(max_stages, (smem - 8192) // ((bm + bn) * bk)))
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
 
