@@ -1,13 +1,15 @@
 """Needle in a long text: does decode-time retrieval find what dense decoding finds?
 
-    PYTHONPATH=. python scripts/eval_needle.py --model checkpoints/smollm2-135m [--needles 20]
+    PYTHONPATH=. python scripts/eval_needle.py --model checkpoints/smollm2-135m [--needles 20 --tokens 800]
 
 A haystack of English text (Python's own pydoc_data.topics) holds one sentence "The secret number
-of NAME is NUMBER." at a given depth; the question asks for it. The haystack is added with
-`Chat.add_document`, so it is a retrievable span. Methods: dense decoding; SparseVILA retrieval
-(`decode_keep`, re-chosen per question, per layer and KV head); and FastV-style permanent pruning
-at prefill (tinyvila.sparsity.fastv_keep_mask: layer K-1's last-token attention keeps the same
-fraction for layers >= K). Prints counts of correct answers, then one JSON line.
+of NAME is NUMBER." at a depth cycling over 0.1..0.9; the question asks for it. The haystack is added
+with `Chat.add_document`, so it is a retrievable text span. Methods: dense decoding; SparseVILA
+retrieval at each `--keeps` (re-chosen per question, per layer and KV head, `--window` over text);
+FastV-style permanent pruning at prefill (`KVCache.begin_fastv`: layer K-1's last-row attention keeps
+`--fastv-keep` of the haystack for layers >= K). Dense and the retrieval rounds share one document
+prefill: an eval-mode session (partial eviction) answers each round as a fresh session would.
+Prints counts of correct answers per method and depth, then one JSON line.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import tinyvila  # noqa: E402
 from tinyvila.config import SparsityConfig  # noqa: E402
 from tinyvila.generate import Decoder, SamplingParams, generate  # noqa: E402
 from tinyvila.kv_cache import changed_range  # noqa: E402
-from tinyvila.sparsity import fastv_keep_mask  # noqa: E402
 from tinyvila.tokenizer import turn_ids  # noqa: E402
 
 NAMES = ["Alice", "Bruno", "Chen", "Dara", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kemal", "Lena"]
@@ -60,45 +61,45 @@ def make_cases(sentences: list[str], n: int, seed: int) -> list[dict]:
     return cases
 
 
-def answer_chat(vlm, case, keep: float, max_new: int) -> str:
-    chat = vlm.chat(sampling=SamplingParams(max_new_tokens=max_new), sparsity=SparsityConfig(decode_keep=keep))
+def answer_rounds(vlm, case, keeps: list[float], window: int, max_new: int) -> dict[str, str]:
+    """Dense, then each decode keep, as rounds of one eval-mode session: the document is prefilled
+    once and every round is answered as a fresh session with only that round's question."""
+    chat = vlm.chat(sampling=SamplingParams(max_new_tokens=max_new), mode="eval",
+                    sparsity=SparsityConfig(decode_window=window))
     chat.add_document(case["doc"])
-    return "".join(chat.ask(case["question"]))
+    out = {"dense": "".join(chat.ask(case["question"]))}
+    for keep in keeps:
+        chat.sparsity = SparsityConfig(decode_keep=keep, decode_window=window)
+        out[f"sparsevila@{keep:g}"] = "".join(chat.ask(case["question"]))
+    return out
 
 
 def answer_fastv(vlm, case, keep: float, max_new: int) -> str:
-    """Prefill once to score (the last prompt row), then again with the pruned slots hidden from
-    layers >= K, and decode with them hidden: the pruning is permanent."""
+    """One prefill: after layer K-1 the haystack slots outside the last row's top `keep` are hidden
+    from layers >= K, in this prefill and while decoding (the pruning is permanent)."""
     tok, tmpl = vlm.tokenizer, vlm.template
-    user = case["doc"] + "\n\n" + case["question"]
-    ids = turn_ids(tok, tmpl, user, 0, first=True)
+    ids = turn_ids(tok, tmpl, case["doc"] + "\n\n" + case["question"], 0, first=True)
     a, b = changed_range(ids, turn_ids(tok, tmpl, "\n\n" + case["question"], 0, first=True))
     dec = Decoder(vlm.model.text)
     dec.cache.add_span("text", a, b, retrievable=True)
-    dec.cache.begin_scoring(len(ids) - 1)
-    h = vlm.model.embed(ids)
-    dec.prefill(h)
-    scores, idx = dec.cache.scoring.scores, dec.cache.scoring.idx
-    dec.truncate(0)
-    dec.cache.key_mask = fastv_keep_mask(scores, idx, dec.max_len, keep)
-    logits = dec.prefill(h)
+    dec.cache.begin_fastv(len(ids) - 1, keep)
+    logits = dec.prefill(vlm.model.embed(ids))
     out = list(generate(dec, logits, SamplingParams(max_new_tokens=max_new), vlm.stop_ids, tok.vocab_size))
     return tok.decode([t for t in out if t not in vlm.stop_ids])
 
 
-METHODS = {
-    "dense": lambda vlm, c, keep, n: answer_chat(vlm, c, 1.0, n),
-    "sparsevila": answer_chat,
-    "fastv": answer_fastv,
-}
-
-
-def evaluate(vlm, cases, keep: float, max_new: int, methods=tuple(METHODS)) -> dict:
-    results = {m: [] for m in methods}
+def evaluate(vlm, cases, keeps=(0.25, 0.1), fastv_keep: float | None = 0.1, window: int = 8,
+             max_new: int = 16, log=None) -> dict[str, list[bool]]:
+    """{method: [the needle's number is in the answer, per case]}."""
+    results: dict[str, list[bool]] = {}
     for case in cases:
-        for m in methods:
-            text = METHODS[m](vlm, case, keep, max_new)
-            results[m].append(case["number"] in text)
+        answers = answer_rounds(vlm, case, list(keeps), window, max_new)
+        if fastv_keep is not None:
+            answers[f"fastv@{fastv_keep:g}"] = answer_fastv(vlm, case, fastv_keep, max_new)
+        for m, text in answers.items():
+            results.setdefault(m, []).append(case["number"] in text)
+        if log:
+            log(f"depth {case['depth']:.1f} {case['number']}: " + " | ".join(f"{m} {t.strip()!r}" for m, t in answers.items()))
     return results
 
 
@@ -106,22 +107,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="checkpoints/smollm2-135m")
     p.add_argument("--needles", type=int, default=20)
-    p.add_argument("--tokens", type=int, default=1200, help="haystack length in tokens")
-    p.add_argument("--keep", type=float, default=0.1, help="decode_keep / FastV keep fraction of the haystack")
-    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--tokens", type=int, default=800, help="haystack length in tokens")
+    p.add_argument("--keeps", default="0.25,0.1", help="decode_keep fractions of the haystack, comma-separated")
+    p.add_argument("--fastv-keep", type=float, default=0.1, help="FastV keep fraction (0 = skip FastV)")
+    p.add_argument("--window", type=int, default=SparsityConfig.decode_window, help="decode_window over the text")
+    p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-v", "--verbose", action="store_true", help="print every answer")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     vlm = tinyvila.load(args.model, device=device, dtype=getattr(torch, args.dtype))
     cases = make_cases(haystack(vlm.tokenizer, args.tokens), args.needles, args.seed)
+    keeps = [float(k) for k in args.keeps.split(",") if k]
     t0 = time.perf_counter()
-    results = evaluate(vlm, cases, args.keep, args.max_new_tokens)
-    print(f"{'method':<12} correct / {len(cases)}   (keep {args.keep}, haystack ~{args.tokens} tokens)")
+    results = evaluate(vlm, cases, keeps, args.fastv_keep or None, args.window, args.max_new_tokens,
+                       log=print if args.verbose else None)
+    depths = sorted({c["depth"] for c in cases})
+    print(f"{'method':<16} correct / {len(cases)}   (haystack ~{args.tokens} tokens, window {args.window})")
     for m, ok in results.items():
-        by_depth = {d: sum(o for o, c in zip(ok, cases) if c["depth"] == d) for d in sorted({c["depth"] for c in cases})}
-        print(f"{m:<12} {sum(ok):>3}   by depth {by_depth}")
-    print(json.dumps({"eval": "needle", "model": str(args.model), "keep": args.keep, "tokens": args.tokens,
+        by_depth = {d: sum(o for o, c in zip(ok, cases) if c["depth"] == d) for d in depths}
+        print(f"{m:<16} {sum(ok):>3}   by depth {by_depth}")
+    print(json.dumps({"eval": "needle", "model": str(args.model), "tokens": args.tokens, "window": args.window,
                       "needles": len(cases), "device": device, "seconds": round(time.perf_counter() - t0, 1),
                       **{m: sum(ok) for m, ok in results.items()}}))
     return 0

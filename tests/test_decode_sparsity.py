@@ -185,3 +185,71 @@ def test_cli_flags_reach_the_session(vlm, capsys):
                    "--eval-multiturn", "--max-new-tokens", "3", "--dtype", "float32"])
     assert rc == 0
     assert "decode over" in capsys.readouterr().err
+
+
+def test_decode_select_window_brings_the_tokens_after_an_anchor():
+    from tinyvila.sparsity import decode_select
+
+    slots = torch.tensor([3, 4, 5, 6, 7, 8, 20, 21, 22, 23])  # two spans: 3..8 and 20..23
+    scores = torch.rand(1, 2, 10) * 0.1
+    scores[0, 0, 1] = 5.0  # anchor at slot 4 (head 0)
+    scores[0, 1, 5] = 5.0  # anchor at slot 8, the last of its span (head 1)
+    windowed = torch.ones(10, dtype=torch.bool)
+    plain = decode_select(scores, 3, slots)
+    assert torch.equal(plain, scores.topk(3, dim=-1).indices)  # window 0: the paper's token-level top-k
+    assert torch.equal(decode_select(scores, 3, slots, 2, windowed=None), plain)
+    got = decode_select(scores, 3, slots, window=2, windowed=windowed)
+    assert sorted(slots[got[0, 0]].tolist()) == [4, 5, 6]  # the anchor and the two slots after it
+    # The window never crosses into another span: slot 20 does not follow slot 8.
+    assert 6 not in got[0, 1].tolist() and 5 in got[0, 1].tolist()
+    # Only windowed (text) tokens inherit; visual ones keep their own score.
+    assert torch.equal(decode_select(scores, 3, slots, 2, torch.zeros(10, dtype=torch.bool)), plain)
+
+
+def test_document_window_selects_runs_and_visual_spans_stay_token_level(vlm):
+    """With a window, the packed text rows come in runs after the anchors; images are unaffected."""
+    doc = "The secret code word is banana, and the colour of the door is green. " * 3
+    rows = {}
+    for w in (0, 6):
+        chat = vlm.chat(sampling=greedy(2), sparsity=SparsityConfig(decode_keep=0.25, decode_window=w))
+        chat.add_document(doc)
+        ask(chat, "What is the code word?")
+        span = next(s for s in chat.decoder.cache.spans if s.retrievable)
+        idx = chat.decoder.cache._storage.idx[-1][0, 0]
+        picked = idx[(idx >= span.start) & (idx < span.end)]
+        rows[w] = int((picked.diff() == 1).sum())  # adjacent pairs among the selected slots
+        assert picked.numel() == round(0.25 * (span.end - span.start))
+    assert rows[6] > rows[0]
+    image = [vlm.chat(sampling=greedy(3), sparsity=SparsityConfig(decode_keep=0.3, decode_window=w))
+             for w in (0, 8)]
+    assert ask(image[0], QUESTIONS[0], image=True) == ask(image[1], QUESTIONS[0], image=True)
+    assert all(torch.equal(a, b) for a, b in zip(image[0].decoder.cache._storage.idx, image[1].decoder.cache._storage.idx))
+
+
+def test_fastv_one_pass_prunes_after_layer_k_minus_one(vlm):
+    """begin_fastv: scores the last row at layer K-1 in the same prefill, then hides the unkept
+    retrievable slots from layers >= K; equal to scoring first and prefilling again with the mask."""
+    from tinyvila.sparsity import FASTV_LAYER, fastv_keep_mask
+
+    ids = vlm.tokenizer.encode("one two three four five six seven eight nine ten eleven twelve what")
+    h = vlm.model.embed(ids)
+    one = Decoder(vlm.model.text)
+    one.cache.add_span("text", 2, 11, retrievable=True)
+    assert one.cache.begin_fastv(len(ids) - 1, 0.3) == 9
+    logits = one.prefill(h)
+    K, mask = one.cache.key_mask
+    assert K == FASTV_LAYER and int(mask[2:11].sum()) == round(0.3 * 9) and bool(mask[:2].all() and mask[11:].all())
+    two = Decoder(vlm.model.text)
+    two.cache.add_span("text", 2, 11, retrievable=True)
+    two.cache.begin_scoring(len(ids) - 1)
+    two.prefill(h)
+    expect = fastv_keep_mask(two.cache.scoring.scores, two.cache.scoring.idx, two.max_len, 0.3)
+    assert torch.equal(expect[1], mask)
+    two.truncate(0)
+    two.cache.key_mask = expect
+    torch.testing.assert_close(logits, two.prefill(h), rtol=0, atol=1e-10)
+
+
+def test_decode_window_is_validated():
+    with pytest.raises(ValueError, match="decode_window"):
+        SparsityConfig(decode_window=-1)

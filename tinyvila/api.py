@@ -281,7 +281,8 @@ class Chat:
         t0 = time.perf_counter()
         logits = decoder.prefill(model.embed(ids, images), positions)
         if sparse:  # this turn decodes over the top decode_keep of the scored retrievable tokens
-            stats.decode_rows = decoder.cache.pack(self.sparsity.decode_keep, decoder.length)
+            stats.decode_rows = decoder.cache.pack(self.sparsity.decode_keep, decoder.length,
+                                                   self.sparsity.decode_window)
         _sync(model.device)
         t1 = time.perf_counter()
         stats.prefill_ms, stats.prefill_tokens = 1000 * (t1 - t0), decoder.length - start

@@ -158,6 +158,10 @@ class SparsityConfig:
     salience_layer: int = -1
     prefill_positions: str = "contiguous"
     seed: int = 0
+    # Decode retrieval over retrievable TEXT spans (documents): a selected token also keeps the
+    # decode_window tokens after it, which copying heads need (docs/sparsity.md; 0 = token-level).
+    # Visual spans are always selected token by token, as in the paper.
+    decode_window: int = 8
 
     def __post_init__(self):
         for name in ("prefill_keep", "decode_keep"):
@@ -168,6 +172,8 @@ class SparsityConfig:
             raise ValueError(f"prefill_method must be sparsevila, random or visionzip, got {self.prefill_method!r}")
         if self.prefill_positions not in ("contiguous", "original"):
             raise ValueError(f"prefill_positions must be contiguous or original, got {self.prefill_positions!r}")
+        if self.decode_window < 0:
+            raise ValueError(f"decode_window must be >= 0, got {self.decode_window}")
 
 
 @dataclass(frozen=True)

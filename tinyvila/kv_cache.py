@@ -19,6 +19,7 @@ import torch
 from . import ops
 from .config import TextConfig
 from .errors import ContextLimitError
+from .sparsity import FASTV_LAYER, decode_select, fastv_keep_mask
 
 KINDS = ("system", "visual", "text", "question", "answer")
 
@@ -38,6 +39,8 @@ class _Scoring:
     idx: torch.Tensor              # (N,) int32 retrievable slots, all before `q_from`
     q_from: int                    # first slot of the question rows
     scores: list                   # per layer: (B, Hkv, N) fp32 salience, accumulated over chunks
+    windowed: torch.Tensor         # (N,) bool: slot lies in a text span (decode_select's window)
+    fastv: float | None = None     # FastV-style pruning: keep fraction, applied after layer K-1
 
 
 @dataclass
@@ -140,8 +143,22 @@ class KVCache:
         """Score the retrievable slots before `q_from` by the attention of the rows from `q_from` on,
         in the next prefill calls. Returns the number of retrievable slots (0: nothing to score)."""
         idx = self.retrievable_slots(q_from)
-        self.scoring = _Scoring(idx, q_from, [None] * self.n_layers) if idx.numel() else None
+        text = torch.zeros(self.max_seq_len, dtype=torch.bool, device=idx.device)
+        for s in self.spans:
+            if s.retrievable and s.kind == "text":
+                text[s.start:s.end] = True
+        windowed = text[idx.long()]  # (N,)
+        self.scoring = _Scoring(idx, q_from, [None] * self.n_layers, windowed) if idx.numel() else None
         return idx.numel()
+
+    def begin_fastv(self, last_row: int, keep: float) -> int:
+        """FastV-style permanent pruning within the next prefill (one pass): layer K-1's attention of
+        row `last_row` (the last prompt token) keeps the top `keep` of the retrievable slots before
+        it, hidden from layers >= K for the rest of the conversation (`key_mask`)."""
+        n = self.begin_scoring(last_row)
+        if n:
+            self.scoring.fastv = keep
+        return n
 
     def _score(self, layer: int, start: int, q: torch.Tensor, k_all: torch.Tensor, lse: torch.Tensor) -> None:
         sc = self.scoring
@@ -149,12 +166,15 @@ class KVCache:
         if r0 >= q.shape[2]:
             return
         sc.scores[layer] = ops.retrieval_salience(q[:, :, r0:], k_all, sc.idx, lse[:, :, r0:], out=sc.scores[layer])
+        if sc.fastv is not None and layer == FASTV_LAYER - 1:  # decided before layer K runs
+            self.key_mask = fastv_keep_mask(sc.scores, sc.idx, self.max_seq_len, sc.fastv)
+            self.scoring = None
 
     # -- packed decode buffer ------------------------------------------------------------------
-    def pack(self, keep: float, length: int) -> int:
-        """End scoring; keep the top `keep` of the scored slots per layer and KV head (at least one),
-        gather [non-retrievable | selected | rest] of slots 0..length-1 into the packed buffers.
-        Returns the number of packed rows per head."""
+    def pack(self, keep: float, length: int, window: int = 0) -> int:
+        """End scoring; keep the top `keep` of the scored slots per layer and KV head (at least one;
+        `sparsity.decode_select`, with `window` over text spans), gather [non-retrievable | selected |
+        rest] of slots 0..length-1 into the packed buffers. Returns the number of packed rows per head."""
         sc, self.scoring = self.scoring, None
         if sc is None or any(s is None for s in sc.scores):
             raise RuntimeError("pack() needs a scored question: call begin_scoring() before its prefill")
@@ -170,7 +190,7 @@ class KVCache:
         self._ensure_packed(cap, n_keep, length - rows)
         self.packed.idx = []
         for layer in range(self.n_layers):
-            top = sc.scores[layer].topk(n_keep, dim=-1).indices  # (B, Hkv, n_keep)
+            top = decode_select(sc.scores[layer], n_keep, sc.idx, window, sc.windowed)  # (B, Hkv, n_keep)
             chosen = sc.idx[top]  # (B, Hkv, n_keep) slots
             idx = torch.cat([others.expand(B, Hkv, -1), chosen], dim=-1).sort(dim=-1).values  # original order
             self.packed.idx.append(idx)

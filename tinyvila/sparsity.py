@@ -127,11 +127,32 @@ def prune(vision, projector, pixels: torch.Tensor, sparsity: SparsityConfig) -> 
 
 
 # ----------------------------------------------------------------------------------------------
-# Decode side (issue 6): query-aware selection over the KV cache. SparseVILA retrieval itself lives
-# in kv_cache.KVCache.pack (top decode_keep per layer and KV head, re-chosen every question); this
-# section holds the peer that prunes permanently at prefill, selectable by name.
+# Decode side (issue 6): query-aware selection over the KV cache. KVCache.pack calls
+# `decode_select` per layer (top decode_keep per KV head, re-chosen every question); the peer that
+# prunes permanently at prefill (FastV) is selectable by name. docs/sparsity.md has the measurements.
 DECODE_METHODS = ("sparsevila", "fastv")
 FASTV_LAYER = 2  # FastV's K: layers >= K lose the pruned tokens, chosen by layer K-1's attention
+
+
+def decode_select(scores: torch.Tensor, n_keep: int, slots: torch.Tensor, window: int = 0,
+                  windowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Top n_keep retrievable tokens per KV head: scores (B, Hkv, N) over cache slots `slots` (N,)
+    -> (B, Hkv, n_keep) indices into `slots`.
+
+    A token of a `windowed` span (N,) bool also takes the best score of the `window` tokens right
+    before it in the same span (adjacent slots), so a selected token brings the ones after it: on
+    text, the heads that copy an answer attend at decode time to the tokens that FOLLOW what the
+    question matched, which the question itself never attends to (docs/sparsity.md)."""
+    if window > 0 and windowed is not None and bool(windowed.any()):
+        base, best = scores, scores.clone()
+        slots = slots.long()
+        for d in range(1, min(window, scores.shape[-1] - 1) + 1):
+            ok = (slots[d:] - slots[:-d] == d) & windowed[d:] & windowed[:-d]  # (N-d,) same span
+            # A slightly smaller inherited score: the tokens nearest the anchor win ties at the budget.
+            prev = torch.where(ok, base[..., :-d] * (1.0 - 1e-6 * d), float("-inf"))
+            best[..., d:] = torch.maximum(best[..., d:], prev)
+        scores = best
+    return scores.topk(n_keep, dim=-1).indices
 
 
 def fastv_keep_mask(scores: list, idx: torch.Tensor, max_len: int, keep: float,
