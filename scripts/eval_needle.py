@@ -1,6 +1,6 @@
 """Needle in a long text: does decode-time retrieval find what dense decoding finds?
 
-    PYTHONPATH=. python scripts/eval_needle.py --model checkpoints/smollm2-135m [--needles 20 --tokens 800]
+    PYTHONPATH=. python scripts/eval_needle.py --model checkpoints/smollm2-135m [--needles 20 --tokens 600]
 
 A haystack of English text (Python's own pydoc_data.topics) holds one sentence "The secret number
 of NAME is NUMBER." at a depth cycling over 0.1..0.9; the question asks for it. The haystack is added
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="checkpoints/smollm2-135m")
     p.add_argument("--needles", type=int, default=20)
-    p.add_argument("--tokens", type=int, default=800, help="haystack length in tokens")
+    p.add_argument("--tokens", type=int, default=600, help="haystack length in tokens")
     p.add_argument("--keeps", default="0.25,0.1", help="decode_keep fractions of the haystack, comma-separated")
     p.add_argument("--fastv-keep", type=float, default=0.1, help="FastV keep fraction (0 = skip FastV)")
     p.add_argument("--window", type=int, default=SparsityConfig.decode_window, help="decode_window over the text")

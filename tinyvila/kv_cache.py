@@ -5,8 +5,9 @@ position when written. The session records `Span`s (system, visual, text, questi
 retrievable flag (visual by default). For SparseVILA decode sparsity (DESIGN.md sec. 3): while a
 question is prefilled with scoring on, every layer's attention also returns its log-sum-exp and the
 retrieval-salience kernel scores the retrievable slots; `pack` then keeps the top `decode_keep` of
-them per layer and KV head and gathers [non-retrievable | selected | rest] into one contiguous buffer
-per layer, which decode steps attend over (new K/V go to both buffers). `unpack` ends the turn; the
+them per layer and KV head (`sparsity.decode_select`; text spans select runs, docs/sparsity.md) and
+gathers [non-retrievable | selected | rest] into one contiguous buffer per layer, which decode
+steps attend over (new K/V go to both buffers). `unpack` ends the turn; the
 full cache keeps every token, so the next question retrieves its own subset.
 """
 
