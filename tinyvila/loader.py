@@ -363,7 +363,9 @@ def random_model(cfg: VLMConfig, *, device: str | torch.device = "cpu", seed: in
     Values follow `_init_tensor`'s scheme; quantized tensors get valid, sane values: random int4
     nibbles with scales ~ 0.02/8 and zero point 8 (W4), random int8 with scale 0.02/127 (W8A8).
     """
-    model = _meta_model(cfg).to_empty(device=device)
+    # Modules are built in fp32; the checkpoint dtype is the config's (quantized modules keep their
+    # fp32 zeros/scales through the cast, see quant.py).
+    model = _meta_model(cfg).to(getattr(torch, cfg.dtype)).to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     for name, t in tensors.items():
