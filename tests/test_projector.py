@@ -6,8 +6,6 @@ and `_vila_layers` builds the `layers` Sequential VILA saves, so the importer's 
 """
 
 import math
-from collections import Counter
-from collections.abc import Mapping
 
 import pytest
 import torch
@@ -15,26 +13,9 @@ from torch import nn
 
 from tinyvila.config import ProjectorConfig, VisionConfig
 from tinyvila.projector import Projector, projector_config_from_hf, projector_weights_from_hf
+from _counting import CountingReads  # noqa: E402
 
 D, d = 8, 16
-
-
-class CountingReads(Mapping):
-    """A lazy-checkpoint stand-in: counts reads per key (Mapping's own `in` reads too)."""
-
-    def __init__(self, sd: dict):
-        self.sd, self.reads = sd, Counter()
-
-    def __getitem__(self, key):
-        value = self.sd[key]
-        self.reads[key] += 1
-        return value
-
-    def __iter__(self):
-        return iter(self.sd)
-
-    def __len__(self):
-        return len(self.sd)
 
 
 def vila_flat_square(feats: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,6 @@ tested by the same comparisons.
 
 import copy
 import re
-from collections import Counter
-from collections.abc import Mapping
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tinyvila.vision import VisionEncoder, vision_config_from_hf, vision_weights_from_hf  # noqa: E402
+from _counting import CountingReads  # noqa: E402
 
 TINY = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, patch_size=8)
 
@@ -42,24 +41,6 @@ def siglip():
 def clip():
     cfg = transformers.CLIPVisionConfig(image_size=56, **TINY)
     return _randomize(transformers.CLIPVisionModel(cfg), 1)
-
-
-class CountingReads(Mapping):
-    """A lazy-checkpoint stand-in: counts reads per key (Mapping's own `in` reads too)."""
-
-    def __init__(self, sd: dict):
-        self.sd, self.reads = sd, Counter()
-
-    def __getitem__(self, key):
-        value = self.sd[key]
-        self.reads[key] += 1
-        return value
-
-    def __iter__(self):
-        return iter(self.sd)
-
-    def __len__(self):
-        return len(self.sd)
 
 
 def _hf_sd(model, prefixed: bool) -> dict:

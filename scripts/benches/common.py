@@ -20,8 +20,12 @@ def n_copies(bytes_per_set: int) -> int:
     return max(2, -(-2 * L2_BYTES // max(bytes_per_set, 1)))
 
 
-def bench(fn, inputs: list, warmup: int = 10, iters: int = 50) -> float:
-    """Median milliseconds of fn(*inputs[i % len(inputs)]) timed with CUDA events, one per call."""
+def bench(fn, inputs: list, warmup: int = 10, iters: int = 50, spin_cycles: int = 0) -> float:
+    """Median milliseconds of fn(*inputs[i % len(inputs)]) timed with CUDA events, one per call.
+
+    `spin_cycles` > 0 queues a GPU spin before each call so host launch latency is hidden and only
+    device time is measured (for kernels of a few microseconds).
+    """
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
     torch.cuda.synchronize()
@@ -29,6 +33,8 @@ def bench(fn, inputs: list, warmup: int = 10, iters: int = 50) -> float:
     for i in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         args = inputs[i % len(inputs)]
+        if spin_cycles:
+            torch.cuda._sleep(spin_cycles)
         start.record()
         fn(*args)
         end.record()

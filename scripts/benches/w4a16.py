@@ -40,23 +40,9 @@ def _weights(N: int, K: int, copies: int) -> list[tuple]:
     return sets
 
 
-def device_ms(fn, inputs: list, warmup: int = 10, iters: int = 50) -> float:
-    """Median device milliseconds of fn(*inputs[i % len(inputs)]), launch latency hidden behind a spin."""
-    for i in range(warmup):
-        fn(*inputs[i % len(inputs)])
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        args = inputs[i % len(inputs)]
-        torch.cuda._sleep(SPIN_CYCLES)
-        start.record()
-        fn(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+def device_ms(fn, inputs: list, iters: int = 50) -> float:
+    """Median device milliseconds, launch latency hidden behind a GPU spin."""
+    return common.bench(fn, inputs, iters=iters, spin_cycles=SPIN_CYCLES)
 
 
 def _row(name: str, M: int, N: int, K: int, sets: list[tuple], iters: int, path: str | None) -> dict:
