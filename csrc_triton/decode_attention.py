@@ -6,9 +6,16 @@ q (B, H, D), k/v (B, Hkv, L_max, D) fp16/bf16 with unit stride along D, lengths 
 device (read by the kernel, so a CUDA graph can replay the step as the length grows; 1 <= length <=
 L_max is checked only by `decode_attention_ref`). Flash-decoding: program (b, g, s) streams split s of
 the keys once for all n_rep query heads of KV head g, keeping an online max/sum in fp32, and writes an
-fp32 partial output with its log-sum-exp; a second tiny kernel merges the splits. The split count
-(from L_max and the SM count: a few programs per SM keep HBM busy) is a runtime argument, so a new
-buffer size never recompiles; split boundaries come from the device length. K, V are read once. D <= 256.
+fp32 partial output with its log-sum-exp. The split merge is fused: each program then bumps the
+int32 arrival counter of its (b, g); the last of the n_splits programs to arrive (whichever it is)
+reads the partials back from L2, merges them and resets the counter to 0 for the next call, so the
+step is ONE launch with no host sync (a graph replays it; `fused=False` keeps the older second merge
+kernel for comparison). The split count (from L_max and the SM count: a few programs per SM keep HBM
+busy) is a runtime argument, so a new buffer size never recompiles; split boundaries come from the
+device length. K, V are read once. D <= 256.
+
+The counters live in a per-device int32 workspace allocated (zeroed) on the first call, which must
+therefore happen outside a CUDA graph capture; calls on one device must not overlap on two streams.
 """
 
 from __future__ import annotations
@@ -24,15 +31,52 @@ LOG2E = 1.4426950408889634
 # Programs per SM that the split count aims for: enough loads in flight to cover HBM latency.
 CTAS_PER_SM = 4
 MIN_SPLIT = 128  # keys per split at least: below that the per-program prologue/epilogue dominates
+MERGE_ELEMS = 8192  # fp32 partial elements the merging program holds per step (64 registers at 4 warps)
+
+
+@triton.jit
+def _merge_splits(o_part_ptr, lse_ptr, out_ptr, s_outb, s_outh, b, g, H, N_SPLITS,
+                  N_REP: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+                  MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[b, h] = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the splits of the n_rep heads
+    of group g. Loads bypass L1 (.cg): the partials were written by other SMs during this launch."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    r_ok = offs_r < N_REP
+    d_ok = offs_d < D
+    row0 = (b * H + g * N_REP + offs_r) * N_SPLITS  # (BLOCK_R,) first partial of each head
+    lse = tl.load(lse_ptr + row0[:, None] + offs_s[None, :], cache_modifier=".cg",
+                  mask=r_ok[:, None] & (offs_s < N_SPLITS)[None, :], other=float("-inf"))  # (BLOCK_R, BLOCK_S)
+    # Split 0 always holds keys (length >= 1), so m is finite on real heads; padded heads get 0.
+    m = tl.max(lse, axis=1)
+    m = tl.where(r_ok, m, 0.0)
+    denom = tl.sum(tl.exp2(lse - m[:, None]), axis=1)
+    denom = tl.where(r_ok, denom, 1.0)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for s0 in range(0, N_SPLITS, MERGE_S):  # one step for <= MERGE_S splits: the loads overlap
+        s = s0 + tl.arange(0, MERGE_S)
+        ok = r_ok[:, None] & (s < N_SPLITS)[None, :]  # (BLOCK_R, MERGE_S)
+        w = tl.exp2(tl.load(lse_ptr + row0[:, None] + s[None, :], mask=ok, other=float("-inf"),
+                            cache_modifier=".cg") - m[:, None])
+        o = tl.load(o_part_ptr + (row0[:, None, None] + s[None, :, None]) * D + offs_d[None, None, :],
+                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
+                    cache_modifier=".cg")  # (BLOCK_R, MERGE_S, BLOCK_D)
+        acc += tl.sum(o * w[:, :, None], axis=1)
+    o = acc / denom[:, None]
+    heads = g * N_REP + offs_r
+    tl.store(out_ptr + b * s_outb + heads[:, None] * s_outh + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr,
-    sqb, sqh, skb, skh, skl, svb, svh, svl,
+    q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr, out_ptr, cnt_ptr,
+    sqb, sqh, skb, skh, skl, svb, svh, svl, s_outb, s_outh,
     scale_log2, HKV, H, N_SPLITS, N_REP: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
+    FUSED: tl.constexpr, UPCAST: tl.constexpr,
 ):
     bg = tl.program_id(0)
     split = tl.program_id(1)
@@ -86,11 +130,24 @@ def _decode_attention_kernel(
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     o = acc / l_safe[:, None]
-    lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
-    # Partials are contiguous (B, H, N_SPLITS, D) and (B, H, N_SPLITS).
-    row = (b * H + heads) * N_SPLITS + split  # (BLOCK_H,)
-    tl.store(o_ptr + row[:, None] * D + offs_d[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + row, lse, mask=h_ok)
+    st_ok = h_ok[:, None] & d_ok[None, :]
+    if N_SPLITS == 1:  # one split (specialised at compile time): the partial is the answer
+        tl.store(out_ptr + b * s_outb + heads[:, None] * s_outh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=st_ok)
+    else:
+        lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+        # Partials are contiguous (B, H, N_SPLITS, D) and (B, H, N_SPLITS).
+        row = (b * H + heads) * N_SPLITS + split  # (BLOCK_H,)
+        tl.store(o_ptr + row[:, None] * D + offs_d[None, :], o, mask=st_ok)
+        tl.store(lse_ptr + row, lse, mask=h_ok)
+        if FUSED:
+            # Every thread's partial stores must precede the (one-thread) release of the counter.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + bg, 1, sem="acq_rel", scope="gpu")
+            if arrived == N_SPLITS - 1:  # the last program of (b, g): all partials are visible
+                _merge_splits(o_ptr, lse_ptr, out_ptr, s_outb, s_outh, b, g, H, N_SPLITS, N_REP, D,
+                              BLOCK_R, BLOCK_S, MERGE_S, BLOCK_D)
+                tl.store(cnt_ptr + bg, 0)  # ready for the next launch (kernel boundary orders it)
 
 
 @triton.jit
@@ -119,6 +176,8 @@ def _interpreting() -> bool:
 
 
 _SMS: dict[int, int] = {}
+_COUNTERS: dict[str, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers, kept alive for captured graphs
 
 
 def _sm_count(device: torch.device) -> int:
@@ -131,6 +190,22 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[idx]
 
 
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The per-device int32 arrival counters (all 0 between launches: the merging program resets
+    its own). Allocated and zeroed eagerly: inside a graph capture a fresh zero-fill would not run."""
+    key = str(device)
+    cnt = _COUNTERS.get(key)
+    if cnt is None or cnt.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_attention: call it once outside the CUDA graph capture first "
+                               "(it allocates its split counters on the first call)")
+        if cnt is not None:  # graphs captured earlier still point at it: never free it
+            _RETIRED.append(cnt)
+        cnt = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = cnt
+    return cnt
+
+
 def default_splits(max_len: int, n_programs: int, device: torch.device, ctas_per_sm: int = CTAS_PER_SM) -> int:
     """Splits so that B*Hkv*splits programs fill every SM about `ctas_per_sm` times, each split
     keeping >= MIN_SPLIT keys (at most 256 splits)."""
@@ -138,19 +213,9 @@ def default_splits(max_len: int, n_programs: int, device: torch.device, ctas_per
     return int(min(want, max(1, -(-max_len // MIN_SPLIT)), 256))
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                     scale: float | None = None, n_splits: int | None = None,
-                     block_n: int = 64, out: torch.Tensor | None = None,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """q (B, H, D) x k, v (B, Hkv, L_max, D), lengths (B,) int32 on q's device -> (B, H, D) in q's dtype.
-
-    `out` (like q) receives the result when given (a captured graph's fixed output buffer).
-    block_n, num_warps, num_stages and n_splits are tuning knobs; the defaults won the H200 sweep of
-    scripts/benches/decode_attention.py (DECODE_SWEEP=1; docs/perf_notes.md).
-    """
+def _check(q, k, v, lengths, out):
     B, H, D = q.shape
-    Hkv, L_max = k.shape[1], k.shape[2]
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or H % Hkv:
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or H % k.shape[1]:
         raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
                          "must be (B, H, D), (B, Hkv, L, D) with H a multiple of Hkv")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -160,29 +225,48 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         raise ValueError("decode_attention: lengths must be an int32 (B,) tensor on q's device")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or D > 256:
         raise ValueError("decode_attention: the last dim must be contiguous and at most 256")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError(f"decode_attention: out must be {q.dtype} {tuple(q.shape)} with a contiguous last dim")
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     scale: float | None = None, n_splits: int | None = None,
+                     block_n: int = 64, out: torch.Tensor | None = None,
+                     num_warps: int = 4, num_stages: int = 2, fused: bool = True) -> torch.Tensor:
+    """q (B, H, D) x k, v (B, Hkv, L_max, D), lengths (B,) int32 on q's device -> (B, H, D) in q's dtype.
+
+    `out` (like q) receives the result when given (a captured graph's fixed output buffer).
+    block_n, num_warps, num_stages, n_splits and fused (merge in the same launch) are tuning knobs;
+    the defaults won the H200 sweep of scripts/benches/decode_attention.py (DECODE_SWEEP=1;
+    docs/perf_notes.md).
+    """
+    _check(q, k, v, lengths, out)
+    B, H, D = q.shape
+    Hkv, L_max = k.shape[1], k.shape[2]
+    out = torch.empty_like(q) if out is None else out
     n_rep = H // Hkv
     n_splits = n_splits or default_splits(L_max, B * Hkv, q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     # One fp32 workspace: partial outputs (B, H, n_splits, D) then their log-sum-exps (B, H, n_splits).
-    work = torch.empty(B * H * n_splits * (D + 1), device=q.device, dtype=torch.float32)
+    work = torch.empty(B * H * n_splits * (D + 1) if n_splits > 1 else 1, device=q.device, dtype=torch.float32)
     o_part, lse = work[: B * H * n_splits * D], work[B * H * n_splits * D:]
+    cnt = _counters(q.device, B * Hkv) if fused and n_splits > 1 else lengths  # unused when not fused
     block_d = max(16, triton.next_power_of_2(D))
+    block_r, block_s = triton.next_power_of_2(n_rep), triton.next_power_of_2(n_splits)
     _decode_attention_kernel[(B * Hkv, n_splits)](
-        q, k, v, lengths, o_part, lse,
+        q, k, v, lengths, o_part, lse, out, cnt,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), scale * LOG2E, Hkv, H, n_splits,
-        N_REP=n_rep, D=D, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n,
-        BLOCK_D=block_d, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), scale * LOG2E, Hkv, H, n_splits,
+        N_REP=n_rep, D=D, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_R=block_r, BLOCK_S=block_s, MERGE_S=min(block_s, max(1, MERGE_ELEMS // (block_r * block_d))),
+        FUSED=fused, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )
-    _decode_attention_reduce_kernel[(B * H,)](
-        o_part, lse, out, out.stride(0), out.stride(1), H, n_splits,
-        D=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_splits), num_warps=4,
-    )
+    if n_splits > 1 and not fused:
+        _decode_attention_reduce_kernel[(B * H,)](
+            o_part, lse, out, out.stride(0), out.stride(1), H, n_splits,
+            D=D, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
+        )
     return out
 
 

@@ -2,10 +2,11 @@
 
 Per row h (K,), in fp32: g = GELU(h) with KIND "gelu" (exact: 0.5 h (1 + erf(h / sqrt 2))),
 "gelu_tanh" (0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))) or "quick_gelu" (h * sigmoid(1.702 h));
-then quantized per token as quant_per_token's `_quant_rows` (scale = amax / 127, round half to even,
+then quantized per token as quant_per_token's kernel (scale = amax / 127, round half to even,
 clamp +-127). tanh is computed as 1 - 2 / (exp(2u) + 1) (no libdevice, which the interpreter lacks):
 within a few fp32 ulps of torch's tanh, so int8 values differ from the reference only at near-ties.
-h: (..., K) fp16/bf16/fp32 (fc1's output). Out: q (..., K) int8, scale (...,) fp32. Whole rows per program.
+h: (..., K) fp16/bf16/fp32 (fc1's output). Out: q (..., K) int8, scale (...,) fp32. Whole rows per program
+(head + tail blocks, as quant_per_token).
 """
 
 from __future__ import annotations
@@ -15,18 +16,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .quant_per_token import _launch_rows, _quant_rows, quantize_rows_ref
+from .quant_per_token import _launch_rows, _row_block, _row_scales, _store_q, quantize_rows_ref
 
 KINDS = {"gelu": 0, "gelu_tanh": 1, "quick_gelu": 2}
 
 
 @triton.jit
-def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, K, stride_hm, stride_qm, KIND: tl.constexpr,
-                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    offs = tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < M) & (offs[None, :] < K)  # (ROWS, BLOCK_K)
-    h = tl.load(h_ptr + rows[:, None] * stride_hm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+def _gelu(h, KIND: tl.constexpr):
+    """GELU_KIND of fp32 values (KINDS numbering)."""
     if KIND == 0:
         g = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
     elif KIND == 1:
@@ -37,8 +34,26 @@ def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, K, stride_hm, stride_qm, KIND
         g = 0.5 * h * (1.0 + t)
     else:
         g = h / (1.0 + tl.exp(tl.minimum(-1.702 * h, 80.0)))  # exp(80) is finite in fp32
-    g = tl.where(mask, g, 0.0)
-    _quant_rows(g, mask, q_ptr + rows[:, None] * stride_qm + offs[None, :], scale_ptr + rows, rows < M)
+    return g
+
+
+@triton.jit
+def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, stride_hm, stride_qm, K: tl.constexpr, KIND: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    # Row = head block + tail block, as quant_per_token; GELU(0) = 0, so padding lanes stay 0.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    h, mask, offs = _row_block(h_ptr, rows, stride_hm, M, K, 0, BLOCK_K)
+    g = _gelu(h, KIND)
+    amax = tl.max(tl.abs(g), axis=1)
+    if BLOCK_T > 0:
+        ht, mask_t, offs_t = _row_block(h_ptr, rows, stride_hm, M, K, BLOCK_K, BLOCK_T)
+        gt = _gelu(ht, KIND)
+        amax = tl.maximum(amax, tl.max(tl.abs(gt), axis=1))
+    inv, scale = _row_scales(amax)
+    _store_q(g, mask, offs, rows, q_ptr, stride_qm, inv)
+    if BLOCK_T > 0:
+        _store_q(gt, mask_t, offs_t, rows, q_ptr, stride_qm, inv)
+    tl.store(scale_ptr + rows, scale, mask=rows < M)
 
 
 def gelu_quant(h: torch.Tensor, kind: str, meta: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,20 +64,22 @@ def gelu_quant(h: torch.Tensor, kind: str, meta: dict | None = None) -> tuple[to
     h2, q, scale, meta = _launch_rows(h, "gelu_quant", meta)
     M = h2.shape[0]
     if M:
-        _gelu_quant_kernel[(triton.cdiv(M, meta["ROWS"]),)](h2, q, scale, M, h2.shape[1], h2.stride(0), q.stride(0),
-                                                            KIND=KINDS[kind], **meta)
+        _gelu_quant_kernel[(triton.cdiv(M, meta["ROWS"]),)](h2, q, scale, M, h2.stride(0), q.stride(0),
+                                                            K=h2.shape[1], KIND=KINDS[kind], **meta)
     return q.view(h.shape), scale.view(h.shape[:-1])
+
+
+def gelu_ref(hf: torch.Tensor, kind: str) -> torch.Tensor:
+    """GELU_kind in plain PyTorch at the input's precision (fp32 for the kernels' semantics)."""
+    if kind == "gelu":
+        return F.gelu(hf)
+    if kind == "gelu_tanh":
+        return F.gelu(hf, approximate="tanh")
+    if kind == "quick_gelu":
+        return hf * torch.sigmoid(1.702 * hf)
+    raise ValueError(f"gelu_quant: unknown activation {kind!r}; known: {', '.join(KINDS)}")
 
 
 def gelu_quant_ref(h: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain PyTorch reference (the CPU path): GELU in fp32, then the shared quantizer."""
-    hf = h.float()
-    if kind == "gelu":
-        g = F.gelu(hf)
-    elif kind == "gelu_tanh":
-        g = F.gelu(hf, approximate="tanh")
-    elif kind == "quick_gelu":
-        g = hf * torch.sigmoid(1.702 * hf)
-    else:
-        raise ValueError(f"gelu_quant: unknown activation {kind!r}; known: {', '.join(KINDS)}")
-    return quantize_rows_ref(g)
+    return quantize_rows_ref(gelu_ref(h.float(), kind))

@@ -1,12 +1,16 @@
 """KV packing: gather the kept cache slots of every KV head into one contiguous decode buffer.
 
-    dst[b, g, i, :] = src[b, g, idx[b, g, i], :]   for i < idx.shape[2]
+    dst[..., g, i, :] = src[..., g, idx[..., g, i], :]   for i < idx.shape[-1]
 
-src (B, Hkv, S, D) a layer's full K or V cache; idx (B, Hkv, L) int32 slots, per head in increasing
-order ([non-retrievable prefix | selected retrievable | the rest] is simply the kept slots in order);
-dst (B, Hkv, L_cap, D) with L_cap >= L, same dtype; only rows 0..L-1 are written. Keys were rotated
-at their logical positions when cached, so packing copies bits and never re-rotates. One program
-copies BLOCK_L rows of one head; any dtype, D <= 256, unit stride along D.
+src (..., Hkv, S, D) the full K or V cache: one layer (B, Hkv, S, D) or all of them at once
+(n_layers, B, Hkv, S, D); idx (..., Hkv, L) int32 slots, per head in increasing order
+([non-retrievable prefix | selected retrievable | the rest] is simply the kept slots in order);
+dst (..., Hkv, L_cap, D) with L_cap >= L, same dtype; only rows 0..L-1 are written. src and dst may
+also be (K, V) pairs of tensors with equal shapes and strides: both are packed by the same launch
+(one launch per question for the whole model). Keys were rotated at their logical positions when
+cached, so packing copies bits and never re-rotates. Program (o, g, l-block, pair) copies BLOCK_L
+rows of one head; the leading dims (...) must flatten into one (views, as the cache's stacked
+layers do); any dtype, D <= 256, unit stride along D.
 """
 
 from __future__ import annotations
@@ -17,49 +21,72 @@ import triton.language as tl
 
 
 @triton.jit
-def _kv_pack_kernel(src_ptr, idx_ptr, dst_ptr, ssb, ssh, ssl, sib, sih, sdb, sdh, sdl, L, HKV,
-                    D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
-    bg = tl.program_id(0)
-    b = bg // HKV
-    g = bg % HKV
+def _kv_pack_kernel(src_ptr, src2_ptr, idx_ptr, dst_ptr, dst2_ptr, sso, ssh, ssl, sio, sih, sdo, sdh, sdl,
+                    L, HKV, D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+    og = tl.program_id(0)
+    o = (og // HKV).to(tl.int64)  # flattened leading dims: layer * B + b (int64: a whole model's cache)
+    g = og % HKV
+    if tl.program_id(2) == 0:  # the first tensor of the pair (K), else the second (V)
+        src = src_ptr
+        dst = dst_ptr
+    else:
+        src = src2_ptr
+        dst = dst2_ptr
     offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     l_ok = offs_l < L
     ok = l_ok[:, None] & (offs_d[None, :] < D)
-    slot = tl.load(idx_ptr + b * sib + g * sih + offs_l, mask=l_ok, other=0).to(tl.int64)
-    rows = tl.load(src_ptr + b * ssb + g * ssh + slot[:, None] * ssl + offs_d[None, :], mask=ok)
-    tl.store(dst_ptr + b * sdb + g * sdh + offs_l[:, None].to(tl.int64) * sdl + offs_d[None, :], rows, mask=ok)
+    slot = tl.load(idx_ptr + o * sio + g * sih + offs_l, mask=l_ok, other=0).to(tl.int64)
+    rows = tl.load(src + o * sso + g * ssh + slot[:, None] * ssl + offs_d[None, :], mask=ok)
+    tl.store(dst + o * sdo + g * sdh + offs_l[:, None].to(tl.int64) * sdl + offs_d[None, :], rows, mask=ok)
 
 
-def _check(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> None:
-    if src.dim() != 4 or dst.dim() != 4 or src.shape[:2] != dst.shape[:2] or src.shape[3] != dst.shape[3]:
-        raise ValueError(f"kv_pack: src {tuple(src.shape)} and dst {tuple(dst.shape)} must be (B, Hkv, *, D)")
-    if idx.dim() != 3 or idx.shape[:2] != src.shape[:2] or idx.shape[2] > dst.shape[2]:
-        raise ValueError(f"kv_pack: idx {tuple(idx.shape)} must be (B, Hkv, L) with L <= dst's {dst.shape[2]} rows")
+def _pair(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _check(srcs: tuple, idx: torch.Tensor, dsts: tuple) -> None:
+    if len(srcs) != len(dsts) or not 1 <= len(srcs) <= 2:
+        raise ValueError(f"kv_pack: src and dst must both be a tensor or both a (K, V) pair, got {len(srcs)}, {len(dsts)}")
+    src, dst = srcs[0], dsts[0]
+    if any(s.shape != src.shape or s.stride() != src.stride() or s.dtype != src.dtype for s in srcs) or \
+            any(d.shape != dst.shape or d.stride() != dst.stride() or d.dtype != dst.dtype for d in dsts):
+        raise ValueError("kv_pack: the K and V of a pair must share shape, strides and dtype")
+    if src.dim() < 4 or dst.dim() != src.dim() or src.shape[:-2] != dst.shape[:-2] or src.shape[-1] != dst.shape[-1]:
+        raise ValueError(f"kv_pack: src {tuple(src.shape)} and dst {tuple(dst.shape)} must be (..., Hkv, *, D)")
+    if idx.dim() != src.dim() - 1 or idx.shape[:-1] != src.shape[:-2] or idx.shape[-1] > dst.shape[-2]:
+        raise ValueError(f"kv_pack: idx {tuple(idx.shape)} must be (..., Hkv, L) with L <= dst's {dst.shape[-2]} rows")
     if src.dtype != dst.dtype or idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"kv_pack: src/dst dtypes {src.dtype}/{dst.dtype} differ or idx is not int32/int64")
 
 
-def kv_pack(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, block_l: int = 32) -> torch.Tensor:
-    """Write src's rows idx (B, Hkv, L) into dst[:, :, :L]; returns dst."""
-    _check(src, idx, dst)
-    B, Hkv, L = idx.shape
-    D = src.shape[3]
-    if src.stride(-1) != 1 or dst.stride(-1) != 1 or D > 256:
+def kv_pack(src, idx: torch.Tensor, dst, block_l: int = 32):
+    """Write src's rows idx (..., Hkv, L) into dst[..., :L, :]; src and dst are tensors or (K, V)
+    pairs. Returns dst."""
+    srcs, dsts = _pair(src), _pair(dst)
+    _check(srcs, idx, dsts)
+    Hkv, L = idx.shape[-2:]
+    S, D = srcs[0].shape[-2:]
+    if any(t.stride(-1) != 1 for t in srcs + dsts) or D > 256:
         raise ValueError("kv_pack: the last dim must be contiguous and at most 256")
-    idx = idx.to(torch.int32)
+    # (O, Hkv, rows, D) views: .view raises if the leading dims cannot flatten without a copy.
+    s4 = [t.view(-1, Hkv, S, D) for t in srcs]
+    d4 = [t.view(-1, Hkv, t.shape[-2], D) for t in dsts]
+    idx = idx.reshape(-1, Hkv, L).to(torch.int32).contiguous()  # small: a copy is fine
     if L:
-        _kv_pack_kernel[(B * Hkv, triton.cdiv(L, block_l))](
-            src, idx, dst, src.stride(0), src.stride(1), src.stride(2), idx.stride(0), idx.stride(1),
-            dst.stride(0), dst.stride(1), dst.stride(2), L, Hkv,
-            D=D, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+        s2, d2 = s4[-1], d4[-1]  # the second of a pair, or the first again (never launched then)
+        _kv_pack_kernel[(s4[0].shape[0] * Hkv, triton.cdiv(L, block_l), len(srcs))](
+            s4[0], s2, idx, d4[0], d2, *s4[0].stride()[:3], idx.stride(0), idx.stride(1), *d4[0].stride()[:3],
+            L, Hkv, D=D, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(D), num_warps=4,
         )
     return dst
 
 
-def kv_pack_ref(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """Plain PyTorch gather along the sequence dim."""
-    _check(src, idx, dst)
-    L, D = idx.shape[2], src.shape[3]
-    dst[:, :, :L] = torch.gather(src, 2, idx.long()[..., None].expand(-1, -1, -1, D))
+def kv_pack_ref(src, idx: torch.Tensor, dst):
+    """Plain PyTorch gather along the sequence dim, per tensor of the pair."""
+    srcs, dsts = _pair(src), _pair(dst)
+    _check(srcs, idx, dsts)
+    L, D = idx.shape[-1], srcs[0].shape[-1]
+    for s, d in zip(srcs, dsts):
+        d[..., :L, :] = torch.gather(s, -2, idx.long()[..., None].expand(*idx.shape, D))
     return dst

@@ -1,11 +1,12 @@
 """LayerNorm fused with per-token int8 quantization: the input of q/k/v (wqkv) and fc1 in W8A8 ViTs.
 
 Per row x (K,), all in fp32:  mu = mean(x);  var = mean((x - mu)^2);  rstd = 1 / sqrt(var + eps);
-y = (x - mu) * rstd * w + b;  then y is quantized per token exactly as quant_per_token's `_quant_rows`
+y = (x - mu) * rstd * w + b;  then y is quantized per token exactly as quant_per_token's kernel
 (amax = max(max|y|, 1e-5), scale = amax / 127, q = round_half_even(y * 127 / amax), clamp +-127).
 y never touches memory and is never rounded to fp16, so the int8 values equal the reference's except
 where y * 127 / amax lies within float error of a .5 tie. x: (..., K) fp16/bf16/fp32; w, b: (K,) any
-float dtype. Out: q (..., K) int8, scale (...,) fp32. Each program holds ROWS whole rows in registers.
+float dtype. Out: q (..., K) int8, scale (...,) fp32. Each program holds ROWS whole rows in registers
+(a power-of-two head + a tail block, as quant_per_token). K is a compile-time constant.
 """
 
 from __future__ import annotations
@@ -14,24 +15,47 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_per_token import _launch_rows, _quant_rows, quantize_rows_ref
+from .quant_per_token import _launch_rows, _row_block, _row_scales, _store_q, quantize_rows_ref
 
 
 @triton.jit
-def _layer_norm_quant_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, eps,
-                             ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    offs = tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < M) & (offs[None, :] < K)  # (ROWS, BLOCK_K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / K
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    var = tl.sum(xc * xc, axis=1) / K
-    rstd = 1.0 / tl.sqrt(var + eps)
+def _affine(xc, rstd, w_ptr, b_ptr, offs, K: tl.constexpr):
+    """(x - mu) * rstd * w + b of one column block (ROWS, BLOCK) at columns `offs`."""
     w = tl.load(w_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-    y = tl.where(mask, xc * rstd[:, None] * w[None, :] + b[None, :], 0.0)  # masked lanes 0 for the row max
-    _quant_rows(y, mask, q_ptr + rows[:, None] * stride_qm + offs[None, :], scale_ptr + rows, rows < M)
+    return xc * rstd[:, None] * w[None, :] + b[None, :]
+
+
+@triton.jit
+def _layer_norm_quant_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, M, stride_xm, stride_qm, eps,
+                             K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    # Row = head block of BLOCK_K columns + tail block of BLOCK_T (quant_per_token's layout): every
+    # statistic is the sum of the two blocks' partials.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    x, mask, offs = _row_block(x_ptr, rows, stride_xm, M, K, 0, BLOCK_K)
+    total = tl.sum(x, axis=1)
+    if BLOCK_T > 0:
+        xt, mask_t, offs_t = _row_block(x_ptr, rows, stride_xm, M, K, BLOCK_K, BLOCK_T)
+        total += tl.sum(xt, axis=1)
+    mean = total / K
+    xc = x - mean[:, None]
+    if BLOCK_K > K:  # one padded block (SPLIT=False): padding lanes must add 0 to the variance
+        xc = tl.where(mask, xc, 0.0)
+    var = tl.sum(xc * xc, axis=1)
+    if BLOCK_T > 0:
+        xct = tl.where(mask_t, xt - mean[:, None], 0.0)
+        var += tl.sum(xct * xct, axis=1)
+    rstd = 1.0 / tl.sqrt(var / K + eps)
+    y = _affine(xc, rstd, w_ptr, b_ptr, offs, K)
+    amax = tl.max(tl.abs(y), axis=1)
+    if BLOCK_T > 0:
+        yt = tl.where(mask_t, _affine(xct, rstd, w_ptr, b_ptr, offs_t, K), 0.0)  # padding lanes 0 for the max
+        amax = tl.maximum(amax, tl.max(tl.abs(yt), axis=1))
+    inv, scale = _row_scales(amax)
+    _store_q(y, mask, offs, rows, q_ptr, stride_qm, inv)
+    if BLOCK_T > 0:
+        _store_q(yt, mask_t, offs_t, rows, q_ptr, stride_qm, inv)
+    tl.store(scale_ptr + rows, scale, mask=rows < M)
 
 
 def layer_norm_quant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
@@ -45,7 +69,7 @@ def layer_norm_quant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     M = x2.shape[0]
     if M:
         _layer_norm_quant_kernel[(triton.cdiv(M, meta["ROWS"]),)](
-            x2, weight.contiguous(), bias.contiguous(), q, scale, M, K, x2.stride(0), q.stride(0), float(eps), **meta)
+            x2, weight.contiguous(), bias.contiguous(), q, scale, M, x2.stride(0), q.stride(0), float(eps), K=K, **meta)
     return q.view(x.shape), scale.view(x.shape[:-1])
 
 

@@ -4,8 +4,8 @@ w[n, k] = q[n, k] * s[n, k // G] + b[n, k // G] in fp32, rounded once to the out
 tinyvila.quant.dequantize_w4 and a dense checkpoint hold). qweight int32 (N, K/8), nibble i of word j is
 q[n, 8j + i]; scales (N, K/G) fp16/bf16; zeros fp32 (N, K/G). A program unpacks a (BLOCK_N, BLOCK_W)
 word tile in registers (plain shifts and masks) and stores (BLOCK_N, 8 BLOCK_W) values with 16-byte stores.
-Memory-bound (0.5 byte read, 2 bytes written per weight). Used by w4a16_gemm for long prompts: one pass
-to a workspace, then cuBLAS, beats a fused dequantizing GEMM there (see the w4a16_gemm docstring).
+Memory-bound (0.5 byte read, 2 bytes written per weight). Used by w4a16_gemm for long prompts (from
+DEQUANT_MIN_M rows): one pass into a workspace reused across calls, then cuBLAS at full tensor-core rate.
 """
 
 from __future__ import annotations

@@ -2,15 +2,35 @@
 
 Layouts and dtypes as in w4a16_gemv.py: x (M, K) fp16/bf16 (unit stride along K), qweight int32 (N, K/8)
 with nibble i of word j = q[n, 8j + i], scales (N, K/G) in x's dtype, zeros fp32 (N, K/G), G in {32, 64, 128}.
-Math: each (BLOCK_N, BLOCK_K) weight tile is dequantized once in registers, w = q * s + b in fp32 then
-rounded to x's dtype (exactly what `_ref` and a dense checkpoint hold), and fed to tl.dot (wgmma on
-sm_90) against the (BLOCK_M, BLOCK_K) activation tile with fp32 accumulation. BLOCK_K divides G, so a
-tile has one scale and zero per row. Programs are grouped along M (GROUP_M) so weight tiles are reused
-from L2. Long prompts (M >= DEQUANT_MIN_M on CUDA) take another path: w4a16_dequant to a workspace, then cuBLAS.
-Limits: K % G == 0; any M, N. Autotuned on CUDA; one fixed config under TRITON_INTERPRET.
+
+Orientation: a program computes the transposed tile y^T (BLOCK_N, BLOCK_M) = W_tile (BLOCK_N, BK) @ x_tile^T,
+so the dequantized weights are wgmma's *register* operand A (never stored to shared memory) and the small
+activation tile is the shared-memory operand B, whose width BLOCK_M (MMA's N: 16..256) fits short prompts.
+K order: a dot does not care in which order it sums over k, so each K tile (BK = 8 BLOCK_W = BW words per
+row) is summed in the order the nibbles leave the words: position p = c * 2BW + 2j + e holds k = 8j + 2c + e
+(word j, nibble pair c, nibble e of the pair). In that order the thread that holds words j = t (mod 4) of
+a row computes exactly its own fragment of A, so the dequantized tile needs no data exchange at all; x is
+gathered in the same order as 4-byte pairs by cp.async (pipelined, num_stages deep).
+Dequantization, exact: one LOP3 (after at most one shift, shared by two nibbles) puts nibble q into the
+mantissa of 1.0f at bit 12 or 16: f = 1 + q 2^-11 (or 2^-7). One FMA then gives (2^7 for the latter)
+w = f * (2^11 s) + (b - 2^11 s) = q s + b with an exact product and one rounding to fp32, as the
+reference's fp32 q * s + b, whenever b - 2^11 s is exact in fp32: always for b = -z s with an integer zero
+point z in [0, 15] ((z + 2^11) s has <= 23 significant bits), i.e. every format we build or import;
+otherwise off by <= 2^-12 |s| before the final rounding. w is then rounded once to x's dtype, like `_ref`.
+Split-K (SPLIT_K > 1, for prompts whose tiles do not fill the GPU): each split writes its fp32 partial
+tile to a workspace; the last split of a tile (an atomic counter per tile) sums the partials in split
+order (deterministic), adds the bias and stores y, then resets the counter for the next call.
+Paths: on CUDA, M >= DEQUANT_MIN_M dequantizes W once (w4a16_dequant, into a workspace reused across
+calls) and calls cuBLAS; so do K not divisible by 64. Tiles: a fixed table (CONFIG_TABLE, from the H200
+sweep in scripts/benches/w4a16.py) keyed by (M bucket, N, K), else `rule_config`; never autotuned at call
+time. `warmup` compiles every bucket's kernel ahead of the first prompt.
+Limits: K % G == 0; any M, N. One CUDA stream at a time (the split-K counters are shared per device).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -19,101 +39,326 @@ import triton.language as tl
 from csrc_triton.w4a16_dequant import w4a16_dequant
 from csrc_triton.w4a16_gemv import INTERPRET, check_w4_args, dequantize_ref
 
-# From this many rows on (CUDA), the launcher dequantizes W once into an (N, K) workspace in x's dtype
-# (w4a16_dequant: memory-bound, ~K*N*2.5 bytes, tens of microseconds at Llama-3-8B shapes) and calls
-# cuBLAS: at M = 2048 the fused kernel below reached only ~0.2x cuBLAS on the H200 (first GPU run),
-# while the dequantization pass costs ~10-15% of a cuBLAS GEMM there. Below it, the fused kernel.
+# From this many rows on (CUDA), W is dequantized once into an (N, K) workspace and cuBLAS runs the
+# GEMM (w4a16_dequant: ~2.5 bytes of traffic per weight, then the fp16 GEMM at full tensor-core rate).
+# Below it, the fused kernel: it reads 0.5 byte per weight and dequantizes each weight once per
+# BLOCK_M rows, which is cheaper while a few row tiles cover the prompt. H200 sweep 2026-11-29
+# (TINYVILA_W4_GEMM_SWEEP=16,64,256, Llama-3-8B shapes summed over 32 layers): fused 3.5 / 5.85 / 16.5 ms
+# at M = 16 / 64 / 256 against dequant + cuBLAS 10.4 / 11.6 / 14.5 ms, so the crossover is below 256.
 DEQUANT_MIN_M = 256
 
-_MAGIC = tl.constexpr(0x4B000000)  # fp32 bits of 2**23: OR-ing q < 2**23 into the mantissa gives 2**23 + q
+
+class Config(NamedTuple):
+    """One tile configuration of the fused kernel."""
+
+    block_m: int  # prompt rows per tile (wgmma N): 16..256
+    block_n: int  # weight rows per tile (wgmma M: 64 per warpgroup)
+    block_w: int  # packed words per weight row per K step (BK = 8 block_w): 8 or 16
+    split_k: int  # programs sharing one output tile's K range
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        return (f"m{self.block_m}n{self.block_n}w{self.block_w}k{self.split_k}"
+                f"x{self.num_warps}s{self.num_stages}")
+
+
+# (M bucket, N, K) -> Config for the H200, from the sweep of 2026-11-29 (TINYVILA_W4_GEMM_SWEEP prints this
+# dict; fp16, group 128, Llama-3-8B shapes). Other shapes and buckets use `rule_config`.
+CONFIG_TABLE: dict[tuple[int, int, int], Config] = {
+    (16, 4096, 4096): Config(16, 64, 16, 4, 4, 4),
+    (16, 4096, 14336): Config(16, 64, 16, 8, 4, 3),
+    (16, 6144, 4096): Config(16, 64, 16, 4, 4, 4),
+    (16, 28672, 4096): Config(16, 64, 16, 2, 4, 4),
+    (64, 4096, 4096): Config(64, 128, 8, 4, 8, 3),
+    (64, 4096, 14336): Config(64, 64, 8, 8, 4, 3),
+    (64, 6144, 4096): Config(64, 64, 8, 4, 4, 3),
+    (64, 28672, 4096): Config(64, 128, 8, 1, 8, 4),
+    (256, 4096, 4096): Config(128, 128, 16, 2, 8, 4),  # M 129..255 (256 itself takes the dequant path)
+    (256, 4096, 14336): Config(128, 128, 16, 2, 8, 3),
+    (256, 6144, 4096): Config(128, 128, 16, 1, 8, 4),
+    (256, 28672, 4096): Config(128, 128, 16, 1, 8, 4),
+}
 
 
 @triton.jit
-def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym, M_KEY,
-                       G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    # M_KEY (M rounded up to a power of two) only keys the autotuner, so prompt lengths share configs.
+def _mantissa(v, MASK: tl.constexpr, UNPACK: tl.constexpr):
+    """(v & MASK) | 0x3F800000 (1.0f) as fp32. UNPACK=1 (GPU): one lop3 in inline PTX, for which ptxas keeps
+    1.0f's bits in a register; from plain Triton ops it emits two LOP3s (one immediate per instruction),
+    and passing the constant as a runtime argument instead changes Triton's layout choice for the whole
+    tile (it then goes through shared memory). UNPACK=0 (interpreter): the plain ops, same bits."""
+    if UNPACK == 1:
+        if MASK == 0xF000:
+            r = tl.inline_asm_elementwise("lop3.b32 $0, $1, 61440, 1065353216, 0xEA;", "=r,r", [v],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = tl.inline_asm_elementwise("lop3.b32 $0, $1, 983040, 1065353216, 0xEA;", "=r,r", [v],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = (v & MASK) | 0x3F800000
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibble(words, i: tl.constexpr, UNPACK: tl.constexpr):
+    """Nibble i of each word as the fp32 1 + q 2^-11 (i in 0, 2, 3, 6: q moved to bits 12..15) or 1 + q 2^-7
+    (i in 1, 4, 5, 7: q at bits 16..19). Four shifts serve the eight nibbles (CSE'd across calls)."""
+    if i == 0:
+        f = _mantissa(words << 12, 0xF000, UNPACK)
+    elif i == 1:
+        f = _mantissa(words << 12, 0xF0000, UNPACK)
+    elif i == 2:
+        f = _mantissa(words << 4, 0xF000, UNPACK)
+    elif i == 3:
+        f = _mantissa(words, 0xF000, UNPACK)
+    elif i == 4:
+        f = _mantissa(words, 0xF0000, UNPACK)
+    elif i == 5:
+        f = _mantissa(words >> 4, 0xF0000, UNPACK)  # arithmetic shifts are fine: the mask drops sign bits
+    elif i == 6:
+        f = _mantissa(words >> 12, 0xF000, UNPACK)
+    else:
+        f = _mantissa(words >> 12, 0xF0000, UNPACK)
+    return f
+
+
+@triton.jit
+def _weight(words, i: tl.constexpr, UNPACK: tl.constexpr, s_lo, b_lo, s_hi, b_hi, dtype: tl.constexpr):
+    """Dequantized nibble i of each word in `dtype`: f * (2^11 s) + (b - 2^11 s) = q s + b (2^7 for the
+    nibbles at bits 16..19), one fp32 FMA, one rounding to dtype."""
+    f = _nibble(words, i, UNPACK)
+    if i == 1 or i == 4 or i == 5 or i == 7:
+        w = f * s_hi + b_hi
+    else:
+        w = f * s_lo + b_lo
+    return w.to(dtype)
+
+
+@triton.jit
+def _dequant_tile(words, s, b, UNPACK: tl.constexpr, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_W: tl.constexpr):
+    """(BN, BW) packed words, s and b fp32 (BN,) or (BN, BW) -> (BN, 8 BW) weights in the K order
+    p = c * 2BW + 2j + e <-> k = 8j + 2c + e. The joins, the permute and the reshapes only rename registers."""
+    if len(s.shape) == 1:  # one group per row: broadcast along the tile
+        s = s[:, None]
+        b = b[:, None]
+    s_lo = s * 2048.0
+    b_lo = b - s_lo  # exact for b = -z s (module docstring)
+    s_hi = s * 128.0
+    b_hi = b - s_hi
+    p0 = tl.join(_weight(words, 0, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
+                 _weight(words, 1, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))  # (BN, BW, 2): q = 2j + e
+    p1 = tl.join(_weight(words, 2, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
+                 _weight(words, 3, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))
+    p2 = tl.join(_weight(words, 4, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
+                 _weight(words, 5, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))
+    p3 = tl.join(_weight(words, 6, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
+                 _weight(words, 7, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))
+    Q: tl.constexpr = 2 * BLOCK_W
+    quad = tl.join(tl.join(tl.reshape(p0, (BLOCK_N, Q)), tl.reshape(p1, (BLOCK_N, Q))),
+                   tl.join(tl.reshape(p2, (BLOCK_N, Q)), tl.reshape(p3, (BLOCK_N, Q))))  # (BN, Q, c & 1, c >> 1)
+    return tl.reshape(tl.permute(quad, (0, 3, 2, 1)), (BLOCK_N, 4 * Q))  # p = c * Q + q
+
+
+@triton.jit
+def _group_meta(s_ptr, z_ptr, meta_rows, k0, offs_w, G: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Scales (as fp32) and zeros of the K tile starting at k0: (BN,) when the tile lies in one group
+    (a 1-D load takes the layout its use wants; a 2-D one would pin its own and cost a shuffle of the
+    dequantized tile), else (BN, BW), one per word (a word's 8 nibbles always share a group). The fp16
+    scale load is too narrow for cp.async, so it stays a plain load in the loop (L1 hits after the first
+    tile of a row); loading scale pairs as int32 instead made Triton route the tile through shared memory."""
+    GW: tl.constexpr = G // 8  # words per group
+    if BLOCK_W <= GW:
+        off = meta_rows + k0 // G
+    else:
+        off = meta_rows[:, None] + (k0 // G + offs_w // GW)[None, :]
+    return tl.load(s_ptr + off).to(tl.float32), tl.load(z_ptr + off)
+
+
+# M and SPLIT_K are not specialized (Triton would compile a variant per divisibility of M, and make
+# SPLIT_K = 1 a constant): one compiled kernel serves every prompt length and split of a tile config.
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
+                       K8, NG, SPLIT_K, G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, UNPACK: tl.constexpr, UPCAST_DOT: tl.constexpr):
     # UPCAST_DOT (interpreter + bf16 only): Triton 3.6's interpreter multiplies bf16 tiles as raw uint16,
     # so both operands are widened to fp32 first (exact) and the product is that of the bf16 tiles.
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    # Out-of-range rows wrap around instead of being masked, so every load is unmasked (K % BLOCK_K == 0);
-    # their results are dropped by the masked store.
+    # Grid (row tiles, column tiles, splits): row tiles vary fastest, so the programs that read one weight
+    # tile run together and it comes from HBM once.
+    BLOCK_K: tl.constexpr = 8 * BLOCK_W
+    Q: tl.constexpr = 2 * BLOCK_W
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Rows past M / N wrap around instead of being masked, so every load is unmasked; the store drops them.
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    K8, NG = K // 8, K // G
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + tl.arange(0, BLOCK_K)[None, :]
-    qw_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * K8 + tl.arange(0, BLOCK_K // 8)[None, :]
-    meta = offs_n.to(tl.int64) * NG
-    shifts = tl.arange(0, 8) * 4
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs)  # (BM, BK)
-        words = tl.load(qw_ptrs)  # (BN, BK/8) int32
-        s = tl.load(s_ptr + meta + k0 // G).to(tl.float32)  # (BN,): one group per tile
-        b = tl.load(z_ptr + meta + k0 // G)
-        q = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # (BN, BK/8, 8): k = 8 * word + nibble
-        # 2**23 + q by bit pattern, then an exact subtraction: avoids the quarter-rate int->float convert.
-        f = (q | _MAGIC).to(tl.float32, bitcast=True) - 8388608.0
-        w = f * s[:, None, None] + b[:, None, None]
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype)  # (BN, BK), rounded like the reference
+    offs_w = tl.arange(0, BLOCK_W)
+    p = tl.arange(0, BLOCK_K)
+    # The K order of _dequant_tile, k = 8j + 2c + e. Written in this form, Triton's axis analysis sees runs of
+    # 2 contiguous, 4-byte aligned elements and copies x with 4-byte cp.async (other forms give 2-byte loads).
+    kk = p % 2 + 8 * ((p // 2) % BLOCK_W) + 2 * (p // Q)
+    xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + kk[:, None]  # (BK, BM): x tile, transposed
+    qw_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * K8 + offs_w[None, :]  # (BN, BW)
+    meta_rows = offs_n.to(tl.int64) * NG
+    # This split's K tiles.
+    n_k = K // BLOCK_K
+    per_split = tl.cdiv(n_k, SPLIT_K)
+    it0 = pid_k * per_split
+    it1 = tl.minimum(it0 + per_split, n_k)
+    xt_ptrs += it0 * BLOCK_K
+    qw_ptrs += it0 * BLOCK_W
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for it in range(it0, it1):
+        s, b = _group_meta(s_ptr, z_ptr, meta_rows, it * BLOCK_K, offs_w, G, BLOCK_W)
+        xt = tl.load(xt_ptrs)  # (BK, BM)
+        words = tl.load(qw_ptrs)  # (BN, BW) int32
+        w = _dequant_tile(words, s, b, UNPACK, xt.dtype, BLOCK_N, BLOCK_W)  # (BN, BK), permuted K
         if UPCAST_DOT:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
-        x_ptrs += BLOCK_K
-        qw_ptrs += BLOCK_K // 8
+            acc = tl.dot(w, xt, acc)
+        xt_ptrs += BLOCK_K
+        qw_ptrs += BLOCK_W
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (cols < N)[:, None] & (rows < M)[None, :]  # (BN, BM)
+    out_offs = rows[None, :].to(tl.int64) * stride_ym + cols[:, None]
+    if SPLIT_K == 1:
+        _store_tile(acc, y_ptr, out_offs, mask, bias_ptr, cols, N, HAS_BIAS)
+    else:
+        part_offs = rows[None, :].to(tl.int64) * N + cols[:, None]
+        tile_elems = M.to(tl.int64) * N
+        tl.store(ws_ptr + pid_k * tile_elems + part_offs, acc, mask=mask)
+        # Every thread's partial is written (barrier) before one thread's release-acquire increment
+        # publishes them; the split that sees count SPLIT_K - 1 is the last and owns the tile.
+        tl.debug_barrier()
+        tile = pid_n * tl.num_programs(0) + pid_m
+        count = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if count == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            # Fixed order: the same sum whichever split came last. A runtime loop with one load at a time
+            # (unrolled, the loads of all partials would be live at once and spill).
+            for k in tl.range(0, SPLIT_K, num_stages=1):
+                total += tl.load(ws_ptr + k * tile_elems + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_tile(total, y_ptr, out_offs, mask, bias_ptr, cols, N, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call
+
+
+@triton.jit
+def _store_tile(acc, y_ptr, out_offs, mask, bias_ptr, cols, N, HAS_BIAS: tl.constexpr):
+    """y^T tile (BN, BM) fp32 (+ bias per row of W) -> y, rounded once to y's dtype."""
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int = 8) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
-                         num_warps=warps, num_stages=stages)
+# -- tile choice ------------------------------------------------------------------------------------------
+def m_bucket(M: int) -> int:
+    """Prompt lengths that share a config (and a compiled kernel): powers of two from 16 up."""
+    return max(16, triton.next_power_of_2(M))
 
 
-# Large tiles for prefill (Hopper fp16 GEMM habits: 128x128/128x256 tiles, 3-4 stages, 8 warps so
-# the dequantization of a tile is spread over 256 threads), small-M tiles for short prompts.
-CONFIGS = [
-    _cfg(128, 128, 64, 8, 3), _cfg(128, 128, 64, 4, 4), _cfg(128, 256, 64, 8, 3), _cfg(128, 128, 128, 8, 3),
-    _cfg(64, 128, 64, 4, 4), _cfg(128, 64, 64, 4, 4), _cfg(128, 128, 32, 8, 4), _cfg(64, 64, 32, 4, 4),
-    _cfg(16, 64, 128, 4, 4), _cfg(32, 64, 64, 4, 4), _cfg(32, 128, 128, 4, 3), _cfg(64, 64, 128, 4, 4),
-]
-INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "num_warps": 4}
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _prune(configs, named_args, **kwargs):
-    """BLOCK_K must divide the group; tiles far taller than the prompt waste the tensor cores."""
-    G, m = kwargs["G"], named_args["M_KEY"]
-    keep = [c for c in configs if G % c.kwargs["BLOCK_K"] == 0
-            and c.kwargs["BLOCK_M"] <= max(16, m)
-            and (m <= 64 or c.kwargs["BLOCK_M"] >= 64)]
-    return keep or [c for c in configs if G % c.kwargs["BLOCK_K"] == 0][:1]
+def config_ok(cfg: Config) -> bool:
+    """Whether a config compiles well for sm_90 (checked offline with Triton 3.6's ptxas, fp16 and bf16):
+    one warpgroup per 64 weight rows (BLOCK_N = 16 num_warps; otherwise Triton moves the dequantized tile
+    through shared memory), BLOCK_W 8 or 16, and no register spills in the main loop (128-row tiles need
+    BLOCK_W 8 or 8 warps; 256-row tiles BLOCK_W 8 and 8 warps)."""
+    if cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps or cfg.block_w not in (8, 16):
+        return False
+    if cfg.block_m == 128:
+        return cfg.block_w == 8 or cfg.num_warps == 8
+    if cfg.block_m == 256:
+        return cfg.block_w == 8 and cfg.num_warps == 8
+    return cfg.block_m in (16, 32, 64) and cfg.split_k >= 1 and cfg.num_stages >= 1
 
 
-_w4a16_gemm_tuned = triton.autotune(CONFIGS, key=["M_KEY", "N", "K", "G", "HAS_BIAS"],
-                                    prune_configs_by={"early_config_prune": _prune})(_w4a16_gemm_kernel)
+def split_for(tiles: int, n_k: int, target: int) -> int:
+    """Split-K factor: doubles while the grid stays within `target` programs and each split keeps >= 4 K
+    steps to pipeline."""
+    split = 1
+    while tiles * split * 2 <= target and n_k // (split * 2) >= 4:
+        split *= 2
+    return split
 
 
+def rule_config(M: int, N: int, K: int, n_sm: int = 132) -> Config:
+    """Tiles by rule, for shapes the table lacks. One row tile covers the prompt up to 256 rows (each
+    weight is dequantized once per row tile); 64 weight rows per program below 64 prompt rows (more,
+    smaller programs in flight for the memory-bound case), else 128 (two warpgroups). Split-K until the
+    grid reaches 2 programs per SM (1 from 128 rows: those programs fill an SM's registers)."""
+    bm = min(m_bucket(M), 256)
+    if bm <= 32:
+        bn, warps, bw, stages = 64, 4, 16, 4
+    elif bm == 64:
+        bn, warps, bw, stages = 128, 8, 16, 4
+    elif bm == 128:
+        bn, warps, bw, stages = 128, 8, 16, 3
+    else:
+        bn, warps, bw, stages = 128, 8, 8, 4
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    split = split_for(tiles, K // (8 * bw), n_sm * (2 if bm <= 64 else 1))
+    return Config(bm, bn, bw, split, warps, stages)
+
+
+def pick_config(M: int, N: int, K: int, device: torch.device) -> Config:
+    """CONFIG_TABLE's tile for (M bucket, N, K), else the rule (with the device's SM count)."""
+    cfg = CONFIG_TABLE.get((m_bucket(M), N, K))
+    if cfg is None:
+        n_sm = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 132
+        cfg = rule_config(M, N, K, n_sm)
+    return cfg
+
+
+def fit_config(cfg: Config, K: int, G: int) -> Config:
+    """Adapts a config to K and G: BLOCK_W at most one group (G / 8 words; a tile spanning groups gets
+    per-word scales, whose 2-D loads make Triton move the dequantized tile through shared memory) and
+    at least 8 (a nibble pair then spans one 16-deep MMA step), a divisor of K's words, and SPLIT_K at most
+    the number of K steps."""
+    bw = max(8, min(cfg.block_w, G // 8))
+    while bw > 8 and (K // 8) % bw:
+        bw //= 2
+    return cfg._replace(block_w=bw, split_k=max(1, min(cfg.split_k, K // (8 * bw))))
+
+
+# -- workspaces -------------------------------------------------------------------------------------------
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
+    """A flat buffer of >= numel elements kept per (name, dtype, device) and grown (x1.5) when too small,
+    so prefill does not allocate per call. Stream-ordered reuse: valid until the next call that asks for it.
+    `zero` buffers (the split-K counters) start at zero and are returned to zero by their users."""
+    key = (name, dtype, str(device))
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        size = max(numel, int(1.5 * buf.numel()) if buf is not None else 0)
+        buf = (torch.zeros if zero else torch.empty)(size, dtype=dtype, device=device)
+        _SCRATCH[key] = buf
+    return buf[:numel]
+
+
+# -- launcher -------------------------------------------------------------------------------------------
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-               config: dict | None = None, path: str | None = None) -> torch.Tensor:
-    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins a tile (else autotuned on CUDA);
-    `path` forces "fused" or "dequant" (dequantize to a workspace + cuBLAS); default by M (DEQUANT_MIN_M)."""
+               config: Config | None = None, path: str | None = None, unpack: int | None = None) -> torch.Tensor:
+    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins the fused kernel's tiles (else
+    CONFIG_TABLE / rule_config); `path` forces "fused" or "dequant" (dequantize to a workspace + a dense
+    matmul); default: dequant from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0, fused otherwise.
+    `unpack` picks the nibble unpacking (1: inline PTX, the GPU default; 0: plain ops, same bits)."""
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
     if path is None:
-        path = "dequant" if x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M else "fused"
+        big = x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M
+        path = "dequant" if big or K % 64 else "fused"
     if path not in ("fused", "dequant"):
         raise ValueError(f"path must be 'fused' or 'dequant', got {path!r}")
+    if path == "fused" and K % 64:
+        raise ValueError(f"the fused W4 GEMM needs K % 64 == 0 (got K={K}); use path='dequant'")
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
@@ -121,23 +366,65 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if M == 0:
         return out
     if path == "dequant":
-        w = w4a16_dequant(qweight, scales, zeros)  # (N, K) in x's dtype, rounded like `_ref`
+        w = w4a16_dequant(qweight, scales, zeros, out=scratch("w4_dequant", N * K, x.dtype, x.device).view(N, K))
         if bias is None:
             return torch.mm(x, w.T, out=out)
         return torch.addmm(bias, x, w.T, out=out)
-    m_key = min(triton.next_power_of_2(M), 4096)
-    args = (x, qweight, scales, zeros, bias if bias is not None else scales, out, M, N, K,
-            x.stride(0), out.stride(0), m_key)
-    meta = dict(G=G, HAS_BIAS=bias is not None, UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16)
-    if config is None and x.is_cuda:
-        grid = lambda c: (triton.cdiv(M, c["BLOCK_M"]) * triton.cdiv(N, c["BLOCK_N"]),)  # noqa: E731
-        _w4a16_gemm_tuned[grid](*args, **meta)
-    else:
-        config = dict(config or INTERPRET_CONFIG)
-        config["BLOCK_K"] = min(config["BLOCK_K"], G)
-        grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
-        _w4a16_gemm_kernel[grid](*args, **meta, **config)
+    if config is None:
+        config = pick_config(M, N, K, x.device)
+    if unpack is None:
+        unpack = 0 if INTERPRET or not x.is_cuda else 1
+    if unpack == 1 and INTERPRET:
+        raise ValueError("unpack=1 (inline PTX) cannot run under TRITON_INTERPRET; use unpack=0")
+    _launch(x, qweight, scales, zeros, bias, out, fit_config(config, K, G), G, unpack)
     return out
+
+
+def _launch(x, qweight, scales, zeros, bias, out, cfg: Config, G: int, unpack: int) -> None:
+    M, K = x.shape
+    N = qweight.shape[0]
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), cfg.split_k)
+    # Always the same buffer types (a 1-element one when unused): the pointer dtypes are part of the
+    # compiled signature, and one kernel must serve every split.
+    split = cfg.split_k > 1
+    ws = scratch("w4_splitk", cfg.split_k * M * N if split else 1, torch.float32, x.device)
+    cnt = scratch("w4_counters", grid[0] * grid[1] if split else 1, torch.int32, x.device, zero=True)
+    _w4a16_gemm_kernel[grid](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, ws, cnt, M, N, K,
+        x.stride(0), out.stride(0), K // 8, K // G, cfg.split_k, G=G, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, UNPACK=unpack,
+        UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _buckets(max_m: int) -> list[int]:
+    """The M buckets of prompts of 9..max_m rows (the GEMV takes up to 8)."""
+    out, b = [], 16
+    while True:
+        out.append(b)
+        if b >= max_m:
+            return out
+        b *= 2
+
+
+def warmup(shapes: list[tuple[int, int]], group_size: int, dtype: torch.dtype, device: torch.device | str,
+           bias: bool = False, max_m: int = DEQUANT_MIN_M - 1) -> int:
+    """Compiles the fused kernel of every M bucket up to max_m for each (N, K) in `shapes`, so that the
+    first prompts of a chat do not wait for Triton's compiler (on later runs its disk cache answers).
+    Returns the number of calls made."""
+    device = torch.device(device)
+    calls = 0
+    for N, K in shapes:
+        if K % 64:
+            continue
+        qweight = torch.zeros(N, K // 8, dtype=torch.int32, device=device)
+        scales = torch.ones(N, K // group_size, dtype=dtype, device=device)
+        zeros = torch.zeros(N, K // group_size, dtype=torch.float32, device=device)
+        b = torch.zeros(N, dtype=dtype, device=device) if bias else None
+        for bucket in _buckets(max_m):
+            x = torch.zeros(min(bucket, max_m), K, dtype=dtype, device=device)
+            w4a16_gemm(x, qweight, scales, zeros, b, path="fused")
+            calls += 1
+    return calls
 
 
 def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -2,13 +2,33 @@
 
 Layouts: x (M, K) fp16/bf16 with unit stride along K; qweight int32 (N, K/8), nibble i of word j of
 row n is q[n, 8j + i]; scales (N, K/G) in x's dtype; zeros fp32 (N, K/G); w = q * s + b. G in {32, 64, 128}.
-Math: per group, sum_k x_k (q_k s + b) = s * sum_k q_k x_k + b * sum_k x_k, all in fp32 (w is never
-rounded to 16 bits). A program owns BLOCK_N rows and streams (BLOCK_N, BLOCK_W) int32 tiles along K
-(16-byte cp.async loads, STAGES deep); nibbles are unpacked in registers, interleaved back into K order,
-multiplied by x and reduced per group. Unpack: on the GPU one PTX block per word (shift, lop3 into fp16
-1024 + q pairs, exact f16x2 subtract, cvt to fp32: ~1 integer op per weight); under the interpreter
-(and with UNPACK=0) plain `(w >> 4i) & 0xF` -> fp32. Memory-bound: the goal is the HBM floor.
-Limits: M <= 8 (larger M: w4a16_gemm), K % G == 0. Autotuned on CUDA; one fixed config under TRITON_INTERPRET.
+
+Unpack ("magic" numbers, exact): one lop3 (w & mask) | magic drops two nibbles of a word into the mantissas
+of a 16-bit pair. fp16: nibbles 0/4 (2/6 after one shift by 8) land at bits 0-3 of each half under 16.0
+(ulp 2^-6), nibbles 1/5 (3/7) at bits 4-7 under 1.0 (ulp 2^-10): v = m + q u with m = 16 at even k, 1 at
+odd k, u = 1/64; one shift and four lop3 per 8 weights. bf16 (7 mantissa bits): every pair is shifted to
+bits 0-3 under 16.0 (ulp 2^-3): m = 16, u = 1/8. Then, per group g of row n (fp32 sums, w never rounded):
+
+    sum_k x_k w_k = s (sum q x) + b X = (s / u) (sum_k v_k x_k - Xm) + b X,   X = sum x,  Xm = sum m x.
+
+Two kernels share this math and the epilogue:
+- "mma" (G = 128, K % 128 == 0; the GPU default): the v tile is the *register* operand A of mma.sync
+  (tl.dot (BLOCK_N, 128) x (128, 8)), x^T the shared-memory operand B (columns = the M rows, zero-padded
+  to 8). The dot sums over k in whatever order A's registers hold, so the tile is built in the order that
+  is exactly mma's operand layout (_mma_operand): no data moves between threads, and the tensor cores do
+  every multiply-add; per weight that leaves ~1 integer op (~2.7 SASS instructions in all). One dot per
+  group, acc += s * dot; the x-only terms (Xm, X) of all the program's groups are computed once, in the
+  first K step while the first tiles are still in flight (_zero_point_terms).
+- "fma" (any G): the fp16 magic values (for either x dtype) widened to fp32 (cvt), fp32 FMAs against x,
+  summed per 32-value chunk that one thread holds (4 words: one 16-byte load), scaled per chunk.
+  ~4.2 SASS instructions per weight: the baseline the sweep compares against.
+Split-K (SPLIT_K > 1; row blocks too few to fill the GPU): every program stores an fp32 partial; the
+last to arrive at its row block's counter sums the partials in split order (deterministic, whichever
+arrives last), adds the bias, stores y and resets the counter. No host sync, no autotuning, no per-call
+allocation (workspace and counters persist per device), so a call can be captured in a CUDA graph after
+one eager call of the same shape. One CUDA stream at a time per device (shared counters).
+Configs: a fixed table (gemv_config) from the H200 sweep (scripts/benches/w4a16.py, TINYVILA_W4_SWEEP=1).
+Limits: M <= 8 (larger M: w4a16_gemm), K % G == 0, N * K / 8 < 2^31.
 """
 
 from __future__ import annotations
@@ -23,6 +43,7 @@ GROUP_SIZES = (32, 64, 128)
 MAX_M = 8
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# unpack_k_order (q in K order, as fp32) serves w4a16_dequant; the GEMV kernels use _magic_planes below.
 # 8 nibbles of one int32 word -> 8 exact fp32 values. Nibbles i and i+4 sit at bits 4i and 4i+16, so one
 # shift and one lop3 ((w & 0x000F000F) | 0x64006400) give the fp16 pair (1024 + q_i, 1024 + q_{i+4});
 # subtracting 1024 in f16x2 is exact, and cvt.f32.f16 widens exactly.
@@ -79,69 +100,371 @@ def unpack_k_order(words, UNPACK: tl.constexpr):
     return tl.interleave(even, odd)
 
 
+# -- shared: magic unpack, scales, epilogue ---------------------------------------------------------------
+def _magic_asm(out: str, magic: tuple[int, ...]) -> str:
+    """PTX for one word ($8) -> its 8 nibbles as v = m + q u ($0..$7 = nibbles 0..7), two per lop3
+    (src & mask) | magic. fp16 (two magics: 16.0 and 1.0): nibbles 0/4 and, after a shift by 8, 2/6 sit at
+    bits 0-3 of each half, under 16.0; 1/5 and 3/7 at bits 4-7, under 1.0. bf16 (one magic, 16.0) has only
+    7 mantissa bits, so every nibble pair is first shifted to bits 0-3 (by 0, 4, 8, 12).
+    out == "f32": each 16-bit value widened exactly by cvt.f32.f16; out == "b16": the 16-bit values."""
+    lines = [".reg .b32 t, p;", ".reg .b16 lo, hi;"]
+    if len(magic) == 2:  # (shift, mask, magic) for nibble pairs (0, 4), (1, 5), (2, 6), (3, 7)
+        steps = [(0, 0x000F000F, magic[0]), (0, 0x00F000F0, magic[1]), (8, 0x000F000F, magic[0]),
+                 (8, 0x00F000F0, magic[1])]
+    else:
+        steps = [(4 * i, 0x000F000F, magic[0]) for i in range(4)]
+    for i, (shift, mask, c) in enumerate(steps):
+        if shift and (i == 0 or steps[i - 1][0] != shift):
+            lines.append(f"shr.u32 t, $8, {shift};")
+        src = "t" if shift else "$8"
+        lines.append(f"lop3.b32 p, {src}, {mask:#010x}, {c:#010x}, 0xEA;")
+        if out == "f32":
+            lines += ["mov.b32 {lo, hi}, p;", f"cvt.f32.f16 ${i}, lo;", f"cvt.f32.f16 ${i + 4}, hi;"]
+        else:
+            lines.append(f"mov.b32 {{${i}, ${i + 4}}}, p;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_MAGIC_F32 = tl.constexpr(_magic_asm("f32", (0x4C004C00, 0x3C003C00)))  # fp16 pairs 16.0, 1.0 -> fp32
+_MAGIC_F16 = tl.constexpr(_magic_asm("b16", (0x4C004C00, 0x3C003C00)))  # fp16 pairs 16.0, 1.0
+_MAGIC_BF16 = tl.constexpr(_magic_asm("b16", (0x41804180,)))  # bf16 pairs 16.0
+
+
 @triton.jit
-def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                       K8, NG, G: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, STAGES: tl.constexpr):
-    # K8 = K / 8 and NG = K / G come in as arguments (not computed) so Triton sees their divisibility
-    # by 16 and issues 16-byte vector loads along the packed rows.
-    BLOCK_K: tl.constexpr = BLOCK_W * 8
-    NGT: tl.constexpr = BLOCK_K // G  # whole groups per K tile
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, BLOCK_W)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_g = tl.arange(0, NGT)
-    offs_m = tl.arange(0, BLOCK_M)
+def _magic_planes(words, dtype, UNPACK: tl.constexpr):
+    """(R, W) int32 words -> 8 (R, W) tensors v_i = m_i + q_i u of nibble i in `dtype`, all exact: fp32 and
+    fp16 u = 1/64, m = 16 at even i and 1 at odd i; bf16 u = 1/8, m = 16. UNPACK=1: the PTX block (GPU);
+    0: plain shifts and masks (interpreter), the same values."""
+    if UNPACK == 1:
+        if dtype == tl.float32:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                _MAGIC_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        elif dtype == tl.bfloat16:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                _MAGIC_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                _MAGIC_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        u: tl.constexpr = 0.125 if dtype == tl.bfloat16 else 0.015625
+        m_odd: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0
+        v0 = ((words & 0xF).to(tl.float32) * u + 16.0).to(dtype)
+        v1 = (((words >> 4) & 0xF).to(tl.float32) * u + m_odd).to(dtype)
+        v2 = (((words >> 8) & 0xF).to(tl.float32) * u + 16.0).to(dtype)
+        v3 = (((words >> 12) & 0xF).to(tl.float32) * u + m_odd).to(dtype)
+        v4 = (((words >> 16) & 0xF).to(tl.float32) * u + 16.0).to(dtype)
+        v5 = (((words >> 20) & 0xF).to(tl.float32) * u + m_odd).to(dtype)
+        v6 = (((words >> 24) & 0xF).to(tl.float32) * u + 16.0).to(dtype)
+        v7 = (((words >> 28) & 0xF).to(tl.float32) * u + m_odd).to(dtype)  # the mask drops the sign bits
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _load_scales(s_ptr, idx, mask, dtype: tl.constexpr, S_PAIRS: tl.constexpr, MASKED: tl.constexpr):
+    """scales[idx] as fp32. S_PAIRS: s_ptr is the scales viewed as int32 (two 16-bit scales per word), so the
+    load is 4 bytes wide and Triton can stage it through shared memory with cp.async like the others."""
+    if S_PAIRS:
+        if MASKED:
+            pair = tl.load(s_ptr + (idx >> 1), mask=mask, other=0)
+        else:
+            pair = tl.load(s_ptr + (idx >> 1))
+        bits = (pair >> ((idx & 1) * 16)) & 0xFFFF  # little-endian: the even index is the low half
+        s = bits.to(tl.int16).to(dtype, bitcast=True)
+    else:
+        if MASKED:
+            s = tl.load(s_ptr + idx, mask=mask, other=0)
+        else:
+            s = tl.load(s_ptr + idx)
+    return s.to(tl.float32)
+
+
+@triton.jit
+def _gpu_fence(t, FENCE: tl.constexpr):
+    """fence.acq_rel.gpu in every thread that holds part of t (all of them), ordered after its stores."""
+    if FENCE:
+        t = tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.b32 $0, $1;", "=r,r", [t], dtype=tl.float32,
+                                      is_pure=False, pack=1)
+    return t
+
+
+@triton.jit
+def _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    """out (BM, BN) fp32 (+ bias) -> y rows offs_m < M, columns offs_n < N, rounded once to y's dtype."""
     n_mask = offs_n < N
-    rows = offs_n.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, NGT), dtype=tl.float32)
-    for w0 in tl.range(0, K8, BLOCK_W, num_stages=STAGES):
-        w_mask = n_mask[:, None] & ((w0 + offs_w) < K8)[None, :]
-        words = tl.load(qw_ptr + rows[:, None] * K8 + w0 + offs_w[None, :], mask=w_mask, other=0)  # (BN, BW)
-        g0 = w0 // (G // 8)
-        meta = rows[:, None] * NG + g0 + offs_g[None, :]  # (BN, NGT)
-        g_mask = n_mask[:, None] & ((g0 + offs_g) < NG)[None, :]
-        s = tl.load(s_ptr + meta, mask=g_mask, other=0).to(tl.float32)
-        b = tl.load(z_ptr + meta, mask=g_mask, other=0.0)
-        q = unpack_k_order(words, UNPACK)  # (BN, BK) fp32, exact
-        k_mask = (w0 * 8 + offs_k) < K
-        for m in tl.static_range(BLOCK_M):
-            xm = tl.load(x_ptr + m * stride_xm + w0 * 8 + offs_k, mask=k_mask & (m < M), other=0.0).to(tl.float32)
-            qx = tl.sum(tl.reshape(q * xm[None, :], (BLOCK_N, NGT, G)), axis=2)  # (BN, NGT)
-            xs = tl.sum(tl.reshape(xm, (NGT, G)), axis=1)  # (NGT,)
-            part = s * qx + b * xs[None, :]
-            if BLOCK_M == 1:
-                acc += part[None, :, :]
-            else:
-                acc += tl.where((offs_m == m)[:, None, None], part[None, :, :], 0.0)
-    out = tl.sum(acc, axis=2)  # (BM, BN)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
 
 
-def _cfg(bn: int, bw: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_N": bn, "BLOCK_W": bw, "STAGES": stages}, num_warps=warps)
+@triton.jit
+def _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, SPLIT_K,
+            HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FENCE: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """out (BM, BN): this program's fp32 sum for rows offs_m, output columns offs_n (any order) -> y.
+    SPLIT (SPLIT_K > 1): partials go to ws (SPLIT_K, M, N) fp32; the last program of row block pid_n to arrive (an
+    acq_rel counter) sums them in split order, so the result does not depend on the arrival order."""
+    if not SPLIT:
+        _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+    else:
+        ws_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], out, mask=ws_mask)
+        out = _gpu_fence(out, FENCE)  # release: every thread's partial stores before the count
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            out = _gpu_fence(out, FENCE)  # acquire in every thread, not only in the one that counted
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(SPLIT_K):  # fixed order: the same sum whichever split came last
+                total += tl.load(ws_ptr + (k * M + offs_m[:, None]) * N + offs_n[None, :], mask=ws_mask,
+                                 other=0.0, cache_modifier=".cg")
+            _store_y(y_ptr, bias_ptr, total, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next call (or graph replay)
 
 
-# H200 decode shapes (N >= 4096): 8-32 rows x 256-512 B of packed words per row per tile; 128 threads
-# each hold 4 words (16-byte loads) of 1-4 rows; STAGES tiles in flight hide HBM latency.
-CONFIGS = [_cfg(8, 128, 4, 3), _cfg(16, 128, 4, 3), _cfg(8, 64, 4, 4), _cfg(16, 64, 4, 4), _cfg(32, 64, 4, 3)]
-INTERPRET_CONFIG = {"BLOCK_N": 16, "BLOCK_W": 16, "STAGES": 1, "num_warps": 4}
+# -- "fma" kernel: fp32 FMAs per 32-value chunk ------------------------------------------------------------
+@triton.jit
+def _chunk_sums(words, x, s, b, UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr):
+    """sum_k x_k w_k over each 32-value chunk (4 words, one thread's 16-byte load) of a tile: words
+    (BN, 4 CH) int32, x (32 CH,) fp32 in K order, s and b (BN, CH) fp32 -> (BN, CH)."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _magic_planes(words, tl.float32, UNPACK)
+    # interleave(a, b) puts a at even and b at odd positions of the last axis, so three levels give
+    # position 8 j + i = nibble i of word j, with each thread's values kept in its own registers.
+    even = tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6))
+    v = tl.interleave(even, tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7)))  # (BN, 32 CH)
+    p = tl.sum(tl.reshape(v * x[None, :], (BLOCK_N, CH, 32)), axis=2)  # (BN, CH) sum v x
+    x_eo = tl.sum(tl.reshape(x, (CH, 16, 2)), axis=1)  # (CH, 2): sums of x at even and odd k
+    x_even, x_odd = tl.split(x_eo)
+    xm64 = 1024.0 * x_even + 64.0 * x_odd  # 64 Xm (m = 16 at even k, 1 at odd), shared by all rows
+    return s * (64.0 * p - xm64[None, :]) + b * (x_even + x_odd)[None, :]
 
 
-def _prune(configs, named_args, **kwargs):
-    """A tile must hold whole groups, and its fp32 (BM, BN, BK) products stay within ~256 values per thread."""
-    bm, G = kwargs["BLOCK_M"], kwargs["G"]
-    keep = [c for c in configs if 8 * c.kwargs["BLOCK_W"] >= G
-            and bm * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_W"] * 8 <= 256 * 32 * c.num_warps]
-    return keep or configs[:1]
+@triton.jit
+def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm,
+                           stride_ym, K8, NG, W_SPLIT, SPLIT_K, LOG_WPG, BLOCK_M: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr, S_PAIRS: tl.constexpr,
+                           EVEN: tl.constexpr, FENCE: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_W: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr):
+    # K8 = K / 8, NG = K / G and W_SPLIT come in as arguments (not computed) so Triton sees their
+    # divisibility by 16 and issues 16-byte loads along the packed rows.
+    BLOCK_K: tl.constexpr = BLOCK_W * 8
+    CH: tl.constexpr = BLOCK_W // 4  # 32-value chunks per row and tile
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_W)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_c = tl.arange(0, CH)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    w_lo = pid_k * W_SPLIT
+    w_hi = tl.minimum(w_lo + W_SPLIT, K8)  # this program's words [w_lo, w_hi) of every row
+    # int32 offsets (the launcher checks N * K8 < 2^31); pointers advance by one tile per iteration.
+    w_ptrs = qw_ptr + offs_n[:, None] * K8 + w_lo + offs_w[None, :]  # (BN, BW)
+    x_ptrs = x_ptr + w_lo * 8 + offs_k  # (BK,)
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, CH), dtype=tl.float32)  # per row and chunk slot: summed at the end
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, CH), dtype=tl.float32)
+    for w0 in tl.range(w_lo, w_hi, BLOCK_W, num_stages=STAGES):
+        # (BN, CH): each chunk's group (2^LOG_WPG = G / 8 words per group, a runtime argument so the group
+        # size does not multiply compiled variants; a chunk of 4 words never straddles groups as G >= 32)
+        meta = offs_n[:, None] * NG + ((w0 + 4 * offs_c) >> LOG_WPG)[None, :]
+        if EVEN:
+            words = tl.load(w_ptrs)  # (BN, BW)
+            s = _load_scales(s_ptr, meta, meta, x_ptr.dtype.element_ty, S_PAIRS, False)
+            b = tl.load(z_ptr + meta)
+        else:
+            words = tl.load(w_ptrs, mask=n_mask[:, None] & ((w0 + offs_w) < w_hi)[None, :], other=0)
+            c_mask = n_mask[:, None] & ((w0 + 4 * offs_c) < w_hi)[None, :]
+            s = _load_scales(s_ptr, meta, c_mask, x_ptr.dtype.element_ty, S_PAIRS, True)
+            b = tl.load(z_ptr + meta, mask=c_mask, other=0.0)
+        for m in tl.static_range(BLOCK_M):
+            if EVEN and BLOCK_M == 1:
+                x = tl.load(x_ptrs)
+            else:
+                x = tl.load(x_ptrs + m * stride_xm, mask=((w0 * 8 + offs_k) < w_hi * 8) & (m < M), other=0.0)
+            part = _chunk_sums(words, x.to(tl.float32), s, b, UNPACK, BLOCK_N, CH)
+            if BLOCK_M == 1:
+                acc += part
+            else:
+                acc = tl.where((offs_m == m)[:, None, None], acc + part[None, :, :], acc)
+        w_ptrs += BLOCK_W
+        x_ptrs += BLOCK_K
+    if BLOCK_M == 1:
+        acc = acc[None, :, :]
+    out = tl.sum(acc, axis=2)  # (BM, BN)
+    _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr,
+            SPLIT_K, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N)
 
 
-_w4a16_gemv_tuned = triton.autotune(CONFIGS, key=["N", "K", "G", "BLOCK_M", "HAS_BIAS", "UNPACK"],
-                                    prune_configs_by={"early_config_prune": _prune})(_w4a16_gemv_kernel)
+# -- "mma" kernel: tensor cores, G = 128 -------------------------------------------------------------------
+# mma.sync's A operand (m16n8k16, here kWidth 4) wants thread (g, t) (g = lane / 4, t = lane % 4) to hold
+# rows g and g + 8 of a 16-row tile and, per 32 dot positions, positions 4t..4t+3 and 16+4t..16+4t+3. With
+# the dot's k order p = 64 j1 + 32 j0 + 16 c1 + 8 j3 + 4 j2 + 2 c0 + e for nibble c + 4e (c = c0 + 2 c1) of
+# word j = j0 + 2 j1 + 4 j2 + 8 j3 (k = 8 j + c + 4 e), a thread's 32 positions of a group are exactly the
+# 8 nibbles of 4 consecutive words 4t..4t+3 of one row (one 16-byte shared-memory read), and adjacent p
+# (e = 0, 1) are nibbles c and c + 4: the 16-bit pair one lop3 makes. So the unpacked values are born in
+# mma's register layout: Triton loads the words tile from shared memory straight into that layout, and the
+# joins, reshapes and the permute below only rename registers (sm_90 TTGIR: no layout conversion, no
+# shared-memory round trip for A). A K step of GPS groups is one dot over 128 GPS positions, group jg at
+# 128 jg + p (jg is a register index). Rows are in memory order (the shared-memory read can serve any row
+# to any thread); the words tile is group-major, (GPS, BN, 16), so its rows are 64 bytes apart in shared
+# memory and the 8 rows a warp reads at once fall in distinct banks.
+@triton.jit
+def _mma_operand(words, dtype, UNPACK: tl.constexpr):
+    """(GPS, BN, 16) words (group jg of each row) -> A (BN, 128 GPS) magic values, k order 128 jg + p."""
+    GPS: tl.constexpr = words.shape[0]
+    BN: tl.constexpr = words.shape[1]
+    v0, v1, v2, v3, v4, v5, v6, v7 = _magic_planes(words, dtype, UNPACK)
+    t = tl.join(tl.join(tl.join(v0, v4), tl.join(v1, v5)), tl.join(tl.join(v2, v6), tl.join(v3, v7)))
+    t = tl.reshape(t, (GPS, BN, 2, 2, 2, 2, 2, 2, 2))  # [jg, n, j3, j2, j1, j0, e, c0, c1]
+    t = tl.permute(t, (1, 0, 4, 5, 8, 2, 3, 7, 6))  # [n, jg, j1, j0, c1, j3, j2, c0, e]
+    return tl.reshape(t, (BN, 128 * GPS))
+
+
+@triton.jit
+def _pad_columns(t, BLOCK_M: tl.constexpr):
+    """(R, BM) -> (R, 8) with zeros in columns >= BM (mma's narrowest operand B has 8 columns)."""
+    if BLOCK_M == 8:
+        return t
+    R: tl.constexpr = t.shape[0]
+    c = tl.arange(0, 8)
+    wide = tl.reshape(tl.broadcast_to(t[:, None, :], (R, 8 // BLOCK_M, BLOCK_M)), (R, 8))  # col i BM + m: t[m]
+    return tl.where((c < BLOCK_M)[None, :], wide, 0.0)
+
+
+@triton.jit
+def _split_pairs(pairs, dtype):
+    """int32 words of a 16-bit tensor viewed as int32 -> their (low, high) halves in `dtype`: the elements at
+    even and odd positions (little-endian)."""
+    lo = (pairs & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+    hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True)  # the int16 cast drops the shifted-in sign bits
+    return lo, hi
+
+
+@triton.jit
+def _x_operand(pairs, dtype, BLOCK_M: tl.constexpr, GPS: tl.constexpr, COL0: tl.constexpr):
+    """x of GPS groups as (BM, 64 GPS) int32 pairs in K order -> the block-diagonal B (128 GPS, 8): row
+    128 jg + p, column (COL0 + jg) BM + m holds x[m] at the k of position p of group jg; zero where the
+    column's group is not the row's ((COL0 + GPS) BM <= 8; COL0 a multiple of GPS). One dot then yields every
+    group's sums side by side.
+    x is loaded contiguously (4-byte elements, which Triton pipelines with cp.async like the weights) and
+    permuted here in registers: gathering it in p order would take 2-byte loads that cannot be pipelined,
+    i.e. one exposed memory round trip per K step."""
+    lo, hi = _split_pairs(pairs, dtype)
+    J: tl.constexpr = 8 // BLOCK_M  # column blocks
+    x = tl.reshape(tl.join(lo, hi), (BLOCK_M, GPS, 2, 2, 2, 2, 2, 2, 2))  # [m, jg, j3, j2, j1, j0, e, c1, c0]
+    x = tl.permute(x, (4, 5, 7, 2, 3, 8, 6, 1, 0))  # [j1, j0, c1, j3, j2, c0, e, jg, m]: p, then columns
+    y = tl.reshape(x, (1, 128, GPS, BLOCK_M))
+    if GPS < J:  # columns of groups >= GPS repeat the others; the mask below zeroes them
+        y = tl.reshape(tl.broadcast_to(y[:, :, None, :, :], (1, 128, J // GPS, GPS, BLOCK_M)), (1, 128, J, BLOCK_M))
+    # B[128 jg + p, jc BM + m] = y[p, jc, m] where COL0 + jg == jc: y is broadcast along the row groups jg
+    # (a K axis), not along the columns, so each thread of mma's operand layout needs its own column's x only.
+    same = COL0 + tl.arange(0, GPS)[:, None, None, None] == tl.arange(0, J)[None, None, :, None]
+    return tl.reshape(tl.where(same, y, 0.0), (GPS * 128, 8))
+
+
+@triton.jit
+def _step_scales(s_ptr, idx, dtype, S_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, GPS: tl.constexpr):
+    """Scales of groups idx + jg (jg < GPS; idx (BN,) a multiple of GPS) as (BN, 8) fp32 in the columns of
+    _x_operand's B: column jg BM + m holds s[idx + jg]; columns of groups >= GPS (whose dot sums are
+    exactly zero) repeat the others. GPS >= 2: s_ptr is the scales as int32 pairs, one load of GPS / 2."""
+    BN: tl.constexpr = idx.shape[0]
+    J: tl.constexpr = 8 // BLOCK_M
+    if GPS == 1:
+        s = _load_scales(s_ptr, idx, idx, dtype, S_PAIRS, False)[:, None]  # (BN, 1)
+    else:
+        pair_idx = tl.multiple_of(idx >> 1, GPS // 2)
+        lo, hi = _split_pairs(tl.load(s_ptr + pair_idx[:, None] + tl.arange(0, GPS // 2)[None, :]), dtype)
+        s = tl.reshape(tl.join(lo, hi), (BN, GPS)).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(s[:, None, :, None], (BN, J // GPS, GPS, BLOCK_M)), (BN, 8))
+
+
+@triton.jit
+def _zero_point_terms(x_ptr, s_ptr, z_ptr, stride_xm, M, rows, NG, g_lo, g_hi, dtype, U_INV: tl.constexpr,
+                      M_ODD: tl.constexpr, S_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, GB: tl.constexpr):
+    """The x-only terms of groups [g_lo, g_hi), G = 128: sum_g b[n, g] X[m, g] - s[n, g] / u * Xm[m, g],
+    (BN, BM) fp32 for the memory rows `rows` (BN,). x_ptr is x viewed as int32 pairs (even k low, odd k
+    high), so X = sum lo + sum hi and Xm = 16 sum lo + M_ODD sum hi. GB groups per step: each step is one
+    memory round trip, so the launcher sizes GB to cover a program's groups in one or two steps."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_j = tl.arange(0, GB)
+    offs_i = tl.arange(0, 64)
+    corr = tl.zeros((rows.shape[0], BLOCK_M), dtype=tl.float32)
+    for g0 in range(g_lo, g_hi, GB):
+        gs = g0 + offs_j
+        g_ok = gs < g_hi
+        pairs = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + gs[None, :, None] * 64 + offs_i[None, None, :],
+                        mask=(offs_m < M)[:, None, None] & g_ok[None, :, None], other=0)  # (BM, GB, 64)
+        lo, hi = _split_pairs(pairs, dtype)
+        x_even = tl.sum(lo.to(tl.float32), axis=2)  # (BM, GB)
+        x_odd = tl.sum(hi.to(tl.float32), axis=2)
+        meta = rows[:, None] * NG + gs[None, :]  # (BN, GB)
+        b = tl.load(z_ptr + meta, mask=g_ok[None, :], other=0.0)
+        s = _load_scales(s_ptr, meta, g_ok[None, :], dtype, S_PAIRS, True)
+        corr += tl.sum(b[:, None, :] * (x_even + x_odd)[None, :, :]
+                       - (s * U_INV)[:, None, :] * (16.0 * x_even + M_ODD * x_odd)[None, :, :], axis=2)
+    return corr
+
+
+@triton.jit
+def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm,
+                           stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, FENCE: tl.constexpr,
+                           UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                           STAGES: tl.constexpr, GPS: tl.constexpr, CHAINS: tl.constexpr, CORR_GB: tl.constexpr):
+    # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's
+    # 64 GPS bytes are contiguous, so each step reads longer runs of every row, and the per-step costs
+    # (pipeline barriers, B operand through shared memory) are paid once per GPS groups. The launcher
+    # makes every split range whole steps. BLOCK_N rows per program, BLOCK_N / (16 num_warps) 16-row tiles
+    # per warp: the B operand a warp reads from shared memory serves all of its tiles. CHAINS: the step's
+    # groups in that many separate dots (each its own loads and B), whose mma accumulations are independent
+    # chains a warp can overlap, instead of one chain of 8 GPS dependent mma.sync per 16-row tile.
+    # UPCAST_DOT (interpreter): Triton 3.6's interpreter multiplies bf16 tiles as raw integers, so both
+    # operands are widened to fp32 there (exact).
+    dtype = y_ptr.dtype.element_ty
+    U_INV: tl.constexpr = 8.0 if dtype == tl.bfloat16 else 64.0  # 1 / u of the magic values (_magic_planes)
+    M_ODD: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0  # their m at odd k
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = cols % N  # rows past N wrap around instead of being masked (unmasked loads); the store drops them
+    g_lo = pid_k * (W_SPLIT // 16)
+    g_hi = tl.minimum(g_lo + W_SPLIT // 16, NG)  # this program's groups [g_lo, g_hi), a multiple of GPS
+    offs_m = tl.arange(0, BLOCK_M)
+    GC: tl.constexpr = GPS // CHAINS  # groups per dot
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + g_lo * 64 + tl.arange(0, 64 * GC)[None, :]  # (BM, 64 GC)
+    x_mask = (offs_m < M)[:, None]
+    w_ptrs = (qw_ptr + rows[None, :, None] * K8 + g_lo * 16 + 16 * tl.arange(0, GC)[:, None, None]
+              + tl.arange(0, 16)[None, None, :])  # (GC, BN, 16): group-major, see above
+    s_idx = rows * NG + g_lo
+    acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
+    for g in tl.range(g_lo, g_hi, GPS, num_stages=STAGES):
+        if g == g_lo:
+            # The x-only terms of all this program's groups, computed while the first tiles are in flight
+            # (this code needs none of them), scaled by u like the dot sums.
+            corr = _zero_point_terms(x_ptr, s_ptr, z_ptr, stride_xm, M, rows, NG, g_lo, g_hi, dtype, U_INV, M_ODD,
+                                     S_PAIRS, BLOCK_M, CORR_GB)
+            acc += _pad_columns(corr * (1.0 / U_INV), BLOCK_M)
+        s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)  # (BN, 8)
+        for c in tl.static_range(CHAINS):
+            a = _mma_operand(tl.load(w_ptrs + c * 16 * GC), dtype, UNPACK)  # (BN, 128 GC)
+            xt = _x_operand(tl.load(x_ptrs + c * 64 * GC, mask=x_mask, other=0), dtype, BLOCK_M, GC, c * GC)
+            if UPCAST_DOT:
+                d = tl.dot(a.to(tl.float32), xt.to(tl.float32))
+            else:
+                d = tl.dot(a, xt)  # (BN, 8) fp32: column jg BM + m: sum_k v_k x[m]_k of group g + jg
+            # Scaled before the sum: an add of two dots would be folded into one dot accumulating the other
+            # (Triton's dot-add combine), i.e. one dependent chain again.
+            acc += s8 * d
+        w_ptrs += 16 * GPS
+        x_ptrs += 64 * GPS
+        s_idx += GPS
+    # Fold the column blocks (groups; zero past GPS) into BLOCK_M columns.
+    out = tl.sum(tl.reshape(acc, (BLOCK_N, 8 // BLOCK_M, BLOCK_M)), axis=1) * U_INV  # (BN, BM)
+    _finish(tl.trans(out), offs_m, cols, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr,
+            lock_ptr, SPLIT_K, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N)
 
 
 def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -174,11 +497,94 @@ def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     return M, N, K, G
 
 
+# -- configs and launcher ----------------------------------------------------------------------------------
+# A config: {"kernel": "mma" | "fma", "num_warps", "STAGES" (tiles in flight), "SPLIT_K" (programs per row
+# block)}; "mma" programs own 16 num_warps rows and take one group of 128 per K step; "fma" ones take
+# BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W
+# rows x BLOCK_W words with 16-byte loads; each thread then holds BLOCK_N BLOCK_W / (128 num_warps) rows of
+# one 32-value chunk per tile). No autotuning at call time: a decode step is captured in a CUDA graph.
+INTERPRET_CONFIG = {"kernel": "fma", "BLOCK_N": 16, "BLOCK_W": 16, "num_warps": 4, "STAGES": 1, "SPLIT_K": 1}
+INTERPRET_MMA_CONFIG = {"kernel": "mma", "num_warps": 4, "STAGES": 1, "SPLIT_K": 1, "GPS": 2}
+CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "CHAINS"),
+               "fma": ("BLOCK_N", "BLOCK_W", "num_warps", "STAGES", "SPLIT_K")}
+N_SM = 132  # H200; the split rule only needs the order of magnitude
+
+
+def mma_ok(K: int, G: int) -> bool:
+    """Shapes the tensor-core kernel takes: groups of 128 (one dot each)."""
+    return G == 128 and K % 128 == 0
+
+
+def groups_per_step(gps: int, n_groups: int) -> int:
+    """The largest power of two <= gps that divides the group count, so every K range is whole steps."""
+    gps = 1 << (max(gps, 1).bit_length() - 1)
+    while n_groups % gps:
+        gps //= 2
+    return gps
+
+
+def _pairs_view(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) 16-bit as int32 (M, K/2): two consecutive k per element (a copy if x's rows are not 4-byte
+    aligned, which no decode activation is)."""
+    if x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.clone(memory_format=torch.contiguous_format)  # fresh storage: aligned, row stride K (even)
+    return x.view(torch.int32)
+
+
+# (BLOCK_M = next_pow2(M), N, K) -> config, for group 128, from the H200 sweep (TINYVILA_W4_SWEEP prints
+# this dict). Empty until that run: gemv_config's rule picks meanwhile.
+GEMV_TABLE: dict[tuple[int, int, int], dict] = {}
+
+
+# TINYVILA_W4_GEMV_KERNEL=fma keeps the default off the tensor-core kernel (a switch for bisecting).
+FORCE_FMA = os.environ.get("TINYVILA_W4_GEMV_KERNEL", "") == "fma"
+
+
+def gemv_config(M: int, N: int, K: int, G: int) -> dict:
+    """The GPU launch config of an (M, K) x (N, K)^T call: GEMV_TABLE's entry, else a rule: tensor-core
+    tiles of 32 rows on 2 warps (181 registers, 53 KB of shared memory: 4 programs per SM), up to 8 groups
+    per K step, split-K until the grid has ~4 programs per SM while every split keeps >= 2 K steps."""
+    key = (triton.next_power_of_2(M), N, K)
+    if G == 128 and key in GEMV_TABLE and not (FORCE_FMA and GEMV_TABLE[key]["kernel"] == "mma"):
+        return dict(GEMV_TABLE[key])
+    if mma_ok(K, G) and not FORCE_FMA:
+        warps, block_n, stages = 2, 32, 3
+        gps = groups_per_step(8 // triton.next_power_of_2(M), K // G)  # what the launcher will use
+        row_blocks, split = triton.cdiv(N, block_n), 1
+        while row_blocks * split < 4 * N_SM and K // G >= 2 * gps * 2 * split:
+            split *= 2
+        return {"kernel": "mma", "BLOCK_N": block_n, "num_warps": warps, "STAGES": stages, "SPLIT_K": split,
+                "GPS": 8}
+    R = 4 if M <= 2 else (2 if M <= 4 else 1)  # fp32 rows per thread; v stays live across the M rows
+    return {"kernel": "fma", "BLOCK_N": 4 * R, "BLOCK_W": 128, "num_warps": 4, "STAGES": 4, "SPLIT_K": 1}
+
+
+_SPLIT_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+MAX_ROW_BLOCKS = 1 << 16  # arrival counters per device: one per row block of one call
+
+
+def _split_buffers(device: torch.device, ws_numel: int, row_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-device fp32 partials workspace (grown, never shrunk) and int32 arrival counters (zeroed once;
+    every call leaves them at zero). Shared by all calls on the device: GEMVs on one stream at a time."""
+    if row_blocks > MAX_ROW_BLOCKS:
+        raise ValueError(f"{row_blocks} row blocks exceed MAX_ROW_BLOCKS={MAX_ROW_BLOCKS}; use larger row tiles")
+    ws, locks = _SPLIT_BUFFERS.get(device, (None, None))
+    if ws is None or ws.numel() < ws_numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("w4a16_gemv's split-K workspace must grow before CUDA-graph capture: "
+                               "run the same call once eagerly first")
+        ws = torch.empty(max(ws_numel, 1 << 20), dtype=torch.float32, device=device)
+        locks = locks if locks is not None else torch.zeros(MAX_ROW_BLOCKS, dtype=torch.int32, device=device)
+        _SPLIT_BUFFERS[device] = (ws, locks)
+    return ws, locks
+
+
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                config: dict | None = None, unpack: int | None = None) -> torch.Tensor:
-    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype, M <= 8. `config` pins a tile (else autotuned
-    on CUDA); `unpack` picks the nibble unpacking (1: PTX, GPU default; 0: plain shifts, interpreter)."""
+    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype, M <= 8. `config` pins a launch config (see the
+    comment above; default gemv_config on the GPU, the INTERPRET configs elsewhere); `unpack` picks the
+    nibble unpacking (1: PTX, the GPU default; 0: plain shifts and masks, the interpreter's)."""
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
     if M > MAX_M:
         raise ValueError(f"w4a16_gemv takes at most {MAX_M} rows, got {M}; use w4a16_gemm")
@@ -186,19 +592,61 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be ({M}, {N}) {x.dtype} with unit stride along N")
+    K8 = K // 8
+    if N * K8 >= 2**31:
+        raise ValueError(f"qweight with {N * K8} words exceeds the kernel's int32 offsets")
+    on_gpu = x.is_cuda and not INTERPRET
     if unpack is None:
-        unpack = 0 if INTERPRET or not x.is_cuda else 1
-    if unpack == 1 and INTERPRET:
-        raise ValueError("unpack=1 (inline PTX) cannot run under TRITON_INTERPRET; use unpack=0")
-    args = (x, qweight, scales, zeros, bias if bias is not None else scales, out, M, N, K,
-            x.stride(0), out.stride(0), K // 8, K // G)
-    meta = dict(G=G, BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, UNPACK=unpack)
-    if config is None and x.is_cuda and not INTERPRET:
-        _w4a16_gemv_tuned[lambda c: (triton.cdiv(N, c["BLOCK_N"]),)](*args, **meta)
+        unpack = 1 if on_gpu else 0
+    if unpack == 1 and not on_gpu:
+        raise ValueError("unpack=1 (inline PTX) needs a GPU outside TRITON_INTERPRET; use unpack=0")
+    if config is None:
+        config = gemv_config(M, N, K, G) if on_gpu else (INTERPRET_MMA_CONFIG if mma_ok(K, G) else INTERPRET_CONFIG)
+    cfg = dict(config)
+    kernel = cfg.pop("kernel", "fma")
+    if kernel == "mma" and not mma_ok(K, G):
+        raise ValueError(f"the mma kernel needs G == 128 and K % 128 == 0 (G={G}, K={K})")
+    unknown = set(cfg) - set(CONFIG_KEYS[kernel])
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)} for the {kernel} kernel; use {CONFIG_KEYS[kernel]}")
+    s_pairs = (K // G) % 2 == 0 and scales.data_ptr() % 4 == 0  # 4-byte scale loads (see _load_scales)
+    # Split K into SPLIT_K ranges of whole tiles (none empty: the split count shrinks for short K).
+    if kernel == "mma":
+        # GPS groups per step, all of them in the 8 columns of one dot (GPS BM <= 8); pairs of scales per load.
+        gps = min(cfg.get("GPS", 1), 8 // triton.next_power_of_2(M)) if s_pairs else 1
+        cfg["GPS"] = groups_per_step(gps, K // G)
+        cfg["CHAINS"] = min(cfg.get("CHAINS", 1), cfg["GPS"])
+        if cfg["CHAINS"] & (cfg["CHAINS"] - 1):
+            raise ValueError(f"CHAINS={cfg['CHAINS']} must be a power of two")
+        bw = 16 * cfg["GPS"]  # one K step: GPS groups of 16 words
     else:
-        config = dict(config or INTERPRET_CONFIG)
-        config["BLOCK_W"] = max(config["BLOCK_W"], G // 8)  # a tile holds whole groups
-        _w4a16_gemv_kernel[(triton.cdiv(N, config["BLOCK_N"]),)](*args, **meta, **config)
+        bw = max(cfg["BLOCK_W"], G // 8)  # a tile holds whole groups
+    w_split = triton.cdiv(triton.cdiv(K8, cfg.get("SPLIT_K", 1)), bw) * bw
+    split = triton.cdiv(K8, w_split)
+    cfg.pop("SPLIT_K", None)
+    if kernel == "mma":
+        cfg.setdefault("BLOCK_N", 16 * cfg["num_warps"])
+        if cfg["BLOCK_N"] % (16 * cfg["num_warps"]):
+            raise ValueError(f"mma BLOCK_N={cfg['BLOCK_N']} must be a multiple of 16 num_warps (16-row tiles per warp)")
+    block_n = cfg["BLOCK_N"]
+    row_blocks = triton.cdiv(N, block_n)
+    ws, locks = _split_buffers(x.device, split * M * N, row_blocks) if split > 1 else (out, out)  # (unused if 1)
+    args = (x, qweight, scales.view(torch.int32) if s_pairs else scales, zeros, bias if bias is not None else scales,
+            out, ws, locks, M, N, x.stride(0), out.stride(0), K8, K // G, w_split, split)
+    meta = dict(BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, UNPACK=unpack, S_PAIRS=s_pairs,
+                FENCE=on_gpu, SPLIT=split > 1)
+    if kernel == "mma":
+        x32 = _pairs_view(x)  # x as int32 pairs: 4-byte elements, which Triton pipelines with cp.async
+        args = (x32,) + args[1:10] + (x32.stride(0),) + args[11:]
+        # Zero-point prologue: as many groups per step as ~64 registers per thread allow (x: BM GB 64 words,
+        # scales and zeros: BN GB values over 32 num_warps threads), so one or two round trips cover them.
+        nw, bm = cfg["num_warps"], meta["BLOCK_M"]
+        corr_gb = min(triton.next_power_of_2(w_split // 16), max(1, min(32 * nw // bm, 2048 * nw // block_n)))
+        _w4a16_gemv_mma_kernel[(row_blocks, split)](*args, **meta, UPCAST_DOT=not on_gpu, CORR_GB=corr_gb, **cfg)
+    else:
+        cfg["BLOCK_W"] = bw
+        even = N % cfg["BLOCK_N"] == 0 and K8 % bw == 0  # no masks needed
+        _w4a16_gemv_fma_kernel[(row_blocks, split)](*args, (G // 8).bit_length() - 1, **meta, EVEN=even, **cfg)
     return out
 
 

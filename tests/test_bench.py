@@ -1,35 +1,109 @@
-"""scripts/bench.py runs end to end on CPU on a tiny model (so the script never rots)."""
+"""scripts/bench.py runs end to end on CPU on a tiny model (so the script never rots), in each of its
+modes: image conversation, decode at a given context, video with the KV cache sized to fit."""
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from tinyvila import benchmark as bm
+from tinyvila.config import preset
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+TINY = ["--preset", "tiny-siglip-llama", "--device", "cpu", "--group-size", "32"]
 
 
 def load_bench():
     spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
-@pytest.mark.parametrize("pipelines", ["fp16,quant,sparse", "hf,fp16"])
-def test_bench_runs_every_pipeline_and_reports_json(pipelines, capsys):
+def run_bench(argv, capsys) -> tuple[dict, str]:
+    rc = load_bench().main(TINY + argv)
+    out = capsys.readouterr().out
+    assert rc == 0
+    return json.loads(out.strip().splitlines()[-1]), out
+
+
+def has_transformers() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+def test_image_conversation_every_pipeline(capsys):
+    pipelines = ["hf", "fp16", "quant", "sparse"] if has_transformers() else ["fp16", "quant", "sparse"]
+    report, out = run_bench(["--rounds", "2", "--new-tokens", "3", "--pipelines", ",".join(pipelines),
+                             "--prefill-keep", "0.5", "--decode-keep", "0.5"], capsys)
+    rows = {r["pipeline"]: r for r in report["rows"]}
+    assert list(rows) == pipelines
+    for r in rows.values():
+        assert r["decode_tokens"] == 2 * 3  # exactly --new-tokens per round, stop tokens ignored
+        assert r["e2e_ms"] == pytest.approx(r["encode_ms"] + r["prefill_ms"] + r["decode_ms"])
+        first = r["turns"][0]
+        assert r["ttft_ms"] == pytest.approx(first["encode_ms"] + first["prefill_ms"] + first["first_token_ms"])
+        assert 0 < r["ttft_ms"] < r["e2e_ms"] and r["floor_tok_s"] > 0 and r["of_floor"] > 0
+    # Prefill pruning keeps half of the 16 visual tokens; decode attends over fewer rows than the cache.
+    assert rows["sparse"]["visual"] == "8/16" and rows["quant"]["visual"] == "16/16"
+    assert rows["sparse"]["prefill_tokens"] == rows["quant"]["prefill_tokens"] - 8
+    assert 0 < rows["sparse"]["decode_rows"] < rows["sparse"]["context_tokens"] - 3
+    s = report["sparse_vs_dense"]
+    assert s["dense"] == "quant" and s["prefill_pred_flops"] > 1 and s["decode_pred_bytes"] > 1
+    assert "sparse over quant" in out and "FLOPs predict" in out and "bytes predict" in out
+    assert any("TTFT" in t["what"] for t in report["targets"])
+    assert report["gpu"] == "cpu" and report["commit"] and "triton" in report
+    if "hf" in rows:  # HF re-prefills the image and question every round; tinyvila prefills it once
+        assert rows["hf"]["prefill_tokens"] == 2 * rows["fp16"]["turns"][0]["prefill_tokens"]
+        assert any(t["what"] == "quant end to end over hf" for t in report["targets"])
+
+
+def test_decode_mode_counts_the_bytes_each_step_reads(capsys):
+    pipelines = "hf,quant" if has_transformers() else "quant"
+    report, out = run_bench(["--decode-context", "300", "--new-tokens", "6", "--pipelines", pipelines], capsys)
+    row = report["rows"][-1]
+    assert row["pipeline"] == "quant" and row["prefill_tokens"] == 300  # the byte tokenizer hits it exactly
+    assert row["visual"] == "-" and row["context_tokens"] == 306
+    # 5 decode steps (the first token comes from the prefill); step j attends over 300 + j rows.
+    cfg = load_bench().pipeline_config(preset("tiny-siglip-llama"), "quant", load_bench().parse_args(TINY))
+    W, kv = bm.decode_weight_bytes(cfg), bm.kv_row_bytes(cfg)
+    assert row["decode_gb"] * 1e9 == pytest.approx(5 * W + kv * sum(300 + j for j in range(1, 6)))
+    floor = row["floor_tok_s"]
+    assert floor == pytest.approx(report["copy_gbs"] * 1e9 / (row["decode_gb"] * 1e9 / 5))
+    assert row["of_floor"] == pytest.approx(row["step_tok_s"] / floor)
+    assert "of bandwidth floor" in out and "floor tok/s" in out
     if "hf" in pipelines:
-        pytest.importorskip("transformers")
-    bench = load_bench()
-    rc = bench.main(["--preset", "tiny-siglip-llama", "--device", "cpu", "--rounds", "2", "--new-tokens", "3",
-                     "--group-size", "32", "--pipelines", pipelines, "--prefill-keep", "0.5", "--decode-keep", "0.5"])
+        assert any(t["what"] == "quant decode tok/s over hf" for t in report["targets"])
+
+
+def test_video_conversation_sizes_the_cache_to_fit(capsys):
+    # 36 frames x 16 tokens = 576 visual tokens: more than the preset's 512-token context.
+    report, _ = run_bench(["--frames", "36", "--rounds", "2", "--new-tokens", "3", "--prefill-keep", "0.25",
+                           "--decode-keep", "0.25", "--warmup", "short"], capsys)
+    assert report["max_seq_len"] > 576 + 2 * 3 and report["max_seq_len"] % 256 == 0
+    rows = {r["pipeline"]: r for r in report["rows"]}
+    assert list(rows) == ["quant", "sparse"]  # the video default: no HF
+    assert rows["quant"]["visual"] == "576/576" and rows["sparse"]["visual"] == "144/576"
+    assert rows["quant"]["context_tokens"] > preset("tiny-siglip-llama").text.max_seq_len
+    s = report["sparse_vs_dense"]
+    assert s["prefill_pred_flops"] > 2 and s["decode_pred_bytes"] > 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_warmup_leaves_nothing_to_compile_and_peaks_are_per_pipeline(capsys):
+    pipelines = "hf,fp16,quant,sparse" if has_transformers() else "fp16,quant,sparse"
+    rc = load_bench().main(["--preset", "tiny-siglip-llama", "--dtype", "float16", "--device", "cuda",
+                            "--group-size", "32", "--rounds", "3",
+                            "--new-tokens", "20", "--pipelines", pipelines, "--prefill-keep", "0.5",
+                            "--decode-keep", "0.5"])
     out = capsys.readouterr().out
     assert rc == 0
     report = json.loads(out.strip().splitlines()[-1])
-    rows = {r["pipeline"]: r for r in report["rows"]}
-    assert list(rows) == pipelines.split(",")
-    for r in rows.values():
-        assert r["decode_tokens"] == 2 * 3  # exactly --new-tokens per round, stop tokens ignored
-        assert r["e2e_ms"] > 0 and r["prefill_tokens"] > 0
-    if "sparse" in rows:  # prefill pruning keeps half of the 16 visual tokens
-        assert rows["sparse"]["prefill_tokens"] < rows["quant"]["prefill_tokens"]
+    assert report["gpu"] != "cpu" and report["copy_gbs"] > 100
+    for r in report["rows"]:
+        assert r["first_use"] == 0, f"{r['pipeline']}: the measured run compiled or autotuned"
+        assert r["resident_gb_before"] < 0.1 and r["peak_gb"] > 0
+    assert "WARNING" not in out

@@ -77,7 +77,43 @@ def test_prompt_over_the_context_exits_non_zero(folder, capsys):
 def test_demo_model_is_built_on_first_use(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TINYVILA_CHECKPOINTS", str(tmp_path))
     monkeypatch.chdir(tmp_path)
+    # Only tmp_path: a demo built earlier in the repo's own checkpoints/ must not be found instead.
+    monkeypatch.setattr(tinyvila.api, "checkpoint_dirs", lambda: [tmp_path])
     rc = cli.main(["--model", "demo", "--image", DEMO_IMAGE, "-p", "hi", "--max-new-tokens", "4"])
     _, err = capsys.readouterr()
     assert rc == 0 and "RANDOM weights" in err
     assert (tmp_path / "demo" / "config.json").is_file()
+
+
+def test_benchmark_one_shot_prints_the_breakdown_after_a_hidden_warmup(folder, capsys):
+    rc = cli.main(["--model", folder, "--image", DEMO_IMAGE, "-p", "What is this?", "--max-new-tokens", "5",
+                   "--benchmark", "--warmup"])
+    _, err = capsys.readouterr()
+    assert rc == 0
+    turn = [x for x in err.splitlines() if x.startswith("[benchmark: encode ms")]
+    assert len(turn) == 1  # the warm-up answer is neither shown nor counted
+    for field in ("prefill ms", "TTFT ms", "decode tok 5", "tok/s", "context", "visual kept", "decode rows",
+                  "peak GB", "first-use loads"):
+        assert field in turn[0]
+    assert err.count("[benchmark: conversation]") == 1
+    table = err.split("[benchmark: conversation]")[1].strip().splitlines()
+    assert [x.split()[0] for x in table] == ["turn", "1", "total"]
+
+
+def test_benchmark_repl_reports_each_conversation_when_it_ends(folder, capsys, monkeypatch):
+    lines = iter(["/image " + DEMO_IMAGE, "describe", "more", "/clear", "hello", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    rc = cli.main(["--model", folder, "--max-new-tokens", "3", "--benchmark"])
+    _, err = capsys.readouterr()
+    assert rc == 0
+    first, second = err.split("[benchmark: conversation]")[1:]
+    assert [x.split()[0] for x in first.strip().splitlines()[:4]] == ["turn", "1", "2", "total"]
+    assert [x.split()[0] for x in second.strip().splitlines()[:3]] == ["turn", "1", "total"]
+    total = first.strip().splitlines()[3].split()
+    assert total[5] == "6"  # decode tokens of the two answers (columns: turn, encode, prefill, tok, decode ms, tok)
+
+
+def test_warmup_needs_a_prompt(folder, capsys):
+    rc = cli.main(["--model", folder, "--warmup"])
+    _, err = capsys.readouterr()
+    assert rc == 1 and "--warmup needs -p" in err

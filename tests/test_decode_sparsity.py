@@ -13,7 +13,7 @@ import tinyvila
 from tinyvila import ops
 from tinyvila.config import SparsityConfig
 from tinyvila.generate import Decoder, SamplingParams
-from tinyvila.kv_cache import KVCache
+from tinyvila.kv_cache import KVCache, StepIndex
 from tinyvila.loader import build_synthetic
 from tinyvila.tokenizer import conversation_ids
 
@@ -65,8 +65,10 @@ class MaskedCache(KVCache):
         super().__init__(*a, **kw)
         self.keep_idx, self.dropped_after = keep_idx, dropped_after
 
-    def attend(self, layer, start, q, k, v):
-        k_all, v_all = self.write(layer, start, k, v)
+    def attend(self, layer, start, q):
+        if isinstance(start, StepIndex):  # a decode step: its slot as a host int (this cache is eager)
+            start = int(start.slot)
+        k_all, v_all = self.k[layer][:, :, :start + q.shape[2]], self.v[layer][:, :, :start + q.shape[2]]
         if q.shape[2] > 1:
             return ops.attention(q, k_all, v_all, causal=True, q_start=start)
         S, (B, Hkv) = start + 1, k_all.shape[:2]

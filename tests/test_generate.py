@@ -10,6 +10,7 @@ import torch
 from tinyvila.config import TextConfig
 from tinyvila.errors import ContextLimitError
 from tinyvila.generate import Decoder, SamplingParams, generate, sample
+from tinyvila.kv_cache import StepIndex
 
 V = 32
 
@@ -26,7 +27,8 @@ class MockText(torch.nn.Module):
         self.fed = []  # (start, T) of every call
 
     def forward(self, h, cache, start, last_only=False):
-        self.fed.append((start, h.shape[1]))
+        # A decode step passes its cache slot as a device tensor (StepIndex).
+        self.fed.append((int(start.slot) if isinstance(start, StepIndex) else start, h.shape[1]))
         tokens = h[0].argmax(-1)
         logits = torch.full((1, h.shape[1], V), -5.0)
         logits[0, torch.arange(h.shape[1]), (tokens + 1) % V] = 5.0

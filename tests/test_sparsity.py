@@ -16,6 +16,7 @@ from tinyvila import ops, sparsity
 from tinyvila.config import SparsityConfig
 from tinyvila.generate import Decoder, SamplingParams
 from tinyvila.image import preprocess
+from tinyvila.kv_cache import StepIndex
 from tinyvila.loader import build_synthetic
 from tinyvila.tokenizer import IMAGE_TOKEN, conversation_ids
 
@@ -133,6 +134,8 @@ def test_original_positions_are_used_and_text_continues_after_the_full_image(sig
     forward = type(siglip.model.text).forward
 
     def spy(self, h, cache, start, *, last_only=False, positions=None):
+        if isinstance(start, StepIndex):  # decode steps carry their RoPE position on the device
+            positions = start.pos
         seen.append(None if positions is None else positions.tolist())
         return forward(self, h, cache, start, last_only=last_only, positions=positions)
 

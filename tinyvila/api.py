@@ -94,8 +94,7 @@ def load(name_or_path: str | os.PathLike, *, device: str | torch.device = "cpu",
     """Load a checkpoint folder or a named model (see `resolve_model`)."""
     folder = resolve_model(name_or_path)
     model = load_model(folder, device=device, dtype=dtype)
-    if model.vision is not None and torch.device(device).type == "cuda":
-        model.vision.use_cuda_graphs()  # the encoder is launch-bound at one image (tinyvila/cuda_graph.py)
+    _use_cuda_graphs(model, device)
     return Model(folder, model, load_tokenizer(folder / model.cfg.tokenizer))
 
 
@@ -104,8 +103,16 @@ def from_config(cfg: VLMConfig | str, *, device: str | torch.device = "cpu", see
     tokenizer holding its template's special tokens: for benchmarks at real shapes and tests."""
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     cfg = dataclasses.replace(cfg, synthetic=True, eos_ids=())
-    return Model(None, random_model(cfg, device=device, seed=seed),
-                 BPETokenizer(synthetic_tokenizer(cfg), source="<synthetic>"))
+    model = random_model(cfg, device=device, seed=seed)
+    _use_cuda_graphs(model, device)
+    return Model(None, model, BPETokenizer(synthetic_tokenizer(cfg), source="<synthetic>"))
+
+
+def _use_cuda_graphs(model: VLM, device) -> None:
+    """The encoder is launch-bound at one image: replay it from CUDA graphs (tinyvila/cuda_graph.py).
+    (LLM decode steps are captured by each chat's Decoder.)"""
+    if model.vision is not None and torch.device(device).type == "cuda":
+        model.vision.use_cuda_graphs()
 
 
 @dataclass
@@ -123,14 +130,24 @@ class Stats:
     visual_kept: int = 0            # of those, kept (SparsityConfig.prefill_keep)
     decode_rows: int = 0            # KV rows per head decode attended over at the turn's start (decode_keep < 1)
     finish: str = ""                # "stop" | "max_tokens" | "context" | "interrupted"
+    first_token_ms: float = 0.0     # end of the prefill -> the first answer token on the host (inside decode_ms)
 
     @property
     def decode_tok_s(self) -> float:
         return 1000 * self.decode_tokens / self.decode_ms if self.decode_ms else 0.0
 
+    @property
+    def ttft_ms(self) -> float:
+        """Time to first token: encode + prefill + the first token's sampling (what a user waits)."""
+        return self.encode_ms + self.prefill_ms + self.first_token_ms
+
+    @property
+    def e2e_ms(self) -> float:
+        return self.encode_ms + self.prefill_ms + self.decode_ms
+
     def line(self) -> str:
         return (f"encode {self.encode_ms:.1f} ms | prefill {self.prefill_tokens} tok {self.prefill_ms:.1f} ms"
-                f" | decode {self.decode_tokens} tok {self.decode_tok_s:.1f} tok/s"
+                f" | TTFT {self.ttft_ms:.1f} ms | decode {self.decode_tokens} tok {self.decode_tok_s:.1f} tok/s"
                 f" | context {self.context_tokens} tok"
                 + (f" | visual {self.visual_kept}/{self.visual_tokens} kept" if self.visual_tokens else "")
                 + (f" | decode over {self.decode_rows} KV rows" if self.decode_rows else "")
@@ -292,6 +309,8 @@ class Chat:
         stream = StreamDecoder(self.vlm.tokenizer, skip_special_tokens=True)
         try:
             for token in generate(decoder, logits, sampling, self.vlm.stop_ids, self.vlm.tokenizer.vocab_size):
+                if not answer:  # the token is a host int: its sampling has finished on the device
+                    stats.first_token_ms = 1000 * (time.perf_counter() - t1)
                 answer.append(token)
                 if token not in self.vlm.stop_ids:
                     yield stream.push(token)

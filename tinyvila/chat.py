@@ -2,10 +2,13 @@
 
     python -m tinyvila.chat --model vila-8b-awq --image x.jpg                  # multi-turn REPL
     python -m tinyvila.chat --model demo --image x.jpg -p "Describe it."      # one-shot
+    python -m tinyvila.chat --model vila-8b-awq --image x.jpg -p "Describe it." --benchmark --warmup
 
 In the REPL: /image PATH adds an image to the next question, /clear starts over, /stats prints the
-last turn's numbers, /quit (or Ctrl-D) leaves; Ctrl-C stops an answer. The only module that does
-terminal I/O; everything else goes through the Python API (tinyvila.api).
+last turn's numbers, /quit (or Ctrl-D) leaves; Ctrl-C stops an answer. `--benchmark` prints each
+answer's breakdown (tinyvila/benchmark.py, as scripts/bench.py does) and, when the conversation ends
+(/clear or exit), a table of its answers and their total. The only module that does terminal I/O;
+everything else goes through the Python API (tinyvila.api).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sys
 
 import torch
 
+from . import benchmark
 from .api import Chat, load
 from .errors import TinyVilaError
 from .generate import SamplingParams
@@ -41,6 +45,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int)
     p.add_argument("--max-seq-len", type=int, help="KV cache size (default: the model's context)")
     p.add_argument("--no-stats", action="store_true", help="do not print the stats line after answers")
+    p.add_argument("--benchmark", action="store_true", help="after each answer print its breakdown (encode, "
+                   "prefill, decode, TTFT, tok/s, tokens, context, visual kept, decode rows, peak GPU memory, "
+                   "first-use kernel loads); when the conversation ends, a table of its answers and the total")
+    p.add_argument("--warmup", action="store_true", help="with -p: answer the prompt once unseen first, so that "
+                   "kernel compilation and autotuning stay out of the numbers")
     p.add_argument("--prefill-keep", type=float, help="fraction of each image's visual tokens kept (SparseVILA "
                    "prefill pruning; default: the checkpoint's, 1.0 = dense)")
     p.add_argument("--prefill-method", choices=["sparsevila", "random", "visionzip"],
@@ -54,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def answer(chat: Chat, question: str, show_stats: bool) -> None:
+def answer(chat: Chat, question: str, show_stats: bool, recorder: benchmark.Recorder | None = None) -> None:
     """Stream one answer to stdout; Ctrl-C stops it and keeps the conversation usable."""
     try:
         for piece in chat.ask(question):
@@ -62,11 +71,19 @@ def answer(chat: Chat, question: str, show_stats: bool) -> None:
     except KeyboardInterrupt:
         print(" [stopped]", end="")
     print()
-    if show_stats:
+    if recorder is not None:
+        print(f"[benchmark: {benchmark.line(recorder.record(chat.stats))}]", file=sys.stderr)
+    elif show_stats:
         print(f"[{chat.stats.line()}]", file=sys.stderr)
 
 
-def command(chat: Chat, line: str) -> bool:
+def end_conversation(recorder: benchmark.Recorder | None) -> None:
+    """With --benchmark: the finished conversation's table (nothing if it had no answer)."""
+    if recorder is not None and recorder.turns:
+        print(f"[benchmark: conversation]\n{recorder.report()}", file=sys.stderr)
+
+
+def command(chat: Chat, line: str, recorder: benchmark.Recorder | None = None) -> bool:
     """Run a /command; returns False when the REPL should end."""
     name, _, arg = line.partition(" ")
     if name == "/quit":
@@ -75,6 +92,7 @@ def command(chat: Chat, line: str) -> bool:
         chat.add_image(arg.strip())
         print(f"[image added: {arg.strip()}; it goes with your next question]")
     elif name == "/clear":
+        end_conversation(recorder)
         chat.clear()
         print("[conversation cleared]")
     elif name == "/stats":
@@ -84,7 +102,7 @@ def command(chat: Chat, line: str) -> bool:
     return True
 
 
-def repl(chat: Chat, show_stats: bool) -> None:
+def repl(chat: Chat, show_stats: bool, recorder: benchmark.Recorder | None = None) -> None:
     print(HELP)
     while True:
         try:
@@ -96,16 +114,19 @@ def repl(chat: Chat, show_stats: bool) -> None:
             continue
         try:
             if line.startswith("/"):
-                if not command(chat, line):
+                if not command(chat, line, recorder):
                     return
             else:
-                answer(chat, line, show_stats)
+                answer(chat, line, show_stats, recorder)
         except TinyVilaError as e:  # bad image, context full: say so and keep the session
             print(f"error: {e}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.warmup and args.prompt is None:
+        print("error: --warmup needs -p (the REPL's questions are not known in advance)", file=sys.stderr)
+        return 1
     try:
         vlm = load(args.model, device=args.device,
                    dtype=getattr(torch, args.dtype) if args.dtype else None)
@@ -120,16 +141,34 @@ def main(argv: list[str] | None = None) -> int:
         sparsity = dataclasses.replace(vlm.cfg.sparsity, **prefill)
         chat = vlm.chat(system=args.system, sampling=sampling, max_seq_len=args.max_seq_len, sparsity=sparsity,
                         mode="eval" if args.eval_multiturn else "chat")
-        for image in args.image:
-            chat.add_image(image)
-        if args.prompt is not None:
-            answer(chat, args.prompt, not args.no_stats)
-        else:
-            repl(chat, not args.no_stats)
+        if args.warmup:
+            warm_up(chat, args.image, args.prompt)
+        recorder = benchmark.Recorder(args.device) if args.benchmark else None
+        try:
+            for image in args.image:
+                chat.add_image(image)
+            if args.prompt is not None:
+                answer(chat, args.prompt, not args.no_stats, recorder)
+            else:
+                repl(chat, not args.no_stats, recorder)
+            end_conversation(recorder)
+        finally:
+            if recorder is not None:
+                recorder.close()
     except (TinyVilaError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def warm_up(chat: Chat, images: list[str], prompt: str) -> None:
+    """Answer the one-shot prompt once, unseen, then forget it: the real answer then runs the same
+    shapes with every kernel compiled and tuned."""
+    for image in images:
+        chat.add_image(image)
+    for _ in chat.ask(prompt):
+        pass
+    chat.clear()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The KV cache of one conversation: preallocated full cache, spans, retrieval scoring, packed decode.
 
-`KVCache` holds per layer `k[i]`, `v[i]` (B, Hkv, max_seq_len, Dh), keys rotated at their logical
-position when written. The session records `Span`s (system, visual, text, question, answer) with a
-retrievable flag (visual by default). For SparseVILA decode sparsity (DESIGN.md sec. 3): while a
+`KVCache` holds per layer `k[i]`, `v[i]` (B, Hkv, max_seq_len, Dh), views of one (n_layers, ...)
+tensor per K and V (`k_stack`, `v_stack`), keys rotated at their logical position when written.
+The session records `Span`s (system, visual, text, question, answer) with a retrievable flag
+(visual by default). For SparseVILA decode sparsity (DESIGN.md sec. 3): while a
 question is prefilled with scoring on, every layer's attention also returns its log-sum-exp and the
 retrieval-salience kernel scores the retrievable slots; `pack` then keeps the top `decode_keep` of
 them per layer and KV head (`sparsity.decode_select`; text spans select runs, docs/sparsity.md) and
@@ -36,22 +37,57 @@ class Span:
 
 
 @dataclass
+class StepIndex:
+    """Where one decode step writes and reads, as device tensors: what a captured CUDA graph of the
+    step reads and then advances itself, so replaying it needs no host work per token.
+
+    `slot` (1,) int64 is the full-cache slot the new token's K/V go to, `row` (1,) int64 its row in
+    the packed buffer (when one is active), `pos` (1,) int64 its RoPE position, and `lengths` (B,)
+    int32 the keys the step attends over (slot + 1, or row + 1 over a packed buffer), set by
+    `KVCache.begin_step` at the top of each step.
+    """
+
+    slot: torch.Tensor
+    row: torch.Tensor
+    pos: torch.Tensor
+    lengths: torch.Tensor
+
+    def set(self, slot: int, row: int, pos: int) -> None:
+        self.slot.fill_(slot)
+        self.row.fill_(row)
+        self.pos.fill_(pos)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.slot, self.row, self.pos, self.lengths
+
+    def advance(self) -> None:
+        self.slot.add_(1)
+        self.row.add_(1)
+        self.pos.add_(1)
+
+
+@dataclass
 class _Scoring:
     idx: torch.Tensor              # (N,) int32 retrievable slots, all before `q_from`
     q_from: int                    # first slot of the question rows
-    scores: list                   # per layer: (B, Hkv, N) fp32 salience, accumulated over chunks
-    windowed: torch.Tensor         # (N,) bool: slot lies in a text span (decode_select's window)
+    scores: torch.Tensor           # (n_layers, B, Hkv, N) fp32 salience, accumulated over chunks
+    windowed: torch.Tensor | None  # (N,) bool: slot lies in a text span (decode_select's window);
+                                   # None when no retrievable text span exists
+    host_idx: torch.Tensor         # (N,) the same slots on the CPU: pack() builds the rest without a sync
+    scored: list                   # per layer: bool, its rows were scored at least once
     fastv: float | None = None     # FastV-style pruning: keep fraction, applied after layer K-1
 
 
 @dataclass
 class _Packed:
-    k: list                        # per layer (B, Hkv, capacity, Dh)
+    k: list                        # per layer (B, Hkv, capacity, Dh): views of k_stack
     v: list
     lengths: torch.Tensor          # (B,) int32 on the device: valid packed rows (read by the kernel)
     dropped: int                   # full-cache slots left out; packed row = slot - dropped
     kept: int                      # retrievable slots kept per layer and KV head
-    idx: list | None = None        # per layer (B, Hkv, rows) int32: the full-cache slots packed
+    idx: torch.Tensor | None = None      # (n_layers, B, Hkv, rows) int32: the full-cache slots packed
+    k_stack: torch.Tensor | None = None  # (n_layers, B, Hkv, capacity, Dh): one pack launch for all
+    v_stack: torch.Tensor | None = None
 
 
 class KVCache:
@@ -65,15 +101,21 @@ class KVCache:
                  dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu"):
         self.max_seq_len = cfg.max_seq_len if max_seq_len is None else max_seq_len
         self.batch, self.dtype, self.n_layers = batch, dtype, cfg.n_layers
-        shape = (batch, cfg.n_kv_heads, self.max_seq_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, self.max_seq_len, cfg.head_dim)
+        # One tensor per K and V for all layers, so a question's packing is one launch; self.k[i],
+        # self.v[i] (B, Hkv, max_seq_len, Dh) are views of it (never rebind them: write in place).
+        self.k_stack = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_stack = torch.zeros(shape, dtype=dtype, device=device)
+        # Per-layer views by indexing, not unbind(): unbind's multi-output views refuse in-place
+        # writes when the model runs with autograd on (a forward outside inference_mode).
+        self.k, self.v = [self.k_stack[i] for i in range(cfg.n_layers)], [self.v_stack[i] for i in range(cfg.n_layers)]
         self.spans: list[Span] = []
         self.scoring: _Scoring | None = None
         self.packed: _Packed | None = None    # active during a sparse turn's decode
         self._storage: _Packed | None = None  # the packed buffers, kept across turns for reuse
         # Permanent pruning baselines (FastV-style): (first layer, (max_seq_len,) bool keep mask).
         self.key_mask: tuple[int, torch.Tensor] | None = None
+        self._step: StepIndex | None = None    # device indices of decode steps (step_index())
 
     # -- the full cache ------------------------------------------------------------------------
     def check(self, start: int, T: int) -> None:
@@ -96,17 +138,38 @@ class KVCache:
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Write k, v (B, Hkv, T, Dh) at slot `start`, then attend q (B, H, T, Dh) -> (B, H, T, Dh).
+    def rope_write(self, layer: int, start: int | StepIndex, qkv: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """Rotate q and k of the fused projection qkv (B, T, (H + 2 Hkv) Dh) with cos, sin (T, Dh)
+        and store k, v at slots start..start+T-1 (a decode step's `StepIndex`: its slot, and its row of
+        the packed buffer when one is active); returns the rotated q (B, H, T, Dh). Keys are cached
+        rotated at their logical position, so packing never re-rotates. One fused kernel on CUDA."""
+        Hkv = self.k[layer].shape[1]
+        if isinstance(start, StepIndex):
+            p = self.packed
+            second = None if p is None else (p.k[layer], p.v[layer], start.row)
+            return ops.rope_qkv(qkv, cos, sin, self.k[layer], self.v[layer], start.slot, n_heads, Hkv, second=second)
+        if self.packed is not None:
+            raise RuntimeError("a packed decode buffer is active: decode steps go through a StepIndex; "
+                               "unpack() before a prefill")
+        T = qkv.shape[1]
+        self.check(start, T)
+        slots = torch.arange(start, start + T, device=qkv.device)
+        return ops.rope_qkv(qkv, cos, sin, self.k[layer], self.v[layer], slots, n_heads, Hkv)
+
+    def attend(self, layer: int, start: int | StepIndex, q: torch.Tensor) -> torch.Tensor:
+        """Attend q (B, H, T, Dh) of the rows at slots start.. (already written by `rope_write`) over
+        the cache -> (B, H, T, Dh).
 
         Dense causal attention over the full cache, unless a question is being scored (attention
-        with LSE plus retrieval salience) or a packed buffer is active (decode over it).
+        with LSE plus retrieval salience) or a decode step runs over a packed buffer.
         """
-        k_all, v_all = self.write(layer, start, k, v)
-        if self.packed is not None:
-            return self._attend_packed(layer, start, q, k, v)
+        if isinstance(start, StepIndex):
+            return self._attend_step(layer, start, q)
+        end = start + q.shape[2]
+        k_all, v_all = self.k[layer][:, :, :end], self.v[layer][:, :, :end]
         if self.key_mask is not None and layer >= self.key_mask[0]:
-            return ops.attention_key_masked(q, k_all, v_all, start, self.key_mask[1][:k_all.shape[2]])
+            return ops.attention_key_masked(q, k_all, v_all, start, self.key_mask[1][:end])
         if self.scoring is not None:
             o, lse = ops.attention_lse(q, k_all, v_all, start)
             self._score(layer, start, q, k_all, lse)
@@ -132,25 +195,35 @@ class KVCache:
         self.scoring = None
         self.unpack()
 
-    def retrievable_slots(self, end: int | None = None) -> torch.Tensor:
-        """(N,) int32 slots of the retrievable spans (before `end`), in order, on the cache's device."""
+    def retrievable_slots(self, end: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+        """(N,) int32 slots of the retrievable spans (before `end`), in order, on `device` (default:
+        the cache's)."""
         parts = [torch.arange(s.start, min(s.end, end or s.end)) for s in self.spans
                  if s.retrievable and s.start < (end or s.end)]
         idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-        return idx.to(self.k[0].device, torch.int32)
+        return idx.to(self.k[0].device if device is None else device, torch.int32)
 
     # -- retrieval scoring (during the question's prefill) --------------------------------------
     def begin_scoring(self, q_from: int) -> int:
         """Score the retrievable slots before `q_from` by the attention of the rows from `q_from` on,
         in the next prefill calls. Returns the number of retrievable slots (0: nothing to score)."""
-        idx = self.retrievable_slots(q_from)
-        text = torch.zeros(self.max_seq_len, dtype=torch.bool, device=idx.device)
+        host_idx = self.retrievable_slots(q_from, device="cpu")
+        N = host_idx.numel()
+        if not N:
+            self.scoring = None
+            return 0
+        text = torch.zeros(self.max_seq_len, dtype=torch.bool)
         for s in self.spans:
             if s.retrievable and s.kind == "text":
                 text[s.start:s.end] = True
-        windowed = text[idx.long()]  # (N,)
-        self.scoring = _Scoring(idx, q_from, [None] * self.n_layers, windowed) if idx.numel() else None
-        return idx.numel()
+        windowed = text[host_idx.long()]  # (N,)
+        dev = self.k[0].device
+        # All layers' scores in one tensor: each layer's kernel accumulates into its slice, and
+        # pack() selects for every layer at once.
+        scores = torch.zeros(self.n_layers, self.batch, self.k[0].shape[1], N, dtype=torch.float32, device=dev)
+        self.scoring = _Scoring(host_idx.to(dev), q_from, scores, windowed.to(dev) if windowed.any() else None,
+                                host_idx, [False] * self.n_layers)
+        return N
 
     def begin_fastv(self, last_row: int, keep: float) -> int:
         """FastV-style permanent pruning within the next prefill (one pass): layer K-1's attention of
@@ -166,7 +239,8 @@ class KVCache:
         r0 = max(0, sc.q_from - start)  # first question row in this chunk
         if r0 >= q.shape[2]:
             return
-        sc.scores[layer] = ops.retrieval_salience(q[:, :, r0:], k_all, sc.idx, lse[:, :, r0:], out=sc.scores[layer])
+        ops.retrieval_salience(q[:, :, r0:], k_all, sc.idx, lse[:, :, r0:], out=sc.scores[layer])
+        sc.scored[layer] = True
         if sc.fastv is not None and layer == FASTV_LAYER - 1:  # decided before layer K runs
             self.key_mask = fastv_keep_mask(sc.scores, sc.idx, self.max_seq_len, sc.fastv)
             self.scoring = None
@@ -175,28 +249,28 @@ class KVCache:
     def pack(self, keep: float, length: int, window: int = 0) -> int:
         """End scoring; keep the top `keep` of the scored slots per layer and KV head (at least one;
         `sparsity.decode_select`, with `window` over text spans), gather [non-retrievable | selected |
-        rest] of slots 0..length-1 into the packed buffers. Returns the number of packed rows per head."""
+        rest] of slots 0..length-1 into the packed buffers. Returns the number of packed rows per head.
+
+        Every layer at once: one selection over the stacked scores, one sort, one pack launch for all
+        layers' K and V (a handful of launches per question, not a handful per layer), and no
+        device-to-host sync (the non-retrievable slots come from the host's spans)."""
         sc, self.scoring = self.scoring, None
-        if sc is None or any(s is None for s in sc.scores):
+        if sc is None or not all(sc.scored):
             raise RuntimeError("pack() needs a scored question: call begin_scoring() before its prefill")
-        device = self.k[0].device
-        B, Hkv = self.batch, self.k[0].shape[1]
+        L, B, Hkv = self.n_layers, self.batch, self.k[0].shape[1]
         N = sc.idx.numel()
         n_keep = min(N, max(1, round(keep * N)))
-        is_retr = torch.zeros(length, dtype=torch.bool, device=device)
-        is_retr[sc.idx.long()] = True
-        others = torch.arange(length, device=device)[~is_retr].to(torch.int32)  # (length - N,)
+        rest = torch.ones(length, dtype=torch.bool)
+        rest[sc.host_idx.long()] = False
+        others = rest.nonzero()[:, 0].to(self.k[0].device, torch.int32, non_blocking=True)  # (length - N,)
         rows = length - N + n_keep
         cap = rows + self.max_seq_len - length  # room for every token this turn can still append
         self._ensure_packed(cap, n_keep, length - rows)
-        self.packed.idx = []
-        for layer in range(self.n_layers):
-            top = decode_select(sc.scores[layer], n_keep, sc.idx, window, sc.windowed)  # (B, Hkv, n_keep)
-            chosen = sc.idx[top]  # (B, Hkv, n_keep) slots
-            idx = torch.cat([others.expand(B, Hkv, -1), chosen], dim=-1).sort(dim=-1).values  # original order
-            self.packed.idx.append(idx)
-            ops.kv_pack(self.k[layer], idx, self.packed.k[layer])
-            ops.kv_pack(self.v[layer], idx, self.packed.v[layer])
+        top = decode_select(sc.scores, n_keep, sc.idx, window, sc.windowed)  # (L, B, Hkv, n_keep)
+        chosen = sc.idx[top]  # slots
+        idx = torch.cat([others.expand(L, B, Hkv, -1), chosen], dim=-1).sort(dim=-1).values  # original order
+        self.packed.idx = idx  # (L, B, Hkv, rows)
+        ops.kv_pack((self.k_stack, self.v_stack), idx, (self.packed.k_stack, self.packed.v_stack))
         self.packed.lengths.fill_(rows)
         return rows
 
@@ -205,10 +279,10 @@ class KVCache:
         old = self._storage
         if old is None or old.k[0].shape[2] < cap:
             B, Hkv, _, D = self.k[0].shape
-            shape, dev = (B, Hkv, cap, D), self.k[0].device
-            old = _Packed([torch.empty(shape, dtype=self.dtype, device=dev) for _ in range(self.n_layers)],
-                          [torch.empty(shape, dtype=self.dtype, device=dev) for _ in range(self.n_layers)],
-                          torch.zeros(B, dtype=torch.int32, device=dev), 0, 0)
+            shape, dev = (self.n_layers, B, Hkv, cap, D), self.k[0].device
+            ks, vs = (torch.empty(shape, dtype=self.dtype, device=dev) for _ in range(2))
+            old = _Packed([ks[i] for i in range(len(ks))], [vs[i] for i in range(len(vs))],
+                          torch.zeros(B, dtype=torch.int32, device=dev), 0, 0, k_stack=ks, v_stack=vs)
             self._storage = old
         old.dropped, old.kept = dropped, kept
         self.packed = old
@@ -217,18 +291,26 @@ class KVCache:
         """Back to dense attention over the full cache (the buffers are kept for reuse)."""
         self.packed = None
 
-    def _attend_packed(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """A decode step: append k, v (B, Hkv, 1, Dh) at packed row start - dropped, attend over the
-        packed rows. The query was rotated at its logical position `start` by the caller."""
-        p = self.packed
+    # -- decode steps (graph-capturable) --------------------------------------------------------
+    def step_index(self) -> StepIndex:
+        """The cache's one StepIndex (made on first use, then reused: a captured graph holds it)."""
+        if self._step is None:
+            dev = self.k[0].device
+            self._step = StepIndex(*(torch.zeros(1, dtype=torch.long, device=dev) for _ in range(3)),
+                                   torch.zeros(self.batch, dtype=torch.int32, device=dev))
+        return self._step
+
+    def begin_step(self, st: StepIndex) -> None:
+        """Top of a decode step: the lengths its attention reads (device ops only: capturable)."""
+        st.lengths.copy_((st.row if self.packed is not None else st.slot).expand(self.batch) + 1)
+
+    def _attend_step(self, layer: int, st: StepIndex, q: torch.Tensor) -> torch.Tensor:
+        """One decode token q (B, H, 1, Dh), rotated at `st.pos`, over the first `st.lengths` keys of the
+        packed buffer (when active) or the full cache (its K/V were stored by `rope_write`)."""
         if q.shape[2] != 1:
-            raise RuntimeError("a packed decode buffer takes one token per step; unpack() before a prefill")
-        row = start - p.dropped
-        p.k[layer][:, :, row] = k[:, :, 0]
-        p.v[layer][:, :, row] = v[:, :, 0]
-        if layer == 0:
-            p.lengths.fill_(row + 1)
-        return ops.decode_attention(q[:, :, 0], p.k[layer], p.v[layer], p.lengths)[:, :, None]  # (B, H, 1, Dh)
+            raise RuntimeError(f"a decode step takes one token, got {q.shape[2]}")
+        src = self.packed if self.packed is not None else self
+        return ops.decode_attention(q[:, :, 0], src.k[layer], src.v[layer], st.lengths)[:, :, None]  # (B, H, 1, Dh)
 
 
 def turn_spans(ids: list[int], start: int, per_image: int, doc: tuple[int, int] | None = None,

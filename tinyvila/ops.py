@@ -23,6 +23,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def _fused_kernels(x: torch.Tensor) -> bool:
+    """The fused decoder kernels (add_rms_norm, rope_qkv, silu_mul) run on CUDA in fp16/bf16."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add fused with the next RMSNorm: x, residual (..., D) -> (rms_norm(residual + x),
+    residual + x); residual None -> (rms_norm(x), x). The sum is PyTorch's add bit for bit. One Triton
+    launch on CUDA fp16/bf16 (weight in x's dtype); elsewhere exactly `residual + x`, then `rms_norm`."""
+    if _fused_kernels(x) and weight.dtype == x.dtype:
+        from csrc_triton.add_rms_norm import add_rms_norm as kernel
+
+        return kernel(x, residual, weight, eps)
+    from csrc_triton.add_rms_norm import add_rms_norm_ref
+
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """LayerNorm over the last dim, (..., D) -> (..., D)."""
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
@@ -40,9 +59,15 @@ def gelu(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on the fused gate/up projection: (..., 2F) -> (..., F) = silu(gate) * up."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """SwiGLU on the fused gate/up projection: (..., 2F) -> (..., F) = silu(gate) * up, PyTorch's
+    rounding (silu, then the product, each rounded to the dtype). Kernel on CUDA fp16/bf16."""
+    if _fused_kernels(gate_up):
+        from csrc_triton.silu_mul import silu_mul as kernel
+
+        return kernel(gate_up)
+    from csrc_triton.silu_mul import silu_mul_ref
+
+    return silu_mul_ref(gate_up)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -54,6 +79,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor, n_heads: int, n_kv_heads: int,
+             second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The fused q/k/v projection's output qkv (B, T, (H + 2 Hkv) D) -> rotated q (B, H, T, D); rotated k
+    and raw v are written into k_cache, v_cache (B, Hkv, S, D) at sequence slots `slots` (T,) (a device
+    tensor: graph-capturable; the caller checks the bounds), and into `second` = (k2, v2, slots2), e.g.
+    the packed decode buffer, when given. cos, sin: (T, D) in qkv's dtype; `rope`'s rounding. One
+    Triton launch on CUDA fp16/bf16 (q contiguous); elsewhere the unfused reference, whose q is the
+    transposed-layout result of `rope` (the same values)."""
+    if _fused_kernels(qkv):
+        from csrc_triton.rope_qkv import rope_qkv as kernel
+
+        return kernel(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads, second=second)
+    from csrc_triton.rope_qkv import rope_qkv_ref
+
+    return rope_qkv_ref(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads, second=second)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
               q_start: int = 0) -> torch.Tensor:
     """Softmax attention with GQA, (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, D).
@@ -62,10 +105,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (S = q_start + T when prefilling against a cache). Non-causal (vision) sees all S keys.
     """
     n_rep = q.shape[1] // k.shape[1]
+    T, S = q.shape[2], k.shape[2]
+    if causal and q_start > 0 and _flash_ok(q):
+        # Rows appended to a cache (a question, a prefill chunk): the flash kernel twice, merged by
+        # LSE, without expanding the cached K/V per query head or materialising a (T, S) mask.
+        return _attention_lse_flash(q, k, v, q_start)[0]
     if n_rep > 1:  # GQA: each KV head serves n_rep consecutive query heads
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
-    T, S = q.shape[2], k.shape[2]
     if not causal:
         return F.scaled_dot_product_attention(q, k, v)
     if q_start == 0 and T == S:
@@ -111,7 +158,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """Linear with packed W4 weights (tinyvila/quant.py layout): (..., K) -> (..., N) in x's dtype.
 
-    On CUDA: the Triton GEMV for at most GEMV_MAX_M rows (decode), the GEMM otherwise (prefill).
+    On CUDA: the Triton GEMV for at most GEMV_MAX_M rows (decode), the GEMM otherwise (prefill), which
+    itself dispatches: the fused dequantizing kernel (fixed tiles per M bucket, no autotuning) below
+    w4a16_gemm.DEQUANT_MIN_M rows, dequantize into a reused workspace + cuBLAS from there on.
     Elsewhere: the reference, w = q * s + b in fp32 rounded to x's dtype, then an fp32 matmul.
     """
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
@@ -136,9 +185,14 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: in
     also returning each row's natural-log log-sum-exp of its scaled logits: -> o (B, H, T, D),
     lse (B, H, T) fp32. On CUDA (fp16/bf16) PyTorch's flash kernel, which returns the LSE; else a
     reference in fp32 (or wider)."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+    if _flash_ok(q):
         return _attention_lse_flash(q, k, v, q_start)
     return _attention_lse_ref(q, k, v, q_start)
+
+
+def _flash_ok(q: torch.Tensor) -> bool:
+    """PyTorch's flash attention kernel takes these queries (CUDA, fp16/bf16, head dim % 8, <= 256)."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
 def _attention_lse_ref(q, k, v, q_start):
@@ -189,9 +243,10 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse:
     return retrieval_salience_ref(q, k, idx, lse, out=out)
 
 
-def kv_pack(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """dst[:, :, :L] = src gathered at slots idx (B, Hkv, L) along the sequence dim; returns dst."""
-    if src.is_cuda:
+def kv_pack(src, idx: torch.Tensor, dst):
+    """dst[..., :L, :] = src gathered at slots idx (..., Hkv, L) along the sequence dim; src, dst are
+    (..., Hkv, S, D) tensors (e.g. every layer stacked) or (K, V) pairs packed together. Returns dst."""
+    if (src[0] if isinstance(src, (tuple, list)) else src).is_cuda:
         from csrc_triton.kv_pack import kv_pack as kernel
 
         return kernel(src, idx, dst)

@@ -128,16 +128,17 @@ def prune(vision, projector, pixels: torch.Tensor, sparsity: SparsityConfig) -> 
 
 # ----------------------------------------------------------------------------------------------
 # Decode side (issue 6): query-aware selection over the KV cache. KVCache.pack calls
-# `decode_select` per layer (top decode_keep per KV head, re-chosen every question); the peer that
-# prunes permanently at prefill (FastV) is selectable by name. docs/sparsity.md has the measurements.
+# `decode_select` once over every layer's stacked scores (top decode_keep per layer and KV head,
+# re-chosen every question); the peer that prunes permanently at prefill (FastV) is selectable by
+# name. docs/sparsity.md has the measurements.
 DECODE_METHODS = ("sparsevila", "fastv")
 FASTV_LAYER = 2  # FastV's K: layers >= K lose the pruned tokens, chosen by layer K-1's attention
 
 
 def decode_select(scores: torch.Tensor, n_keep: int, slots: torch.Tensor, window: int = 0,
                   windowed: torch.Tensor | None = None) -> torch.Tensor:
-    """Top n_keep retrievable tokens per KV head: scores (B, Hkv, N) over cache slots `slots` (N,)
-    -> (B, Hkv, n_keep) indices into `slots`.
+    """Top n_keep retrievable tokens per KV head: scores (..., N), e.g. (n_layers, B, Hkv, N), over
+    cache slots `slots` (N,) -> (..., n_keep) indices into `slots`.
 
     A token of a `windowed` span (N,) bool also takes the best score of the `window` tokens right
     before it in the same span (adjacent slots), so a selected token brings the ones after it: on

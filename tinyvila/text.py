@@ -44,20 +44,24 @@ def rope_inv_freq(cfg: TextConfig, device: torch.device | str | None = None) -> 
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def rope_cos_sin(cfg: TextConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(cfg: TextConfig, positions: torch.Tensor, dtype: torch.dtype,
+                 inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables for `positions` (T,) long -> two (T, Dh) tensors in `dtype`.
 
     The angles are formed in fp32 and only the results cast, as HF does, so fp16 runs see the same
     tables as the HF fp16 model (angles of large positions would be wrong if formed in fp16).
+    `inv_freq`: `rope_inv_freq(cfg)` on the positions' device, when the caller keeps it.
     """
-    freqs = positions.float()[:, None] * rope_inv_freq(cfg, positions.device)  # (T, Dh/2)
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(cfg, positions.device)
+    freqs = positions.float()[:, None] * inv_freq  # (T, Dh/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, Dh): rotate-half pairs d with d + Dh/2
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 # -- KV cache ------------------------------------------------------------------------------------
 # The cache (spans, retrieval scoring, packed decode) lives in kv_cache.py; re-exported here.
-from tinyvila.kv_cache import KVCache  # noqa: E402
+from tinyvila.kv_cache import KVCache, StepIndex  # noqa: E402
 
 
 # -- modules -------------------------------------------------------------------------------------
@@ -69,6 +73,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream's add and this norm in one pass: -> (norm(residual + x), residual + x);
+        residual None -> (norm(x), x)."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -82,19 +91,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                start: int) -> torch.Tensor:
-        """x: (B, T, d) at cache slots start..start+T-1; cos, sin: (T, Dh) -> (B, T, d)."""
+                start: int | StepIndex) -> torch.Tensor:
+        """x: (B, T, d) at cache slots start..start+T-1 (or a decode step's StepIndex); cos, sin:
+        (T, Dh) -> (B, T, d)."""
         B, T, _ = x.shape
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
-        # Keys are rotated before they are cached, so later packing never has to re-rotate.
-        q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
-        # Writes k, v at their slots; dense, scored (SparseVILA question) or packed-decode attention.
-        o = cache.attend(self.layer, start, q, k, v)  # (B, H, T, D)
-        return self.wo(o.transpose(1, 2).reshape(B, T, H * D))
+        # RoPE on q and k, k and v stored at their slots: one fused kernel on CUDA.
+        q = cache.rope_write(self.layer, start, self.wqkv(x), cos, sin, self.n_heads)  # (B, H, T, D)
+        # Dense, scored (SparseVILA question) or packed-decode attention.
+        o = cache.attend(self.layer, start, q)  # (B, H, T, D)
+        return self.wo(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -119,8 +124,18 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 start: int) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), cos, sin, cache, start)
-        return h + self.mlp(self.mlp_norm(h))
+        """h (B, T, d) -> the block's output (B, T, d); the standalone form (AWQ calibration runs it)."""
+        x, residual = self.forward_residual(h, None, cos, sin, cache, start)
+        return residual + x
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                         sin: torch.Tensor, cache: KVCache, start) -> tuple[torch.Tensor, torch.Tensor]:
+        """The form TextModel runs: the block's input is the stream residual + x (x when residual is
+        None) -> (MLP output, stream before it), left unadded so that the add is fused into the next
+        norm (the next layer's attn_norm, or the final norm). Same bits as `forward`."""
+        h, residual = self.attn_norm.add_norm(x, residual)
+        h, residual = self.mlp_norm.add_norm(self.attn(h, cos, sin, cache, start), residual)
+        return self.mlp(h), residual
 
 
 class TextModel(nn.Module):
@@ -139,26 +154,40 @@ class TextModel(nn.Module):
         # Tied models store no lm_head at all; the embedding matrix doubles as the output layer.
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, h: torch.Tensor, cache: KVCache, start: int, *, last_only: bool = False,
+    def forward(self, h: torch.Tensor, cache: KVCache, start: int | StepIndex, *, last_only: bool = False,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run hidden states h (B, T, d) at cache slots start..start+T-1 -> logits (B, T or 1, V) fp32.
 
         K/V are written into `cache` and each row attends causally over slots 0..its own.
         `positions` (T,) long overrides the RoPE positions (default: the slots), e.g. after pruning.
         `last_only` returns only the last row's logits (prefill).
+        A `StepIndex` as `start` runs one decode token (T = 1) at the slot, position and packed row
+        held in its device tensors: no host values, so the step can be captured in a CUDA graph.
         """
-        self._check_inputs(h, cache, start, positions)
-        if positions is None:
-            positions = torch.arange(start, start + h.shape[1], device=h.device)
-        cos, sin = rope_cos_sin(self.cfg, positions, h.dtype)  # (T, Dh) each
+        if isinstance(start, StepIndex):
+            positions = start.pos
+            cache.begin_step(start)
+        else:
+            self._check_inputs(h, cache, start, positions)
+            if positions is None:
+                positions = torch.arange(start, start + h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(self.cfg, positions, h.dtype, self.inv_freq(h.device))  # (T, Dh) each
+        x, residual = h, None  # the residual stream is residual + x; each add fuses into the next norm
         for block in self.layers:
-            h = block(h, cos, sin, cache, start)
+            x, residual = block.forward_residual(x, residual, cos, sin, cache, start)
         if last_only:
-            h = h[:, -1:]
-        h = self.norm(h)
+            x, residual = x[:, -1:], None if residual is None else residual[:, -1:]
+        h, _ = self.norm.add_norm(x, residual)
         # Logits in the activation dtype like HF, then fp32 for sampling.
         logits = F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
         return logits.float()
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """RoPE inverse frequencies on `device`, computed once (not a buffer: see rope_inv_freq)."""
+        cached = getattr(self, "_inv_freq", None)
+        if cached is None or cached.device != device:
+            cached = self._inv_freq = rope_inv_freq(self.cfg, device)
+        return cached
 
     def _check_inputs(self, h: torch.Tensor, cache: KVCache, start: int, positions: torch.Tensor | None) -> None:
         """Validate everything before the first layer writes to the cache."""

@@ -21,6 +21,8 @@ from .text import TextModel
 from .tokenizer import IMAGE_TOKEN  # VILA's IMAGE_TOKEN_INDEX (-200): one sentinel per image
 from .vision import VisionEncoder
 
+ENCODE_BATCH = 32  # images (video frames) per vision-encoder pass
+
 
 class VLM(nn.Module):
     def __init__(self, cfg: VLMConfig):
@@ -48,11 +50,18 @@ class VLM(nn.Module):
         if self.vision is None:
             raise ValueError(f"this checkpoint ({self.cfg.text.arch}, text only) has no vision encoder")
         pixels = pixels.to(self.device, self.dtype)
-        if sparsity is not None and sparsity.prefill_keep < 1.0:
-            out, idx = sparse.prune(self.vision, self.projector, pixels, sparsity)
-        else:
-            out = self.projector(self.vision(pixels))  # (N, image_tokens, d)
-            idx = torch.arange(out.shape[1], device=out.device).expand(out.shape[0], -1)
+        # Long videos go through the encoder ENCODE_BATCH frames at a time: activation memory (and a
+        # CUDA graph's pool) stays that of one batch, and one captured batch shape serves them all.
+        outs, idxs = [], []
+        for chunk in pixels.split(ENCODE_BATCH):
+            if sparsity is not None and sparsity.prefill_keep < 1.0:
+                out, idx = sparse.prune(self.vision, self.projector, chunk, sparsity)
+            else:
+                out = self.projector(self.vision(chunk))  # (n, image_tokens, d)
+                idx = torch.arange(out.shape[1], device=out.device).expand(out.shape[0], -1)
+            outs.append(out)
+            idxs.append(idx)
+        out, idx = (outs[0], idxs[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(idxs))
         return (out, idx) if with_index else out
 
     def embed(self, ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,12 +1,16 @@
 """SparseVILA decode kernels at Llama-3-8B attention shapes (32 query heads, 8 KV heads, D=128, fp16).
 
     PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention [--quick]
+    DECODE_SWEEP=1|decode,retrieval,pack PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention
 
-Rows: decoding attention over a packed buffer of L rows (GB/s against the measured copy bandwidth);
-keep 0.25 / 0.1 of a 32K and 128K cache against SDPA (enable_gqa) over the full cache, next to the
-ideal bytes ratio 1/keep; the retrieval-salience kernel (64-token question, 32K cache) against naive
-recomputation of the attention matrix, flash-colreduce (causal, GQA keys expanded) if installed, and
-the question's prefill attention; retrieval + packing of 32 layers against a 50-token turn's decode.
+Rows: decoding attention over a packed buffer of L rows (graph-replayed, GB/s against the measured
+copy bandwidth; the fused split merge and the older two-kernel merge side by side); keep 0.25 / 0.1
+of a 32K and 128K cache against SDPA (enable_gqa) over the full cache, next to the ideal bytes ratio
+1/keep; the retrieval-salience kernel (64-token question, 32K cache) against naive recomputation of
+the attention matrix, flash-colreduce (causal, GQA keys expanded) if installed, and the question's
+prefill attention (share, eager and graph); per question over 32 layers at 8K, keep 0.1: retrieval
+(per layer, as the prefill launches it) + the layer-batched selection and pack of KVCache.pack,
+against a 50-token turn's decode. DECODE_SWEEP runs the named tile sweeps instead (1: all three).
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ import torch.nn.functional as F
 
 from benches import common
 from tinyvila import ops
+from tinyvila.config import TextConfig
+from tinyvila.kv_cache import KVCache
 
 H, HKV, D, LAYERS = 32, 8, 128, 32
 DT = torch.float16
 # W4A16 Llama-3-8B decode step at 8K context at 4.3 TB/s (reference/perf.md sec. 2.1): what a
-# 50-token turn costs at best; retrieval + packing are compared against 50 of these.
+# 50-token turn costs at best; retrieval + packing are compared against 50 of these, and against
+# 50 steps of graph decode at ~400 tok/s (the brief's estimate of the real turn).
 STEP_MS_8K_FLOOR = 1.356
+STEP_MS_400TPS = 2.5
 
 
 def _kv(S, n):
@@ -55,6 +63,8 @@ def graph_ms(fn, inputs: list, calls: int = 16) -> float | None:
 
 
 def decode_rows(lengths) -> list[dict]:
+    from csrc_triton.decode_attention import decode_attention
+
     rows, bw = [], common.copy_bandwidth_gbs()
     q = torch.randn(1, H, D, device="cuda", dtype=DT)
     for L in lengths:
@@ -63,9 +73,11 @@ def decode_rows(lengths) -> list[dict]:
         fn = lambda k, v, lens=lens: ops.decode_attention(q, k, v, lens)  # noqa: E731
         eager = common.bench(fn, kv)
         graph = graph_ms(fn, kv) or eager
+        two = graph_ms(lambda k, v, lens=lens: decode_attention(q, k, v, lens, fused=False), kv)
         gbs = 4 * HKV * L * D / graph / 1e6  # K and V, 2 bytes each
         rows.append({"case": "decode packed (graph)", "L": L, "keep": 1.0, "us": 1000 * graph,
-                     "eager_us": 1000 * eager, "GB/s": gbs, "of_copy_bw": gbs / bw, "target": ">=0.75 for L>=8K"})
+                     "eager_us": 1000 * eager, "two_kernel_us": 1000 * two if two else None,
+                     "GB/s": gbs, "of_copy_bw": gbs / bw, "target": ">=0.75 for L>=8K"})
         del kv
     return rows
 
@@ -94,14 +106,15 @@ def sparse_vs_sdpa(caches, keeps) -> list[dict]:
     return rows
 
 
-SWEEP = [  # (block_n, num_warps, num_stages, ctas_per_sm)
-    (64, 4, 3, 4), (64, 4, 2, 4), (64, 4, 4, 4), (32, 4, 4, 4), (128, 4, 2, 4), (128, 8, 3, 2),
-    (64, 4, 3, 2), (64, 4, 3, 8), (32, 2, 4, 8), (64, 8, 3, 4),
+SWEEP = [  # (block_n, num_warps, num_stages, ctas_per_sm, fused merge)
+    (64, 4, 2, 4, False), (64, 4, 2, 4, True), (64, 4, 3, 2, True), (64, 4, 4, 2, True),
+    (64, 4, 3, 1, True), (64, 4, 4, 1, True), (128, 4, 3, 1, True), (128, 8, 3, 1, True),
+    (128, 4, 2, 2, True), (32, 4, 4, 2, True), (64, 8, 4, 1, True), (64, 4, 2, 8, True),
 ]
 
 
-def sweep_rows(lengths=(8192, 32768, 131072)) -> list[dict]:
-    """Tile configurations of the decode kernel, graph-timed (set DECODE_SWEEP=1 to run)."""
+def sweep_rows(lengths=(1024, 8192, 32768, 131072)) -> list[dict]:
+    """Tile configurations and split counts of the decode kernel, graph-timed."""
     from csrc_triton.decode_attention import decode_attention, default_splits
 
     rows, bw = [], common.copy_bandwidth_gbs()
@@ -109,54 +122,63 @@ def sweep_rows(lengths=(8192, 32768, 131072)) -> list[dict]:
     for L in lengths:
         kv = _kv(L, common.n_copies(4 * HKV * L * D))
         lens = torch.tensor([L], dtype=torch.int32, device="cuda")
-        for bn, warps, stages, per_sm in SWEEP:
+        for bn, warps, stages, per_sm, fused in SWEEP:
             splits = default_splits(L, HKV, q.device, per_sm)
             fn = functools.partial(decode_attention, q, lengths=lens, n_splits=splits, block_n=bn,
-                                   num_warps=warps, num_stages=stages)
+                                   num_warps=warps, num_stages=stages, fused=fused)
+            name = f"n{bn}w{warps}s{stages}c{per_sm}{'f' if fused else ''}"
             try:
                 ms = graph_ms(fn, kv)
             except Exception as e:  # a config that does not compile (shared memory) is a row, not a crash
-                print(f"config {bn, warps, stages, per_sm} failed: {type(e).__name__}: {e}")
+                print(f"config {name} failed: {type(e).__name__}: {e}")
                 ms = None
             gbs = 4 * HKV * L * D / ms / 1e6 if ms else None
-            rows.append({"case": "sweep (graph)", "L": L, "config": f"n{bn}w{warps}s{stages}c{per_sm}",
-                         "splits": splits, "us": 1000 * ms if ms else None, "GB/s": gbs,
-                         "of_copy_bw": gbs / bw if gbs else None})
+            rows.append({"case": "sweep (graph)", "L": L, "config": name, "splits": splits,
+                         "us": 1000 * ms if ms else None, "GB/s": gbs, "of_copy_bw": gbs / bw if gbs else None})
             print(rows[-1], flush=True)  # a sweep cut short by a time limit still reports
         del kv
     return rows
 
 
-RETRIEVAL_SWEEP = [  # (block_m, block_n, num_warps, num_stages)
-    (64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2),
-    (32, 256, 8, 2), (64, 256, 8, 2), (128, 128, 8, 3), (32, 128, 4, 3), (256, 64, 8, 2),
+RETRIEVAL_SWEEP = [  # (block_m (None: all rows), block_n, tiles (None: from the SM count), num_warps, num_stages)
+    (None, 32, None, 8, 1), (None, 32, 4, 8, 1), (None, 32, 8, 8, 1), (None, 32, 16, 8, 1),
+    (None, 32, 32, 8, 1), (None, 64, None, 8, 1), (None, 64, 8, 8, 1), (None, 32, 8, 8, 2),
+    (None, 128, 2, 8, 1), (None, 32, None, 4, 1), (128, 64, 4, 8, 1), (64, 128, 1, 8, 1),
 ]
+
+
+def _question(S, T, n):
+    """n (q, k, v) sets of a T-row question at the end of an S+T cache, and each row's LSE."""
+    sets = []
+    for _ in range(n):
+        k = torch.randn(1, HKV, S + T, D, device="cuda", dtype=DT)
+        q = torch.randn(1, H, T, D, device="cuda", dtype=DT)
+        v = torch.randn_like(k)
+        sets.append((q, k, v, ops.attention_lse(q, k, v, S)[1]))
+    return sets
 
 
 def retrieval_sweep_rows(S=32768, T=64) -> list[dict]:
     """Tile configurations of the retrieval-salience kernel (64-token question, 32K cache)."""
     from csrc_triton.retrieval_salience import retrieval_salience
 
-    sets = []
-    for _ in range(common.n_copies(2 * HKV * (S + T) * D)):
-        k = torch.randn(1, HKV, S + T, D, device="cuda", dtype=DT)
-        q = torch.randn(1, H, T, D, device="cuda", dtype=DT)
-        sets.append((q, k, ops.attention_lse(q, k, torch.randn_like(k), S)[1]))
+    sets = _question(S, T, common.n_copies(2 * HKV * (S + T) * D))
     idx = torch.arange(S, device="cuda", dtype=torch.int32)
-    prefill = common.bench(lambda q, k, lse: ops.attention_lse(q, k, k, S), sets)
+    prefill = graph_ms(lambda q, k, v, lse: ops.attention_lse(q, k, v, S), sets)
     rows = []
-    for bm, bn, warps, stages in RETRIEVAL_SWEEP:
-        fn = functools.partial(retrieval_salience, idx=idx, block_m=bm, block_n=bn, num_warps=warps,
-                               num_stages=stages)
+    for bm, bn, tiles, warps, stages in RETRIEVAL_SWEEP:
+        fn = functools.partial(retrieval_salience, idx=idx, block_m=bm, block_n=bn, tiles=tiles,
+                               num_warps=warps, num_stages=stages)
+        call = lambda q, k, v, lse, fn=fn: fn(q, k, lse=lse)  # noqa: E731
         try:
-            eager = common.bench(lambda q, k, lse, fn=fn: fn(q, k, lse=lse), sets)
-            graph = graph_ms(lambda q, k, lse, fn=fn: fn(q, k, lse=lse), sets)
+            eager, graph = common.bench(call, sets), graph_ms(call, sets)
         except Exception as e:  # a config that does not compile is a row, not a crash
-            print(f"config {bm, bn, warps, stages} failed: {type(e).__name__}: {e}")
+            print(f"config {bm, bn, tiles, warps, stages} failed: {type(e).__name__}: {e}")
             eager = graph = None
-        rows.append({"case": "retrieval sweep", "L": S, "config": f"m{bm}n{bn}w{warps}s{stages}",
+        rows.append({"case": "retrieval sweep", "L": S, "config": f"m{bm or 'all'}n{bn}t{tiles or 'auto'}w{warps}s{stages}",
                      "us": 1000 * eager if eager else None, "graph_us": 1000 * graph if graph else None,
-                     "prefill_us": 1000 * prefill, "share": eager / prefill if eager else None})
+                     "prefill_graph_us": 1000 * prefill if prefill else None,
+                     "graph_share": graph / prefill if graph and prefill else None})
         print(rows[-1], flush=True)
     return rows
 
@@ -169,70 +191,135 @@ def _naive_salience(q, k, idx, scale):
 
 def retrieval_rows(S=32768, T=64) -> list[dict]:
     scale = 1 / math.sqrt(D)
-    n = common.n_copies(2 * HKV * (S + T) * D)
-    sets = []
-    for _ in range(n):
-        k = torch.randn(1, HKV, S + T, D, device="cuda", dtype=DT)
-        v = torch.randn_like(k)
-        q = torch.randn(1, H, T, D, device="cuda", dtype=DT)
-        sets.append((q, k, v))
+    sets = _question(S, T, common.n_copies(2 * HKV * (S + T) * D))
     idx = torch.arange(S, device="cuda", dtype=torch.int32)
-    lses = [ops.attention_lse(q, k, v, S)[1] for q, k, v in sets]
-    inputs = [(q, k, lse) for (q, k, _), lse in zip(sets, lses)]
-    kern = common.bench(lambda q, k, lse: ops.retrieval_salience(q, k, idx, lse), inputs)
-    naive = common.bench(lambda q, k, lse: _naive_salience(q, k[:, :, :S], idx, scale), inputs, iters=20)
-    prefill = common.bench(lambda q, k, v: ops.attention_lse(q, k, v, S), sets)
-    rows = [{"case": "retrieval kernel", "L": S, "T": T, "us": 1000 * kern},
+    kern_fn = lambda q, k, v, lse: ops.retrieval_salience(q, k, idx, lse)  # noqa: E731
+    prefill_fn = lambda q, k, v, lse: ops.attention_lse(q, k, v, S)  # noqa: E731
+    kern, kern_g = common.bench(kern_fn, sets), graph_ms(kern_fn, sets)
+    prefill, prefill_g = common.bench(prefill_fn, sets), graph_ms(prefill_fn, sets)
+    naive = common.bench(lambda q, k, v, lse: _naive_salience(q, k[:, :, :S], idx, scale), sets, iters=20)
+    rows = [{"case": "retrieval kernel", "L": S, "T": T, "us": 1000 * kern,
+             "graph_us": 1000 * kern_g if kern_g else None},
             {"case": "retrieval naive", "L": S, "T": T, "us": 1000 * naive, "kernel_speedup": naive / kern,
              "target": ">=5x"},
             {"case": "question prefill attn (flash+LSE)", "L": S, "T": T, "us": 1000 * prefill,
-             "retrieval_share": kern / prefill, "target": "retrieval <=0.25"}]
+             "graph_us": 1000 * prefill_g if prefill_g else None, "retrieval_share": kern / prefill,
+             "graph_share": kern_g / prefill_g if kern_g and prefill_g else None, "target": "retrieval <=0.25"}]
     try:
         from flash_colreduce import flash_colreduce
     except ImportError:
         rows.append({"case": "flash-colreduce", "note": "not installed (pip install .whl/flash_colreduce-*.whl)"})
         return rows
-    ex = [(q, k.repeat_interleave(H // HKV, dim=1)) for q, k, _ in sets[:2]]  # GQA keys expanded
+    ex = [(q, k.repeat_interleave(H // HKV, dim=1)) for q, k, _, _ in sets[:2]]  # GQA keys expanded
     fc = common.bench(lambda q, kx: flash_colreduce(q, kx, reduction="sum", is_causal=True), ex)
     rows.append({"case": "flash-colreduce causal", "L": S, "T": T, "us": 1000 * fc, "kernel_speedup": fc / kern})
     return rows
 
 
-def overhead_rows(S=8192, T=64, keep=0.1) -> list[dict]:
-    """Per turn: retrieval salience + top-k + packing of K and V, for all 32 layers."""
-    k = [torch.randn(1, HKV, S + T + 64, D, device="cuda", dtype=DT) for _ in range(LAYERS)]
-    v = [torch.randn_like(x) for x in k]
+def _timed(setup, fn, iters: int = 20) -> float:
+    """Median ms of fn() (device events, host gaps included: eager) after an untimed setup()."""
+    times = []
+    for _ in range(iters + 3):
+        setup()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times[3:])[iters // 2]
+
+
+def overhead_rows(S=8192, T=64, keep=0.1, turn=50) -> list[dict]:
+    """Per question, 32 layers: retrieval (per layer, as the prefill launches it beside attention)
+    + KVCache.pack (one selection over the stacked scores, one pack launch for all K and V)."""
+    cfg = TextConfig(dim=H * D, n_layers=LAYERS, n_heads=H, n_kv_heads=HKV, max_seq_len=S + T + turn)
+    cache = KVCache(cfg, dtype=DT, device="cuda")
+    cache.k_stack.normal_()
+    cache.v_stack.normal_()
+    cache.add_span("system", 0, 32)
+    cache.add_span("visual", 32, S)  # N = S - 32 retrievable slots
+    cache.add_span("question", S, S + T)
     q = torch.randn(1, H, T, D, device="cuda", dtype=DT)
-    lse = ops.attention_lse(q, k[0][:, :, :S + T], v[0][:, :, :S + T], S)[1]
-    idx = torch.arange(S, device="cuda", dtype=torch.int32)
-    n_keep = round(keep * S)
-    dst = [torch.empty(1, HKV, n_keep + T + 64, D, device="cuda", dtype=DT) for _ in range(2)]
-    tail = torch.arange(S, S + T, device="cuda", dtype=torch.int32).expand(1, HKV, -1)
+    lse = ops.attention_lse(q, cache.k[0][:, :, :S + T], cache.v[0][:, :, :S + T], S)[1]
 
-    def turn():
+    def score():
+        cache.begin_scoring(S)
         for layer in range(LAYERS):
-            s = ops.retrieval_salience(q, k[layer], idx, lse)
-            sel = s.topk(n_keep, dim=-1).indices.to(torch.int32)
-            rows_idx = torch.cat([sel, tail], dim=-1).sort(dim=-1).values
-            ops.kv_pack(k[layer], rows_idx, dst[0])
-            ops.kv_pack(v[layer], rows_idx, dst[1])
+            cache._score(layer, S, q, cache.k[layer][:, :, :S + T], lse)
 
-    ms = common.bench(turn, [()], warmup=3, iters=20)
-    turn_ms = 50 * STEP_MS_8K_FLOOR
-    return [{"case": "retrieval+pack 32 layers", "L": S, "keep": keep, "us": 1000 * ms,
-             "of_50tok_turn_floor": ms / turn_ms, "target": "<=0.05"}]
+    def pack():
+        cache.pack(keep, S + T)
+        cache.unpack()
+
+    score_ms = _timed(lambda: None, score)
+    pack_ms = _timed(score, pack)
+    score()
+    rows_n = cache.pack(keep, S + T)  # one checked pack: every layer's K and V rows are the gathered slots
+    idx = cache.packed.idx.long()[..., None].expand(-1, -1, -1, -1, D)
+    exact = all(torch.equal(p[..., :rows_n, :], torch.gather(f, 3, idx))
+                for p, f in ((cache.packed.k_stack, cache.k_stack), (cache.packed.v_stack, cache.v_stack)))
+    cache.unpack()
+    score()
+    out = cache.scoring.scores
+    idx = cache.scoring.idx
+    retr_g = graph_ms(lambda: [ops.retrieval_salience(q, cache.k[i][:, :, :S + T], idx, lse, out=out[i])
+                               for i in range(LAYERS)], [()], calls=1)
+    rows, total = [], score_ms + pack_ms
+    for name, ms in (("retrieval 32 layers (eager)", score_ms), ("retrieval 32 layers (graph)", retr_g),
+                     ("select+pack 32 layers, batched (eager)", pack_ms), ("retrieval+pack (eager)", total)):
+        rows.append({"case": name, "L": S, "keep": keep, "rows": rows_n, "pack_exact": exact, "us": 1000 * ms if ms else None,
+                     "of_50tok_turn_floor": ms / (turn * STEP_MS_8K_FLOOR) if ms else None,
+                     "of_50tok_turn_400tps": ms / (turn * STEP_MS_400TPS) if ms else None, "target": "<=0.05"})
+    return rows
+
+
+def pack_sweep_rows(S=8192, T=64, keep=0.1) -> list[dict]:
+    """kv_pack's rows per program for all 32 layers' K and V in one launch (graph-timed)."""
+    from csrc_triton.kv_pack import kv_pack
+
+    src = [torch.randn(LAYERS, 1, HKV, S + T, D, device="cuda", dtype=DT) for _ in range(2)]
+    L = round(keep * S) + T
+    idx = torch.rand(LAYERS, 1, HKV, S + T, device="cuda").argsort(-1)[..., :L].sort(-1).values.to(torch.int32)
+    dst = [torch.empty(LAYERS, 1, HKV, L + 64, D, device="cuda", dtype=DT) for _ in range(2)]
+    rows, bw = [], common.copy_bandwidth_gbs()
+    for block_l in (16, 32, 64, 128):
+        ms = graph_ms(lambda b=block_l: kv_pack(tuple(src), idx, tuple(dst), block_l=b), [()])
+        gbs = 2 * 2 * LAYERS * HKV * L * D * 2 / ms / 1e6 if ms else None  # read + write, K and V
+        rows.append({"case": "pack sweep (graph)", "L": S, "keep": keep, "block_l": block_l,
+                     "us": 1000 * ms if ms else None, "GB/s": gbs, "of_copy_bw": gbs / bw if gbs else None})
+        print(rows[-1], flush=True)
+    return rows
 
 
 def run(args) -> list[dict]:
     quick = getattr(args, "quick", False)
-    if os.environ.get("DECODE_SWEEP") == "1":  # tile sweeps first, then the quick rows
-        return sweep_rows() + retrieval_sweep_rows() + run_rows(quick=True)
+    sweep = set(os.environ.get("DECODE_SWEEP", "").split(",")) - {""}
+    if sweep:  # the tile sweeps only (each row is printed as it is measured)
+        rows = []
+        if sweep & {"1", "decode"}:
+            rows += sweep_rows()
+        if sweep & {"1", "retrieval"}:
+            rows += retrieval_sweep_rows()
+        if sweep & {"1", "pack"}:
+            rows += pack_sweep_rows()
+        return rows
     return run_rows(quick)
 
 
+def _shown(rows: list[dict]) -> list[dict]:
+    """Print one group's table as soon as it is measured (the final table shows the first
+    group's columns only; the JSON line has every row)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # every column of the group
+    common.print_table([{k: r.get(k) for k in keys} for r in rows])
+    print(flush=True)
+    return rows
+
+
 def run_rows(quick: bool) -> list[dict]:
-    rows = decode_rows([1024, 8192, 32768] if quick else [1024, 8192, 32768, 131072])
-    rows += sparse_vs_sdpa([32768] if quick else [32768, 131072], [0.25, 0.1])
-    rows += retrieval_rows()
-    rows += overhead_rows()
+    rows = _shown(decode_rows([1024, 8192, 32768] if quick else [1024, 8192, 32768, 131072]))
+    rows += _shown(sparse_vs_sdpa([32768] if quick else [32768, 131072], [0.25, 0.1]))
+    rows += _shown(retrieval_rows())
+    rows += _shown(overhead_rows())
     return rows

@@ -6,20 +6,39 @@ Times are device times: a GPU spin is queued before each timed call so the CPU l
 checks, the autotuner's dispatch; hidden by CUDA graphs in decode) is not counted, for both sides alike.
 GEMV rows (M = 1, 4, 8): time, GB/s counting packed weights + scales + zeros + x + y, the fraction of the
 measured device-copy bandwidth, the speed-up over F.linear on the fp16 weight. GEMM rows: TFLOP/s and the
-ratio to cuBLAS, per path ("dequant": w4a16_dequant + cuBLAS, the default from DEQUANT_MIN_M rows;
-"fused": the dequantizing Triton GEMM). Issue 3 targets: GEMV at M=1 >= 3.0x cuBLAS and >= 70% of copy
-bandwidth; GEMM at M=2048 >= 0.8x cuBLAS.
+ratio to cuBLAS, per path ("auto": the default dispatch, i.e. the fused dequantizing Triton GEMM below
+DEQUANT_MIN_M rows; "dequant": w4a16_dequant + cuBLAS, the default from DEQUANT_MIN_M rows). Issue 3
+targets: GEMV at M=1 >= 3.0x cuBLAS and >= 70% of copy bandwidth; GEMM at M=2048 >= 0.8x cuBLAS.
+
+GEMM tile sweep (replaces the rows above; ~2 min on an H200, mostly Triton compiling ~32 tile variants):
+
+    TINYVILA_W4_GEMM_SWEEP=16,32,64,128,256,512 PYTHONPATH=. python scripts/bench_kernels.py --only w4a16
+
+prints each fused config's time per shape and M (checked against the dequant path first), then the
+CONFIG_TABLE to paste into csrc_triton/w4a16_gemm.py, the DEQUANT_MIN_M crossover, and summary rows.
+
+GEMV config sweep (replaces the rows above; ~1-2 min on an H200, mostly compiling ~20 variants):
+
+    TINYVILA_W4_SWEEP=1 PYTHONPATH=. python scripts/bench_kernels.py --only w4a16    # or =1,2,4,8 (rows M)
+
+prints, per layer shape and M, each config's device time, GB/s, share of the copy bandwidth and speed-up
+over cuBLAS next to the read floor (a plain kernel reading the same bytes), then the GEMV_TABLE to paste
+into csrc_triton/w4a16_gemv.py and summary rows (launcher default vs best, also replayed from a CUDA graph).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from benches import common
-from csrc_triton.w4a16_gemm import w4a16_gemm
+from csrc_triton.w4a16_gemm import Config, config_ok, m_bucket, rule_config, split_for, w4a16_gemm
 from tinyvila import ops
-from tinyvila.quant import quantize_w4
+from tinyvila.quant import dequantize_w4, quantize_w4
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]  # (K, N)
 GROUP = 128
@@ -58,7 +77,7 @@ def _row(name: str, M: int, N: int, K: int, sets: list[tuple], iters: int, path:
     gemv = M <= ops.GEMV_MAX_M
     w4_gbs = (_w4_bytes(N, K) + 2 * M * (K + N)) / t_w4 / 1e6
     # Every row has every key (None where it does not apply) so the table shows all columns.
-    return {"layer": name, "kernel": "gemv" if gemv else f"gemm:{path}", "M": M, "N": N, "K": K,
+    return {"layer": name, "kernel": "gemv" if gemv else f"gemm:{path or 'auto'}", "M": M, "N": N, "K": K,
             "w4_us": 1e3 * t_w4, "cublas_us": 1e3 * t_fp, "speedup": t_fp / t_w4,
             "w4_GBs": w4_gbs if gemv else None,
             "copy_frac": w4_gbs / common.copy_bandwidth_gbs() if gemv else None,
@@ -68,10 +87,15 @@ def _row(name: str, M: int, N: int, K: int, sets: list[tuple], iters: int, path:
 
 
 def run(args) -> list[dict]:
+    if os.environ.get(GEMV_SWEEP_ENV):
+        return gemv_sweep([int(m) for m in os.environ[GEMV_SWEEP_ENV].split(",")])
+    if os.environ.get(GEMM_SWEEP_ENV):
+        return gemm_sweep([int(m) for m in os.environ[GEMM_SWEEP_ENV].split(",")])
     quick = getattr(args, "quick", False)
     gemv_ms = [1] if quick else [1, 4, 8]
-    gemm_cases = [(2048, "dequant")] if quick else [(128, "fused"), (512, "fused"), (512, "dequant"),
-                                                    (2048, "dequant"), (2048, "fused")]
+    # GEMM rows: path None = the default dispatch (fused below DEQUANT_MIN_M rows, dequant + cuBLAS above).
+    gemm_cases = [(256, None), (2048, "dequant")] if quick else [(16, None), (64, None), (256, None), (256, "dequant"),
+                                                                 (512, None), (512, "dequant"), (2048, "dequant")]
     iters = 20 if quick else 100
     rows = []
     for name, K, N in SHAPES:
@@ -82,3 +106,331 @@ def run(args) -> list[dict]:
         del sets
         torch.cuda.empty_cache()
     return rows
+
+
+# -- GEMM tile sweep: TINYVILA_W4_GEMM_SWEEP=16,32,64,128,256,512 (prompt rows) ---------------------------
+GEMM_SWEEP_ENV = "TINYVILA_W4_GEMM_SWEEP"
+LAYERS_8B = 32  # Llama-3-8B: each SHAPES entry runs once per layer
+
+
+def gemm_sweep_configs(M: int, N: int, K: int, n_sm: int = 132) -> list[Config]:
+    """The fused-kernel tiles the sweep times at M rows: the rule's pick first, then BLOCK_M = the M bucket
+    (<= 256) and half of it (from 64 rows), 64 or 128 weight rows (4 / 8 warps), BLOCK_W 8 / 16, 3 / 4 stages
+    (those config_ok keeps), each with split-K by the rule and at half and double that (split-K is a
+    runtime argument: no extra compilation)."""
+    top = min(m_bucket(M), 256)
+    out = [rule_config(M, N, K, n_sm)]
+    for bm in [top] + ([top // 2] if top >= 64 else []):
+        for bn, warps in ((64, 4), (128, 8)):
+            for bw in (8, 16):
+                for stages in (3, 4):
+                    cfg = Config(bm, bn, bw, 1, warps, stages)
+                    if not config_ok(cfg):
+                        continue
+                    n_k = K // (8 * bw)
+                    tiles = -(-M // bm) * -(-N // bn)
+                    split = split_for(tiles, n_k, n_sm * (2 if bm <= 64 else 1))
+                    for s in sorted({max(1, split // 2), split, split * 2}):
+                        if n_k // s >= 2:
+                            out.append(cfg._replace(split_k=s))
+    return list(dict.fromkeys(out))
+
+
+def _time_configs(M: int, N: int, K: int, sets: list[tuple], n_sm: int, iters: int) -> tuple[list[dict], dict]:
+    """Times every sweep config (checked first against the dequant path's output), the dequant path and
+    fp16 cuBLAS at one (M, N, K); prints one line per config, returns them and the summary row."""
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _ in sets]
+    w4_in = [(x, q, s, z) for x, (_, q, s, z) in zip(xs, sets)]
+    ref = w4a16_gemm(*w4_in[0], path="dequant")
+    flop = 2 * M * N * K
+    t_deq = device_ms(lambda x, q, s, z: w4a16_gemm(x, q, s, z, path="dequant"), w4_in, iters=iters)
+    t_fp = device_ms(F.linear, [(x, w) for x, (w, _, _, _) in zip(xs, sets)], iters=iters)
+    rows = []
+    for cfg in gemm_sweep_configs(M, N, K, n_sm):
+        try:  # a config that fails to compile or launch is reported, not fatal to the sweep
+            y = w4a16_gemm(*w4_in[0], config=cfg)
+            err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            t = device_ms(lambda x, q, s, z, c=cfg: w4a16_gemm(x, q, s, z, config=c), w4_in, iters=iters)
+        except Exception as e:
+            print(f"  M={M:<5} N={N:<6} K={K:<6} {cfg.name:<22} FAILED: {str(e).splitlines()[0][:120]}", flush=True)
+            rows.append({"config": cfg, "us": float("inf"), "ok": False, "err": float("nan")})
+            continue
+        rows.append({"config": cfg, "us": 1e3 * t, "ok": err < 1e-2, "err": err})
+        print(f"  M={M:<5} N={N:<6} K={K:<6} {cfg.name:<22} {1e3 * t:9.1f} us {flop / t / 1e9:6.0f} TFLOP/s "
+              f"x{t_deq / t:5.2f} vs dequant x{t_fp / t:5.2f} vs fp16{'' if err < 1e-2 else f'  WRONG (rel err {err:.2g})'}",
+              flush=True)
+    good = [r for r in rows if r["ok"]]
+    best = min(good, key=lambda r: r["us"]) if good else None
+    summary = {"M": M, "N": N, "K": K, "best": best["config"].name if best else None,
+               "best_us": best["us"] if best else None, "rule_us": rows[0]["us"] if rows[0]["ok"] else None,
+               "dequant_us": 1e3 * t_deq, "fp16_us": 1e3 * t_fp,
+               "best_TFLOPs": flop / best["us"] / 1e6 if best else None,
+               "vs_dequant": 1e3 * t_deq / best["us"] if best else None,
+               "vs_fp16": 1e3 * t_fp / best["us"] if best else None, "wrong": sum(not r["ok"] for r in rows)}
+    return rows, {**summary, "_config": best["config"] if best else None}
+
+
+def gemm_sweep(ms: list[int], iters: int = 30) -> list[dict]:
+    """Per Llama-3-8B shape and M: every sweep config's time, TFLOP/s and ratios (printed as it goes), then
+    the CONFIG_TABLE literal to paste into csrc_triton/w4a16_gemm.py, the suggested DEQUANT_MIN_M, and one
+    summary row per (shape, M) plus a per-M total over the 4 shapes (and x32 layers: the 8B prefill's linears)."""
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    summaries = []
+    for name, K, N in SHAPES:
+        sets = _weights(N, K, common.n_copies(_w4_bytes(N, K)))
+        for M in ms:
+            _, summary = _time_configs(M, N, K, sets, n_sm, iters)
+            summaries.append({"layer": name, **summary})
+        del sets
+        torch.cuda.empty_cache()
+    table = {(m_bucket(r["M"]), r["N"], r["K"]): r["_config"] for r in summaries if r["_config"] is not None}
+    print("\nCONFIG_TABLE = {  # H200 sweep, fp16, group 128")
+    for key, cfg in sorted(table.items()):
+        print(f"    {key}: Config{tuple(cfg)},  # {cfg.name}")
+    print("}")
+    totals = []
+    for M in ms:
+        rs = [r for r in summaries if r["M"] == M]
+        fused = sum(r["best_us"] or float("inf") for r in rs)
+        deq, fp = sum(r["dequant_us"] for r in rs), sum(r["fp16_us"] for r in rs)
+        totals.append({"layer": "all x32 (ms)", "M": M, "best_us": LAYERS_8B * fused / 1e3,
+                       "rule_us": LAYERS_8B * sum(r["rule_us"] or float("inf") for r in rs) / 1e3,
+                       "dequant_us": LAYERS_8B * deq / 1e3, "fp16_us": LAYERS_8B * fp / 1e3,
+                       "vs_dequant": deq / fused, "vs_fp16": fp / fused})
+    worse = [t["M"] for t in totals if t["vs_dequant"] < 1]
+    print(f"DEQUANT_MIN_M: {min(worse) if worse else f'> {max(ms)} (fused wins at every swept M)'}  "
+          f"(smallest swept M where dequant + cuBLAS beats the best fused tiles, summed over the 4 shapes)")
+    return [{k: v for k, v in r.items() if k != "_config"} for r in summaries] + totals
+
+
+# -- GEMV config sweep: TINYVILA_W4_SWEEP=1 (or a list of M: 1,2,4,8) ------------------------------------------
+GEMV_SWEEP_ENV = "TINYVILA_W4_SWEEP"
+GEMV_TABLE_OUT_ENV = "TINYVILA_W4_TABLE_OUT"  # where the sweep also writes its GEMV_TABLE literal
+N_SM = 132
+# Tensor-core tiles the sweep times: (num_warps, BLOCK_N rows, GPS groups per K step, STAGES in flight). All
+# compile for sm_90 without spills (ptxas, Triton 3.6: 128-213 registers, 23-86 KB of shared memory).
+GEMV_SWEEP_TILES = [(1, 16, 8, 2), (1, 16, 8, 3), (1, 16, 8, 4), (1, 16, 4, 4), (2, 32, 8, 3), (2, 32, 4, 4),
+                    (2, 64, 4, 3), (4, 64, 8, 2), (4, 64, 8, 3), (4, 64, 4, 3), (4, 128, 4, 3)]
+GEMV_SWEEP_SPLITS = (1, 2, 4, 8)
+
+
+def gemv_sweep_configs(N: int, K: int, M: int = 1) -> list[dict]:
+    """The GEMV configs the sweep times at an (M, N, K) call (group 128): the launcher's pick first, then every
+    GEMV_SWEEP_TILES tile at each split-K (a runtime argument; split > 1 is one more compiled variant) that
+    leaves every split >= 2 K steps and the grid <= 8 programs per SM."""
+    from csrc_triton.w4a16_gemv import gemv_config
+
+    groups = K // GROUP
+    out = [gemv_config(M, N, K, GROUP)]
+    for warps, bn, gps, stages in GEMV_SWEEP_TILES:
+        for split in GEMV_SWEEP_SPLITS:
+            if groups // split >= 2 * gps and (split == 1 or -(-N // bn) * split <= 8 * N_SM):
+                out.append({"kernel": "mma", "BLOCK_N": bn, "num_warps": warps, "STAGES": stages, "SPLIT_K": split,
+                            "GPS": gps})
+    unique = {tuple(sorted(c.items())): c for c in out}
+    return list(unique.values())
+
+
+def gemv_config_name(cfg: dict) -> str:
+    if cfg["kernel"] == "mma":
+        return (f"mma w{cfg['num_warps']} n{cfg.get('BLOCK_N', 16 * cfg['num_warps'])} g{cfg.get('GPS', 1)} "
+                f"s{cfg['STAGES']} k{cfg['SPLIT_K']}")
+    return f"fma n{cfg['BLOCK_N']} b{cfg['BLOCK_W']} w{cfg['num_warps']} s{cfg['STAGES']} k{cfg['SPLIT_K']}"
+
+
+@triton.jit
+def _read_kernel(p, out, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + tl.program_id(0), tl.sum(tl.load(p + offs, mask=offs < n, other=0), axis=0))
+
+
+def _read_floor_us(nbytes: int) -> float:
+    """Per-call time of a plain Triton kernel that reads `nbytes` (rotated copies, like the weights) with
+    16-byte loads and writes one int per program, replayed from a CUDA graph like the GEMVs: what a pure
+    read of that size costs, launch included."""
+    n = nbytes // 4
+    bufs = [torch.randint(0, 100, (n,), dtype=torch.int32, device="cuda") for _ in range(common.n_copies(nbytes))]
+    block = 2048
+    out = torch.empty(triton.cdiv(n, block), dtype=torch.int32, device="cuda")
+    return _graph_us(lambda b: _read_kernel[(triton.cdiv(n, block),)](b, out, n, BLOCK=block), [(b,) for b in bufs])
+
+
+def _graph_us(fn, inputs: list, calls: int = 16) -> float:
+    """Per-call time of `calls` back-to-back calls (rotating inputs) replayed from one CUDA graph: decode's
+    situation, where a kernel's launch overlaps the previous one's tail. Median over 20 replays."""
+    fn(*inputs[0])  # compile and grow workspaces outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*inputs[i % len(inputs)])
+    return 1e3 * common.bench(lambda: graph.replay(), [()], warmup=3, iters=20) / calls
+
+
+def _gemv_check(job: tuple) -> dict:
+    """Worker: one (M, N, K, dtype name, config) call on fresh random data (compiling it on first use, into
+    Triton's on-disk cache that the parent then reads) against an fp32 reference; max error relative to
+    max |y| (fp16 outputs round at ~5e-4 of that, bf16 at ~4e-3)."""
+    from csrc_triton.w4a16_gemv import w4a16_gemv
+
+    M, N, K, dtype_name, cfg = job
+    dtype = getattr(torch, dtype_name)
+    try:
+        gen = torch.Generator("cuda").manual_seed(N + K + M)
+        w = torch.randn(N, K, generator=gen, device="cuda") * 0.02 + torch.rand(N, 1, generator=gen, device="cuda") * 0.01
+        p = quantize_w4(w, GROUP, dtype=dtype)
+        x = torch.randn(M, K, generator=gen, device="cuda").to(dtype)
+        y = w4a16_gemv(x, p["qweight"], p["scales"], p["zeros"], config=cfg).float()
+        ref = x.float() @ dequantize_w4(p["qweight"], p["scales"], p["zeros"], torch.float32).T
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        ok = err < (4e-3 if dtype == torch.float16 else 2e-2)
+        return {"ok": ok, "err": err, "error": ""}
+    except Exception as e:  # reported, not fatal to the sweep
+        return {"ok": False, "err": float("nan"), "error": str(e).strip().splitlines()[-1][:160]}
+    finally:
+        torch.cuda.empty_cache()  # idle workers keep only their CUDA context while the parent times
+
+
+def _pool(workers: int = 12):
+    """Worker processes for _gemv_check: Triton compiles each process's variants in parallel (16 CPU cores
+    on the H200 machine) instead of one at a time in this process."""
+    import concurrent.futures
+    import multiprocessing
+
+    return concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _run_checks(jobs: list[tuple], pool=None) -> list[dict]:
+    if pool is None:
+        with _pool() as own:
+            return list(own.map(_gemv_check, jobs))
+    return list(pool.map(_gemv_check, jobs))
+
+
+def _precompile(ms: list[int], pool) -> None:
+    """Every compiled variant the sweep will time (one call per tile, split = 1 and split > 1), compiled and
+    checked in parallel; failures are printed (the timing loop reports them again)."""
+    jobs, seen = [], set()
+    for _, K, N in SHAPES:
+        for M in ms:
+            for cfg in gemv_sweep_configs(N, K, M):
+                key = (M, tuple(sorted((k, v) for k, v in cfg.items() if k != "SPLIT_K")), cfg["SPLIT_K"] > 1)
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append((M, N, K, "float16", cfg))
+    for job, r in zip(jobs, _run_checks(jobs, pool)):
+        if not r["ok"]:
+            why = r["error"] or f"rel err {r['err']:.2g}"
+            print(f"  precompile {gemv_config_name(job[4])} M={job[0]} N={job[1]} K={job[2]}: {why}", flush=True)
+    print(f"precompiled {len(jobs)} variants", flush=True)
+
+
+def _gemv_shape_rows(name: str, M: int, N: int, K: int, sets: list[tuple], floor_us: float) -> list[dict]:
+    """Times every sweep config at one (shape, M), replayed from a CUDA graph, next to fp16 cuBLAS (also
+    replayed); checks each output first. Prints a line per config."""
+    from csrc_triton.w4a16_gemv import w4a16_gemv
+
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _ in sets]
+    w4_in = [(x, q, s, z) for x, (_, q, s, z) in zip(xs, sets)]
+    t_fp = _graph_us(F.linear, [(x, w) for x, (w, _, _, _) in zip(xs, sets)])
+    nbytes = _w4_bytes(N, K) + 2 * M * (K + N)
+    copy_gbs = common.copy_bandwidth_gbs()
+    x0, q0, s0, z0 = w4_in[0]
+    exact = x0.float() @ dequantize_w4(q0, s0, z0, torch.float32).T  # (M, N)
+    rows = []
+    for cfg in gemv_sweep_configs(N, K, M):
+        try:  # a config that fails to compile or launch is reported, not fatal to the sweep
+            y = w4a16_gemv(x0, q0, s0, z0, config=cfg)
+            err = ((y.float() - exact).abs().max() / exact.abs().max()).item()
+            t = _graph_us(lambda x, q, s, z, c=cfg: w4a16_gemv(x, q, s, z, config=c), w4_in)
+        except Exception as e:
+            print(f"  {name:<8} M={M} {gemv_config_name(cfg):<26} FAILED: {str(e).strip().splitlines()[-1][:120]}",
+                  flush=True)
+            continue
+        gbs = nbytes / t / 1e3
+        ok = err < 4e-3
+        rows.append({"layer": name, "M": M, "config": gemv_config_name(cfg), "us": t, "GBs": gbs,
+                     "copy_frac": gbs / copy_gbs, "vs_cublas": t_fp / t, "cublas_us": t_fp, "ok": ok, "_cfg": cfg})
+        print(f"  {name:<8} M={M} {gemv_config_name(cfg):<26} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / copy_gbs:5.1f}% "
+              f"of copy  x{t_fp / t:5.2f} cuBLAS ({t_fp:.1f} us)  floor {floor_us:.2f} us"
+              f"{'' if ok else f'  WRONG (rel err {err:.2g})'}", flush=True)
+    return rows
+
+
+def _verify_table(table: dict, pool=None) -> list[dict]:
+    """The launcher's configs with `table` in place, at every shape, fp16 and bf16, M = 1, 2, 4, 8 (checked in
+    worker processes: the bf16 and M > 1 variants compile there in parallel). Returns the failures."""
+    from csrc_triton import w4a16_gemv as gemv_mod
+
+    gemv_mod.GEMV_TABLE.update(table)
+    jobs = [(M, N, K, dt, gemv_mod.gemv_config(M, N, K, GROUP)) for _, K, N in SHAPES for M in (1, 2, 4, 8)
+            for dt in ("float16", "bfloat16")]
+    bad = []
+    for job, r in zip(jobs, _run_checks(jobs, pool)):
+        if not r["ok"]:
+            bad.append({"M": job[0], "N": job[1], "K": job[2], "dtype": job[3], "config": gemv_config_name(job[4]),
+                        "err": r["err"], "error": r["error"]})
+    print(f"verified the table's configs: {len(jobs) - len(bad)}/{len(jobs)} calls correct", flush=True)
+    for b in bad:
+        print(f"  WRONG {b}", flush=True)
+    return bad
+
+
+def _write_table(table: dict) -> str:
+    """The GEMV_TABLE literal for csrc_triton/w4a16_gemv.py; also written to $TINYVILA_W4_TABLE_OUT if set."""
+    lines = ["GEMV_TABLE: dict[tuple[int, int, int], dict] = {  # H200 sweep (graph-replayed), fp16, group 128"]
+    lines += [f"    {key}: {cfg},  # {gemv_config_name(cfg)}" for key, cfg in sorted(table.items())]
+    text = "\n".join(lines + ["}"]) + "\n"
+    if os.environ.get(GEMV_TABLE_OUT_ENV):
+        with open(os.environ[GEMV_TABLE_OUT_ENV], "w") as f:
+            f.write(text)
+    return text
+
+
+def gemv_sweep(ms: list[int]) -> list[dict]:
+    """Per Llama-3-8B shape and M: every GEMV sweep config's per-call time replayed from a CUDA graph, GB/s,
+    share of the measured copy bandwidth and speed-up over fp16 cuBLAS (a line each, as it goes), the read
+    floor of the same bytes; then the GEMV_TABLE literal (fastest correct config per (BLOCK_M, N, K)) for
+    csrc_triton/w4a16_gemv.py (also written to $TINYVILA_W4_TABLE_OUT), a check of that table at fp16/bf16
+    and M = 1..8, and one summary row per (shape, M): launcher default vs best."""
+    import time
+
+    t0 = time.perf_counter()
+    print(f"copy bandwidth {common.copy_bandwidth_gbs():.0f} GB/s", flush=True)
+    pool = _pool()
+    _precompile(ms, pool)
+    print(f"[{time.perf_counter() - t0:.0f} s] timing", flush=True)
+    summaries, table = [], {}
+    for name, K, N in sorted(SHAPES, key=lambda s: -s[1] * s[2]):  # largest first: most of a decode step
+        sets = _weights(N, K, common.n_copies(_w4_bytes(N, K)))
+        floor_us = _read_floor_us(_w4_bytes(N, K))
+        for M in ms:
+            rows = _gemv_shape_rows(name, M, N, K, sets, floor_us)
+            good = [r for r in rows if r["ok"]]
+            best = min(good, key=lambda r: r["us"]) if good else None
+            default = rows[0] if rows else None  # gemv_sweep_configs puts the launcher's pick first
+            if best is not None:
+                table[(1 << (M - 1).bit_length(), N, K)] = best["_cfg"]
+                _write_table(table)  # after every shape: a sweep cut short still leaves its table
+            summaries.append({"layer": name, "M": M, "N": N, "K": K, "read_floor_us": floor_us,
+                              "cublas_us": best["cublas_us"] if best else None,
+                              "default": default["config"] if default else None,
+                              "default_us": default["us"] if default else None,
+                              "best": best["config"] if best else None, "best_us": best["us"] if best else None,
+                              "best_GBs": best["GBs"] if best else None,
+                              "copy_frac": best["copy_frac"] if best else None,
+                              "vs_cublas": best["vs_cublas"] if best else None,
+                              "wrong": sum(not r["ok"] for r in rows)})
+        del sets
+        torch.cuda.empty_cache()
+    print("\n" + _write_table(table), flush=True)
+    print(f"[{time.perf_counter() - t0:.0f} s] verifying", flush=True)
+    _verify_table(table, pool)
+    pool.shutdown()
+    print(f"[{time.perf_counter() - t0:.0f} s] done", flush=True)
+    for M in ms:  # per-layer sum of the four GEMVs at the best configs (x32 layers: one decode step's GEMVs)
+        rs = [r for r in summaries if r["M"] == M and r["best_us"] is not None]
+        summaries.append({"layer": "layer sum", "M": M, "read_floor_us": sum(r["read_floor_us"] for r in rs),
+                          "cublas_us": sum(r["cublas_us"] for r in rs), "default_us": sum(r["default_us"] for r in rs),
+                          "best_us": sum(r["best_us"] for r in rs)})
+    return summaries

@@ -1,6 +1,8 @@
 """W8A8 vision benchmarks at SigLIP-so400m shapes (729 tokens/image, width 1152, MLP 4304).
 
     PYTHONPATH=. python scripts/bench_kernels.py --only w8a8 [--quick]
+    TINYVILA_W8A8_PARTS=encoder,layer,gemm,rows   which parts run (default: all)
+    TINYVILA_W8A8_IMAGES=1,8,64                    image counts of encoder/layer/gemm
     TINYVILA_W8A8_SWEEP=1,8 ... also sweeps the GEMM tile configs (TMA and pointer operands) at
     those image counts; TINYVILA_W8A8_ROW_SWEEP=8,64 the launch shapes of the int8-producing row kernels
 
@@ -9,7 +11,9 @@ against the measured int8 ceiling (torch._int_mm at 8192^3), beside torch._int_m
 bound for any "_int_mm + epilogue" dispatch), _int_mm + a PyTorch epilogue, and fp16 cuBLAS. Kernel
 times come from CUDA-graph replays of many calls (no host launch overhead in them; `triton_eager_ms`
 keeps the per-call eager time). Encoder rows: the 26-layer SigLIP encoder (synthetic weights) in
-fp16 and W8A8, eager and CUDA-graph, vs HF transformers' SiglipVisionModel (27 layers, fp16, SDPA).
+fp16 and W8A8, CUDA-graph replays, vs HF transformers' SiglipVisionModel (27 layers, fp16, SDPA).
+Layer rows: every op of one encoder layer timed alone (graph-replayed, inputs rotated past L2), summed
+for W8A8 and fp16: where the time goes.
 """
 
 from __future__ import annotations
@@ -131,42 +135,45 @@ def _gemm_rows(images: list[int], ceil_i8: float, ceil_f16: float, sweep: list[i
     return rows
 
 
-ROW_SWEEP = [(1, 4), (1, 8), (1, 16), (2, 8), (4, 16)]  # (rows per program, num_warps) of the row kernels
+# (rows per program, num_warps, SPLIT) of the row kernels: one warp per row (no cross-warp reductions)
+# up to 8; SPLIT: a row as a power-of-two head + tail block (True) or one padded block (False).
+# (1, 4, False) is the launch before the head + tail change (docs/perf_notes.md W2's best).
+ROW_SWEEP = [(1, 1, True), (2, 1, True), (1, 2, True), (2, 2, True), (4, 4, True), (1, 4, True), (1, 1, False),
+             (1, 2, False), (1, 4, False), (2, 4, False), (1, 8, False)]
 
 
 def _quant_rows(images: list[int], sweep: list[int]) -> list[dict]:
-    """The fused producers of int8 activations, in GB/s (bytes in + out) against the copy ceiling,
-    beside the fp16 op each replaces (F.layer_norm, F.gelu tanh)."""
+    """The producers of int8 activations, in GB/s (bytes in + out) against the copy ceiling, beside
+    the fp16 op each replaces (F.layer_norm, F.gelu tanh, a copy)."""
     from csrc_triton.gelu_quant import gelu_quant
     from csrc_triton.layer_norm_quant import layer_norm_quant
     from csrc_triton.quant_per_token import quant_per_token
 
     ceil = common.copy_bandwidth_gbs()
+    kernels = {  # name: (K, kernel(x, w, b, meta), fp16 op it replaces)
+        "layer_norm_quant": (1152, lambda x, w, b, meta=None: layer_norm_quant(x, w, b, 1e-6, meta=meta),
+                             lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-6)),
+        "gelu_quant": (4304, lambda x, w, b, meta=None: gelu_quant(x, "gelu_tanh", meta=meta),
+                       lambda x, *_: F.gelu(x, approximate="tanh")),
+        "quant_per_token": (1152, lambda x, w, b, meta=None: quant_per_token(x, meta=meta), lambda x, *_: x.clone()),
+    }
     rows = []
     for n_img in images:
         M = TOKENS * n_img
-        for K, name in ((1152, "layer_norm_quant"), (4304, "gelu_quant"), (1152, "quant_per_token")):
+        for name, (K, fused, plain) in kernels.items():
             sets = [(torch.randn(M, K, device="cuda", dtype=torch.float16),
                      (torch.rand(K, device="cuda") + 0.5).half(), torch.randn(K, device="cuda").half())
                     for _ in range(common.n_copies(3 * M * K))]
-            fused = {"layer_norm_quant": lambda x, w, b: layer_norm_quant(x, w, b, 1e-6),
-                     "gelu_quant": lambda x, *_: gelu_quant(x, "gelu_tanh"),
-                     "quant_per_token": lambda x, *_: quant_per_token(x)}[name]
-            plain = {"layer_norm_quant": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-6),
-                     "gelu_quant": lambda x, *_: F.gelu(x, approximate="tanh"),
-                     "quant_per_token": lambda x, *_: x.clone()}[name]
             t, t_plain = graph_ms(fused, sets), graph_ms(plain, sets)
             gbs = (3 * M * K + 4 * M) / t / 1e6  # fp16 in, int8 + fp32 scale out
             rows.append(_progress({"case": f"{name} M={M} K={K}", "triton_ms": t, "gbs": gbs,
                                    "pct_copy_bw": 100 * gbs / ceil, "fp16_op_ms": t_plain}))
-            for rows_, warps in (ROW_SWEEP if n_img in sweep else ()):
-                meta = dict(ROWS=rows_, num_warps=warps)
-                f = {"layer_norm_quant": lambda x, w, b, meta=meta: layer_norm_quant(x, w, b, 1e-6, meta=meta),
-                     "gelu_quant": lambda x, *_, meta=meta: gelu_quant(x, "gelu_tanh", meta=meta),
-                     "quant_per_token": lambda x, *_, meta=meta: quant_per_token(x, meta=meta)}[name]
-                t = graph_ms(f, sets)
-                rows.append(_progress({"case": f"sweep {name} M={M} rows={rows_} warps={warps}", "triton_ms": t,
-                                       "gbs": (3 * M * K + 4 * M) / t / 1e6}))
+            for rows_, warps, split in (ROW_SWEEP if n_img in sweep else ()):
+                meta = dict(ROWS=rows_, num_warps=warps, SPLIT=split)
+                t = graph_ms(lambda x, w, b, meta=meta, f=fused: f(x, w, b, meta=meta), sets)
+                gbs = (3 * M * K + 4 * M) / t / 1e6
+                rows.append(_progress({"case": f"sweep {name} M={M} rows={rows_} warps={warps} split={split}",
+                                       "triton_ms": t, "gbs": gbs, "pct_copy_bw": 100 * gbs / ceil}))
             del sets
     return rows
 
@@ -213,49 +220,155 @@ def _graphed(fn):
 
 @torch.no_grad()
 def _encoder_rows(images: list[int], iters: int) -> list[dict]:
+    """Whole-encoder medians (ms), one row per model and image count: fp16 and HF eager and CUDA-graph
+    replayed, W8A8 graph-replayed with its speedup over fp16 (graph) and HF (eager, graph); then the
+    W8A8 features' cosine vs fp16's."""
     dense, q = _encoders()
-    hf = _hf_siglip()
-    runs = {"fp16_ms": dense, "fp16_graph_ms": _graphed(dense._forward), "w8a8_ms": q,
-            "w8a8_graph_ms": _graphed(q._forward)}
+    hf, S = _hf_siglip(), q.cfg.image_size
+    runs = {"fp16 eager": dense, "fp16 graph": _graphed(dense._forward)}
     if hf is not None:
-        runs["hf_sdpa_fp16_ms"] = lambda px: hf(pixel_values=px).last_hidden_state
-        runs["hf_sdpa_fp16_graph_ms"] = _graphed(runs["hf_sdpa_fp16_ms"])
+        runs["hf_sdpa_fp16 eager"] = lambda px: hf(pixel_values=px).last_hidden_state
+        runs["hf_sdpa_fp16 graph"] = _graphed(runs["hf_sdpa_fp16 eager"])
+    w8a8 = _graphed(q._forward)
     rows = []
     for n_img in images:
-        sets = [(torch.randn(n_img, 3, 384, 384, device="cuda", dtype=torch.float16),) for _ in range(2)]
-        row = {"case": f"encoder so400m x{n_img} images"}
-        for key, fn in runs.items():
-            try:
-                row[key] = common.bench(fn, sets, warmup=3, iters=iters)
-            except Exception as e:  # e.g. a model that cannot be captured: say so, keep the others
-                row[key], row["note"] = None, f"{key}: {type(e).__name__}"
-        best = row["w8a8_graph_ms"]
-        for key in ("fp16_ms", "fp16_graph_ms", "hf_sdpa_fp16_ms", "hf_sdpa_fp16_graph_ms"):
-            if row.get(key) and best:
-                row[f"x_{key.removesuffix('_ms')}"] = row[key] / best  # W8A8 graph's speedup over it
+        sets = [(torch.randn(n_img, 3, S, S, device="cuda", dtype=torch.float16),) for _ in range(2)]
+        base = {}
+        for name, fn in runs.items():
+            row = {"case": f"encoder x{n_img} {name}"}
+            base[name] = row["ms"] = _time_or_note(row, fn, sets, iters)
+            rows.append(_progress(row))
+        row = {"case": f"encoder x{n_img} w8a8 graph"}
+        row["ms"] = t = _time_or_note(row, w8a8, sets, iters)
+        for key, ref in (("x_fp16_graph", "fp16 graph"), ("x_hf", "hf_sdpa_fp16 eager"),
+                         ("x_hf_graph", "hf_sdpa_fp16 graph")):
+            row[key] = base[ref] / t if t and base.get(ref) else None  # W8A8's speedup over it
         rows.append(_progress(row))
         del sets
-        for fn in runs.values():
+        for fn in (*runs.values(), w8a8):
             if hasattr(fn, "clear"):
                 fn.clear()  # free this batch size's graph pool before the next, larger one
         torch.cuda.empty_cache()
     # Accuracy sanity on the GPU path: W8A8 features vs the fp16 encoder's, same synthetic weights.
-    px = torch.randn(2, 3, 384, 384, device="cuda", dtype=torch.float16)
+    px = torch.randn(2, 3, S, S, device="cuda", dtype=torch.float16)
     cos = F.cosine_similarity(q(px).float().flatten(1), dense(px).float().flatten(1), dim=-1).min().item()
-    rows.append({"case": "encoder so400m w8a8 vs fp16 cosine (synthetic weights)", "w8a8_ms": cos})
+    rows.append({"case": "encoder w8a8 vs fp16 features (synthetic weights)", "cos": cos})
     return rows
+
+
+def _time_or_note(row: dict, fn, sets: list, iters: int) -> float | None:
+    """Median ms of fn over sets, or None with the error in row["note"] (one broken variant must not
+    hide the others' numbers)."""
+    try:
+        return common.bench(fn, sets, warmup=3, iters=iters)
+    except Exception as e:
+        row["note"] = f"{type(e).__name__}: {e}"[:100]
+        return None
+
+
+def _layer_inputs(q, dense, n_img: int) -> dict:
+    """One set of inputs for every op of a layer at n_img images, each computed by the op before
+    (so shapes, layouts and value ranges are the encoder's)."""
+    from tinyvila import ops
+    from tinyvila.quant import QTensor
+
+    blk, cfg = q.layers[0], q.cfg
+    x = torch.randn(n_img, TOKENS, cfg.dim, device="cuda", dtype=torch.float16)
+    xq = blk.norm1(x)
+    qh, kh, vh = blk.attn.qkv(xq)
+    o = ops.attention(qh, kh, vh, causal=False).transpose(1, 2).reshape(n_img, TOKENS, cfg.dim)
+    hq = blk.norm2(x)
+    h = blk.mlp.fc1(hq)
+    return dict(x=x, xq=xq, q=qh, k=kh, v=vh, o=o, oq=QTensor(*ops.quant_per_token(o)),
+                hq=hq, h=h, gq=QTensor(*ops.gelu_quant(h, cfg.act)),
+                qkv16=dense.layers[0].attn.wqkv(x).view(n_img, TOKENS, 3, cfg.n_heads, cfg.head_dim),
+                h16=dense.layers[0].mlp.fc1(x))
+
+
+def _layer_steps(q, dense) -> dict:
+    """op name -> fn(inputs) for one layer: the W8A8 layer's ops and the fp16 layer's."""
+    from tinyvila import ops
+
+    blk, dblk, act = q.layers[0], dense.layers[0], q.cfg.act
+    ln = lambda d, m: F.layer_norm(d["x"], (d["x"].shape[-1],), m.weight, m.bias, m.eps)  # noqa: E731
+    return {
+        "ln_quant": lambda d: blk.norm1(d["x"]),
+        "qkv": lambda d: blk.attn.wqkv(d["xq"]),
+        "attention": lambda d: ops.attention(d["q"], d["k"], d["v"], causal=False),
+        "wo_quant_kernel": lambda d: ops.quant_per_token(d["o"]),
+        "wo_int8_gemm": lambda d: blk.attn.wo(d["oq"], d["x"]),
+        "fc1": lambda d: blk.mlp.fc1(d["hq"]),
+        "gelu_quant": lambda d: ops.gelu_quant(d["h"], act),
+        "fc2_int8": lambda d: blk.mlp.fc2(d["gq"], d["x"]),
+        "fp16_layer_norm": lambda d: ln(d, dblk.norm1),
+        "fp16_qkv": lambda d: dblk.attn.wqkv(d["x"]),
+        "fp16_attention": lambda d: ops.attention(*d["qkv16"].permute(2, 0, 3, 1, 4).unbind(0), causal=False),
+        "fp16_wo_add": lambda d: dblk.attn.wo(d["x"]) + d["x"],
+        "fp16_fc1": lambda d: dblk.mlp.fc1(d["x"]),
+        "fp16_gelu": lambda d: ops.gelu(d["h16"], act),
+        "fp16_fc2_add": lambda d: dblk.mlp.fc2(d["h16"]) + d["x"],
+    }
+
+
+# Per-layer op sums of the W8A8 and fp16 layers: op -> count (the two LayerNorms are the same op).
+_LAYER_SUMS = {
+    "w8a8": {"ln_quant": 2, "qkv": 1, "attention": 1, "wo_quant_kernel": 1, "wo_int8_gemm": 1, "fc1": 1,
+             "gelu_quant": 1, "fc2_int8": 1},
+    "fp16": {"fp16_layer_norm": 2, "fp16_qkv": 1, "fp16_attention": 1, "fp16_wo_add": 1, "fp16_fc1": 1,
+             "fp16_gelu": 1, "fp16_fc2_add": 1},
+}
+
+
+@torch.no_grad()
+def _layer_rows(images: list[int], models=None) -> list[dict]:
+    """Every op of one so400m layer timed alone (graph-replayed, input sets rotated past L2), then
+    the W8A8 and fp16 per-layer sums and x26 (the encoder's layers; the graph run adds only the embedding)."""
+    dense, q = models or _encoders()
+    steps = _layer_steps(q, dense)
+    rows = []
+    for n_img in images:
+        per_set = 2 * TOKENS * n_img * (4 * 1152 + 3 * 4304)  # bytes of the main activations of one set
+        sets = [(_layer_inputs(q, dense, n_img),) for _ in range(common.n_copies(per_set))]
+        times = {}
+        for name, fn in steps.items():
+            try:
+                times[name] = graph_ms(fn, sets, calls=6, iters=8)
+            except Exception as e:
+                rows.append(_progress({"case": f"layer x{n_img} {name}", "note": f"{type(e).__name__}: {e}"[:100]}))
+                continue
+            rows.append(_progress({"case": f"layer x{n_img} {name}", "ms": times[name]}))
+        for variant, counts in _LAYER_SUMS.items():
+            if all(op in times for op in counts):
+                total = sum(times[op] * c for op, c in counts.items())
+                rows.append(_progress({"case": f"layer x{n_img} SUM {variant}", "ms": total,
+                                       "x_layers_ms": len(q.layers) * total}))
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _env_ints(name: str, default: str = "") -> list[int]:
+    return [int(n) for n in os.environ.get(name, default).split(",") if n.strip()]
 
 
 def run(args) -> list[dict]:
     quick = getattr(args, "quick", False)
-    sweep = [int(n) for n in os.environ.get("TINYVILA_W8A8_SWEEP", "").split(",") if n.strip()]
-    row_sweep = [int(n) for n in os.environ.get("TINYVILA_W8A8_ROW_SWEEP", "").split(",") if n.strip()]
-    ceil_i8, ceil_f16 = int8_tops_ceiling(), common.matmul_tflops(torch.float16)
-    rows = [{"case": "ceiling int8 torch._int_mm 8192^3 (TOPS)", "triton_tops": ceil_i8},
-            {"case": "ceiling fp16 matmul 8192^3 (TFLOP/s)", "fp16_tflops": ceil_f16}]
+    parts = os.environ.get("TINYVILA_W8A8_PARTS", "encoder,layer,gemm,rows").split(",")
+    images = _env_ints("TINYVILA_W8A8_IMAGES", "1,8" if quick else "1,8,64")
+    sweep, row_sweep = _env_ints("TINYVILA_W8A8_SWEEP"), _env_ints("TINYVILA_W8A8_ROW_SWEEP")
+    rows = []
+    if "gemm" in parts:
+        ceil_i8, ceil_f16 = int8_tops_ceiling(), common.matmul_tflops(torch.float16)
+        rows += [{"case": "ceiling int8 torch._int_mm 8192^3 (TOPS)", "triton_tops": ceil_i8},
+                 {"case": "ceiling fp16 matmul 8192^3 (TFLOP/s)", "fp16_tflops": ceil_f16}]
     # Encoders first: the headline numbers survive a run cut short by a time limit.
-    rows += _encoder_rows([1, 8] if quick else [1, 8, 64], iters=10 if quick else 20)
-    rows += _gemm_rows([1, 8] if quick else [1, 8, 64], ceil_i8, ceil_f16, sweep)
-    rows += _quant_rows([8] if quick else [8, 64], row_sweep)
+    if "encoder" in parts:
+        rows += _encoder_rows(images, iters=10 if quick else 20)
+    if "layer" in parts:
+        rows += _layer_rows(images)
+    if "gemm" in parts:
+        rows += _gemm_rows(images, ceil_i8, ceil_f16, sweep)
+    if "rows" in parts:
+        rows += _quant_rows([n for n in images if n > 1] or [8], row_sweep)
     keys = list(dict.fromkeys(k for r in rows for k in r))  # one table: every row gets every column
     return [{k: r.get(k) for k in keys} for r in rows]

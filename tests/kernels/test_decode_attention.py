@@ -1,4 +1,5 @@
-"""csrc_triton.decode_attention against its reference: lengths 1..5000, GQA, split counts, fp16/bf16.
+"""csrc_triton.decode_attention against its reference: lengths 1..5000, GQA, split counts, fp16/bf16,
+the fused split merge (last-arriving program, self-resetting counters) and the two-kernel merge.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 at small head counts; on CUDA the same cases run
 plus Llama-3-8B shapes (32 query heads, 8 KV heads, D=128) and a CUDA-graph replay.
@@ -12,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from csrc_triton.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from csrc_triton.decode_attention import _COUNTERS, decode_attention, decode_attention_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -49,6 +50,22 @@ def test_lengths_and_splits(dtype, lengths, n_splits):
     check(q, k, v, lens, n_splits=n_splits)
 
 
+@pytest.mark.parametrize("lengths,n_splits", [([217, 1], 8), ([1000, 300], 5)])
+def test_two_kernel_merge(lengths, n_splits):
+    q, k, v, lens = make(2, 8, 2, max(lengths) + 9, 64, torch.bfloat16, lengths, seed=7)
+    check(q, k, v, lens, n_splits=n_splits, fused=False)
+
+
+def test_fused_merge_leaves_its_counters_at_zero():
+    """Each call must reset what it counted, else the next call (or graph replay) never merges and
+    leaves the poisoned output unwritten; 20 splits (2 merge steps at D=128, one of them empty)
+    and 3 heads per group."""
+    q, k, v, lens = make(1, 6, 2, 300, 128, torch.float16, [300], seed=5)
+    for n_splits in (20, 3, 20):
+        check(q, k, v, lens, n_splits=n_splits, block_n=16)
+        assert not _COUNTERS[str(q.device)].any()
+
+
 @pytest.mark.parametrize("H,Hkv,D", [(4, 4, 32), (8, 2, 64), (7, 1, 16), (12, 3, 80)])
 def test_gqa_ratios_and_head_dims(H, Hkv, D):
     q, k, v, lens = make(1, H, Hkv, 300, D, torch.float16, [257])
@@ -83,6 +100,17 @@ def test_length_is_read_from_the_device_tensor():
 def test_llama3_8b_shapes(L):
     q, k, v, lens = make(1, 32, 8, L + 64, 128, torch.float16, [L])
     check(q, k, v, lens)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need a GPU")
+@pytest.mark.parametrize("n_splits", [2, 16, 64, 200])
+def test_fused_merge_under_many_arrival_orders(n_splits):
+    """On the GPU any program of a group can arrive last: back-to-back calls at many lengths."""
+    q, k, v, lens = make(1, 32, 8, 20000, 128, torch.float16, [20000])
+    for n in (20000, 8191, 4097, 129, 64, 1):
+        lens.fill_(n)
+        check(q, k, v, lens, n_splits=n_splits)
+    assert not _COUNTERS[str(q.device)].any()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")

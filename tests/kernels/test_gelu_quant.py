@@ -46,3 +46,12 @@ def test_kinds_differ():
 def test_bad_kind():
     with pytest.raises(ValueError, match="unknown activation"):
         gelu_quant(torch.ones(2, 4, device=DEVICE), "relu")
+
+
+@pytest.mark.parametrize("meta", [dict(ROWS=1, num_warps=1), dict(ROWS=2, num_warps=2), dict(SPLIT=False)])
+def test_launch_shapes_agree(meta):
+    """Launch shapes of the benchmark's sweep give the default's bits (elementwise math and a max)."""
+    h = (torch.randn(37, 300, generator=torch.Generator().manual_seed(9)) * 2).to(DEVICE, torch.float16)
+    q, s = gelu_quant(h, "gelu_tanh")
+    q2, s2 = gelu_quant(h, "gelu_tanh", meta=meta)
+    assert torch.equal(q, q2) and torch.equal(s, s2)

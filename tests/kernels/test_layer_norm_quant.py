@@ -51,3 +51,15 @@ def test_bad_input():
     x, w, b = make(2, 16, torch.float16, seed=0)
     with pytest.raises(ValueError, match="weight and bias"):
         layer_norm_quant(x, w[:8], b, 1e-6)
+
+
+@pytest.mark.parametrize("meta", [dict(ROWS=1, num_warps=1), dict(ROWS=2, num_warps=2), dict(ROWS=4, num_warps=8),
+                                  dict(SPLIT=False), dict(SPLIT=False, ROWS=2, num_warps=1)])
+@pytest.mark.parametrize("K", [300, 256] + ([1152] if DEVICE == "cuda" else []))
+def test_launch_shapes(meta, K):
+    """Every launch shape the benchmark sweeps (rows per program, warps; one padded block instead of
+    head + tail) matches the reference (sums may associate differently: ties may differ)."""
+    x, w, b = make(37, K, torch.float16, seed=K)
+    q, s = layer_norm_quant(x, w, b, 1e-6, meta=meta)
+    q_ref, s_ref = layer_norm_quant_ref(x, w, b, 1e-6)
+    assert_int8_match(q, s, q_ref, s_ref, torch.nn.functional.layer_norm(x.double(), (K,), w.double(), b.double(), 1e-6))

@@ -46,11 +46,18 @@ def test_bad_input():
         quant_per_token(torch.ones(2, 4, dtype=torch.int32, device=DEVICE))
 
 
-@pytest.mark.parametrize("meta", [dict(ROWS=1, num_warps=4), dict(ROWS=2, num_warps=8), dict(ROWS=4, num_warps=16)])
-def test_launch_shapes_agree(meta):
-    """Every launch shape the benchmark sweeps (rows per program, warps) gives the default's bits."""
+# Launch shapes of the benchmark's sweep (rows per program, warps; SPLIT=False: one padded block).
+METAS = [dict(ROWS=1, num_warps=1), dict(ROWS=2, num_warps=2), dict(ROWS=4, num_warps=8), dict(ROWS=4, num_warps=16),
+         dict(SPLIT=False), dict(SPLIT=False, ROWS=2, num_warps=1)]
+
+
+@pytest.mark.parametrize("meta", METAS)
+@pytest.mark.parametrize("K", [300, 256] + ([1152] if DEVICE == "cuda" else []))
+def test_launch_shapes_agree(meta, K):
+    """Every launch shape the benchmark sweeps gives the default's bits (a max and elementwise
+    math: no reduction order to differ); K=300 has a tail block, 256 none."""
     g = torch.Generator().manual_seed(7)
-    x = (torch.randn(37, 300, generator=g) * 3).to(DEVICE, torch.float16)
+    x = (torch.randn(37, K, generator=g) * 3).to(DEVICE, torch.float16)
     q, s = quant_per_token(x)
     q2, s2 = quant_per_token(x, meta=meta)
     assert torch.equal(q, q2) and torch.equal(s, s2)

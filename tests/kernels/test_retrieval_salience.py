@@ -50,6 +50,19 @@ def test_against_reference(dtype, n_rep, S, T, n_retr):
     check(got, q, k, idx, lse)
 
 
+@pytest.mark.parametrize("block_m,block_n,tiles", [(16, 32, 3), (32, 16, 1), (None, 32, 4), (None, 16, 100)])
+def test_tile_configs(block_m, block_n, tiles):
+    """Row blocks looped (rows > block_m) or loaded once; several key tiles per program, with a
+    partial last chunk (tiles past N must not be written)."""
+    q, k, idx, lse = make(1, 6, 2, 400, 9, 32, torch.float16, 301, seed=6)
+    kw = dict(block_m=block_m, block_n=block_n, tiles=tiles)
+    got = retrieval_salience(q, k, idx, lse, **kw)
+    check(got, q, k, idx, lse)
+    prev = torch.rand(1, 2, 301, device=DEVICE) + 1  # accumulating: an unwritten column keeps prev
+    torch.testing.assert_close(retrieval_salience(q, k, idx, lse, out=prev.clone(), **kw) - prev, got,
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_chunked_question_accumulates_to_the_whole():
     q, k, idx, lse = make(2, 8, 2, 500, 21, 64, torch.float16, 217, seed=3)
     whole = retrieval_salience(q, k, idx, lse)
@@ -72,6 +85,8 @@ def test_salience_mass():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need a GPU")
-def test_llama3_8b_shapes():
+@pytest.mark.parametrize("kw", [{}, dict(block_m=128, block_n=64, tiles=4, num_warps=4),
+                                dict(block_n=32, tiles=8), dict(block_n=128, tiles=1, num_stages=3)])
+def test_llama3_8b_shapes(kw):
     q, k, idx, lse = make(1, 32, 8, 32768 + 64, 64, 128, torch.float16, 30000)
-    check(retrieval_salience(q, k, idx, lse), q, k, idx, lse)
+    check(retrieval_salience(q, k, idx, lse, **kw), q, k, idx, lse)

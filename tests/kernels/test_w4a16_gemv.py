@@ -1,12 +1,17 @@
 """csrc_triton.w4a16_gemv (decode, M <= 8) against the exact quantized product and PyTorch's error.
 
-On CPU the kernel runs under TRITON_INTERPRET=1 at small odd shapes (M in {1, 3, 8}, groups 32/64/128,
-fp16/bf16, a K that leaves a partial tile); on CUDA the same cases run with the autotuned kernel, plus
-Llama-3-8B layer shapes and every config of the autotune space; the small cases run with both nibble
-unpackings there (plain shifts, and the PTX block that is the GPU default).
+On CPU both kernels run under TRITON_INTERPRET=1 at small odd shapes: "fma" (M in {1, 3, 8}, groups
+32/64/128, fp16/bf16, bias, partial tiles, split-K) and "mma" (G = 128: row counts that are not a multiple
+of the row tile, split-K ranges of unequal length, 1-8 groups per K step with the block-diagonal x operand,
+1-2 row tiles per warp); the PTX unpacking blocks are checked bit for bit by a small emulator. On CUDA the
+same cases run with both nibble unpackings (plain shifts, and the PTX that is the GPU default), plus
+Llama-3-8B layer shapes (M = 1, 2, 8, fp16/bf16) with the launcher's own configs (gemv_config), every config
+of the bench sweep at one real shape, split-K determinism and CUDA-graph replay.
 """
 
 import os
+import re
+import struct
 
 import pytest
 import torch
@@ -16,16 +21,19 @@ if not torch.cuda.is_available():
 
 from _w4_check import LLAMA3_8B, assert_w4_close, make, poisoned  # noqa: E402
 
-from csrc_triton.w4a16_gemv import CONFIGS, INTERPRET_CONFIG, w4a16_gemv, w4a16_gemv_ref  # noqa: E402
+from csrc_triton import w4a16_gemv as gemv_mod  # noqa: E402
+from csrc_triton.w4a16_gemv import (INTERPRET_CONFIG, INTERPRET_MMA_CONFIG, gemv_config,  # noqa: E402
+                                    groups_per_step, w4a16_gemv, w4a16_gemv_ref)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
 DTYPES = [torch.float16, torch.bfloat16]
-# Small cases pin one tile (on the GPU too: autotuning every small key would compile hundreds of
-# variants); the autotuned path runs at the real shapes, and every tuned tile runs in test_every_config.
-FIXED = INTERPRET_CONFIG
-# Nibble unpacking: 0 = plain shifts (the interpreter's), 1 = the PTX block (the GPU default); both on the GPU.
+FMA, MMA = INTERPRET_CONFIG, INTERPRET_MMA_CONFIG  # small pinned tiles (the GPU compiles them once too)
+# Nibble unpacking: 0 = plain shifts (the interpreter's), 1 = the PTX blocks (the GPU default); both on the GPU.
 UNPACKS = [0, 1] if ON_GPU else [0]
+# The interpreter turns tl.minimum of two scalars (a split's last K range) into a 1-element array that it
+# then converts to an int: NumPy >= 1.25 warns about that conversion. Harmless here.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
 def run(a: dict, **kw) -> torch.Tensor:
@@ -39,43 +47,171 @@ def run(a: dict, **kw) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("G", [32, 64, 128])
 @pytest.mark.parametrize("M", [1, 3, 8])
-def test_small(M, G, dtype, unpack):
-    a = make(M, 123, 384, G, dtype, seed=M * 1000 + G, device=DEVICE)
-    assert_w4_close(run(a, config=FIXED, unpack=unpack), a)
+def test_fma_small(M, G, dtype, unpack):
+    """N = 37 leaves a partial row block; K = 384 is 3 tiles of the pinned 16-word tile."""
+    a = make(M, 37, 384, G, dtype, seed=M * 1000 + G, device=DEVICE)
+    assert_w4_close(run(a, config=FMA, unpack=unpack), a)
+
+
+@pytest.mark.parametrize("unpack", UNPACKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,split", [(1, 1), (1, 3), (3, 2), (8, 1), (5, 4)])
+def test_mma_small(M, split, dtype, unpack):
+    """N = 100: a partial row tile (rows wrap, the store drops them); K = 640: 5 groups, so splits of 3 and 4
+    get ranges of 2, 2, 1 and 2, 2, 1 (the last program may see a shorter range); bias on."""
+    a = make(M, 100, 640, 128, dtype, seed=M * 100 + split, bias=True, device=DEVICE)
+    assert_w4_close(run(a, config={**MMA, "SPLIT_K": split}, unpack=unpack), a)
+
+
+@pytest.mark.parametrize("unpack", UNPACKS)
+@pytest.mark.parametrize("M,N,K,gps,split,warps,block_n,dtype", [
+    (1, 100, 1024, 8, 1, 1, 16, torch.float16),  # 8 groups in one step: B is fully block-diagonal
+    (1, 70, 1024, 4, 2, 1, 32, torch.bfloat16),  # two 16-row tiles per warp; 2 steps per split
+    (2, 50, 768, 8, 1, 2, 32, torch.float16),  # GPS capped to 8 / BM = 4, then to 2 (6 groups)
+    (3, 40, 1024, 2, 3, 1, 16, torch.bfloat16),  # splits of 3, 3, 2 groups -> of 4, 4 (whole steps)
+    (8, 33, 512, 8, 2, 1, 16, torch.float16),  # BM = 8: one group per step, B = x^T
+    (1, 16, 1792, 8, 8, 1, 16, torch.float16),  # 14 groups: GPS 2, ranges of 2 groups
+])
+def test_mma_groups_per_step(M, N, K, gps, split, warps, block_n, dtype, unpack):
+    """GPS groups per K step (one dot, the x operand block-diagonal over the 8 columns) at every M bucket."""
+    a = make(M, N, K, 128, dtype, seed=N + K + gps, bias=True, device=DEVICE)
+    cfg = {"kernel": "mma", "BLOCK_N": block_n, "num_warps": warps, "STAGES": 1, "SPLIT_K": split, "GPS": gps}
+    assert_w4_close(run(a, config=cfg, unpack=unpack), a)
+
+
+def test_groups_per_step():
+    assert [groups_per_step(8, n) for n in (32, 112, 38, 5)] == [8, 8, 2, 1]
+    assert groups_per_step(6, 32) == 4  # rounded down to a power of two
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,N,K,G", [(1, 217, 576, 64), (5, 40, 1152, 128), (2, 9, 32, 32)])
+@pytest.mark.parametrize("M,N,K,G,split", [(1, 217, 576, 64, 1), (5, 40, 640, 128, 3), (2, 9, 32, 32, 1),
+                                           (4, 37, 576, 64, 4)])
 @pytest.mark.parametrize("unpack", UNPACKS)
-def test_odd_shapes_with_bias(M, N, K, G, dtype, unpack):
-    """K = 576 (SmolLM2) is 72 words: a partial last tile; N = 9 is below one row block; Qwen2-style bias."""
+def test_fma_odd_shapes_with_bias(M, N, K, G, split, dtype, unpack):
+    """K = 576 (SmolLM2) is 72 words: a partial last tile and splits of 32, 32, 8 words; K = 640 in three
+    splits: 32, 32, 16 words; N = 9 is below one row block; Qwen2-style bias."""
     a = make(M, N, K, G, dtype, seed=N + K, bias=True, device=DEVICE)
-    assert_w4_close(run(a, config=FIXED, unpack=unpack), a)
+    assert_w4_close(run(a, config={**FMA, "SPLIT_K": split}, unpack=unpack), a)
 
 
-def test_matches_reference_closely():
-    """The kernel (no rounding of w) and `_ref` (w rounded to fp16) differ by rounding only."""
-    a = make(4, 64, 256, 64, torch.float16, seed=7, bias=True, device=DEVICE)
-    y, ref = run(a, config=FIXED), w4a16_gemv_ref(**a)
+@pytest.mark.parametrize("cfg", [FMA, MMA], ids=["fma", "mma"])
+def test_matches_reference_closely(cfg):
+    """The kernels (no rounding of w) and `_ref` (w rounded to fp16) differ by rounding only."""
+    a = make(4, 64, 256, 128, torch.float16, seed=7, bias=True, device=DEVICE)
+    y, ref = run(a, config=cfg), w4a16_gemv_ref(**a)
     torch.testing.assert_close(y, ref, rtol=1e-2, atol=2e-3 * ref.abs().max().item())
 
 
+def test_default_config_picks_the_mma_kernel_for_groups_of_128():
+    assert gemv_config(1, 4096, 4096, 128)["kernel"] == "mma"
+    assert gemv_config(1, 4096, 4096, 64)["kernel"] == "fma"
+    assert gemv_config(1, 576, 576, 128)["kernel"] == "fma"  # K not a multiple of 128
+
+
+# -- the PTX unpacking, emulated -----------------------------------------------------------------------------
+def _f16(bits: int) -> float:
+    return struct.unpack("<e", struct.pack("<H", bits))[0]
+
+
+def _bf16(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+
+def _emulate(asm: str, word: int) -> dict[int, int]:
+    """Runs one of _magic_asm's PTX blocks on an unsigned 32-bit word: {output index: 16-bit pattern or
+    fp32 value}. Knows exactly the instructions the blocks use; anything else fails the test."""
+    regs, out = {"$8": word}, {}
+    for line in asm.strip("{}\n").splitlines():
+        if line.startswith(".reg"):
+            continue
+        if m := re.fullmatch(r"shr\.u32 (\w+), (\$?\w+), (\d+);", line):
+            regs[m[1]] = regs[m[2]] >> int(m[3])
+        elif m := re.fullmatch(r"lop3\.b32 (\w+), (\$?\w+), (0x[0-9a-f]+), (0x[0-9a-f]+), (0x[0-9A-F]+);", line):
+            a, b, c, lut = regs[m[2]], int(m[3], 16), int(m[4], 16), int(m[5], 16)
+            regs[m[1]] = sum(((lut >> (((a >> i & 1) << 2) | ((b >> i & 1) << 1) | (c >> i & 1))) & 1) << i
+                             for i in range(32))
+        elif m := re.fullmatch(r"mov\.b32 \{(\$?\w+), (\$?\w+)\}, (\w+);", line):
+            lo, hi = regs[m[3]] & 0xFFFF, regs[m[3]] >> 16
+            regs[m[1]], regs[m[2]] = lo, hi
+            for name, v in ((m[1], lo), (m[2], hi)):
+                if name.startswith("$"):
+                    out[int(name[1:])] = v
+        elif m := re.fullmatch(r"cvt\.f32\.f16 \$(\d), (\w+);", line):
+            out[int(m[1])] = _f16(regs[m[2]])
+        else:
+            raise AssertionError(f"unknown PTX line {line!r}")
+    return out
+
+
+@pytest.mark.parametrize("which", ["f32", "f16", "bf16"])
+def test_magic_asm_bits(which):
+    """Each PTX block turns nibble i of a word into exactly v_i = m_i + q_i u, as the interpreter path does."""
+    asm = {"f32": gemv_mod._MAGIC_F32, "f16": gemv_mod._MAGIC_F16, "bf16": gemv_mod._MAGIC_BF16}[which].value
+    u, m_odd = (0.125, 16.0) if which == "bf16" else (1 / 64, 1.0)
+    gen = torch.Generator().manual_seed(0)
+    words = [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98] + torch.randint(0, 2**32, (60,), generator=gen).tolist()
+    for w in words:
+        got = _emulate(asm, w)
+        assert sorted(got) == list(range(8))
+        for i in range(8):
+            want = (16.0 if i % 2 == 0 else m_odd) + ((w >> 4 * i) & 0xF) * u
+            value = got[i] if which == "f32" else (_bf16(got[i]) if which == "bf16" else _f16(got[i]))
+            assert value == want, f"{which} word {w:#010x} nibble {i}: {value} != {want}"
+
+
+# -- GPU: real shapes, the sweep's configs, split-K determinism, CUDA graphs ------------------------------------
 @pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("M", [1, 2, 8])
 @pytest.mark.parametrize("K,N", LLAMA3_8B)
 def test_llama3_8b_shapes(K, N, M, dtype):
+    """The launcher's own config (gemv_config: the table the sweep chose) at every Llama-3-8B shape."""
     a = make(M, N, K, 128, dtype, seed=K + N + M, device=DEVICE)
     assert_w4_close(run(a), a)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="compiles every autotune config: GPU only")
-@pytest.mark.parametrize("M", [1, 5])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "n{BLOCK_N}w{BLOCK_W}s{STAGES}".format(**c.kwargs) + f"x{c.num_warps}")
-def test_every_config(cfg, M):
-    a = make(M, 300, 1536, 128, torch.float16, seed=M, bias=True, device=DEVICE)
-    config = {**cfg.kwargs, "num_warps": cfg.num_warps}
-    assert_w4_close(run(a, config=config), a)
+def _sweep_configs() -> list[dict]:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from benches.w4a16 import gemv_sweep_configs
+
+    return gemv_sweep_configs(4096, 4096)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiles every sweep config: GPU only")
+def test_every_sweep_config():
+    """Every config the bench sweep times gives the right answer at a real shape (M = 1, fp16, no bias: the
+    sweep's own compiled variants, so after a sweep this reuses Triton's cache)."""
+    a = make(1, 4096, 4096, 128, torch.float16, seed=1, device=DEVICE)
+    for cfg in _sweep_configs():
+        assert_w4_close(run(a, config=cfg), a)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only")
+def test_split_k_is_deterministic():
+    a = make(1, 4096, 14336, 128, torch.float16, seed=3, device=DEVICE)
+    cfg = {**gemv_config(1, 4096, 14336, 128), "SPLIT_K": 8}
+    y1, y2 = run(a, config=cfg), run(a, config=cfg)
+    assert torch.equal(y1, y2)
+    assert_w4_close(y1, a)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only")
+def test_cuda_graph_replay():
+    """One eager call (compiles, grows the split-K workspace), then capture; replays follow new inputs."""
+    a = make(1, 6144, 4096, 128, torch.float16, seed=5, device=DEVICE)
+    x, out = a["x"].clone(), torch.empty(1, 6144, dtype=torch.float16, device=DEVICE)
+    w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], out=out)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator(DEVICE).manual_seed(seed), device=DEVICE))
+        graph.replay()
+        assert_w4_close(out.clone(), {**a, "x": x})
 
 
 def test_bad_inputs_are_clear_errors():
@@ -91,3 +227,10 @@ def test_bad_inputs_are_clear_errors():
         w4a16_gemv(x, a["qweight"], a["scales"].repeat(1, 8), a["zeros"].repeat(1, 8))
     with pytest.raises(ValueError, match="qweight must be int32"):
         w4a16_gemv(x, a["qweight"].view(torch.float32), a["scales"], a["zeros"])
+    b = make(1, 16, 192, 64, torch.float16, seed=0, device=DEVICE)
+    with pytest.raises(ValueError, match="mma kernel needs G == 128"):
+        w4a16_gemv(b["x"], b["qweight"], b["scales"], b["zeros"], config=MMA)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "BLOCK_W": 16})
+    with pytest.raises(ValueError, match="multiple of 16 num_warps"):
+        w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "BLOCK_N": 32})

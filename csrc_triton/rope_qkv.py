@@ -1,0 +1,168 @@
+"""RoPE of q and k fused with the KV-cache write: the fused q/k/v projection's output in, rotated q out.
+
+qkv (B, T, (H + 2 Hkv) D) holds per token [q heads | k heads | v heads], D each (the checkpoint's
+fused wqkv). Rotate-half RoPE (HF Llama layout: dim d pairs with d + D/2) with cos, sin (T, D) in
+the activation dtype, computed with ops.rope's roundings (x*cos, rot(x)*sin and their sum each
+rounded to the dtype, as PyTorch's three fp16 ops do; csrc_triton/rounding.py): bit for bit equal
+to ops.rope's under the interpreter; on the H200 (2026-11-29) a few elements come out one ulp away
+(cause not yet found), which the GPU tests bound:
+    out[:D/2] = x1*cos1 - x2*sin1        out[D/2:] = x2*cos2 + x1*sin2
+Rotated k and raw v go to k_cache, v_cache (B, Hkv, S, D) at sequence slot slots[t] (T,) (any int
+dtype, read on the device, so a captured decode graph can advance it without re-capture; the caller
+checks slots < S), and optionally also into a second cache pair at its own slots (a SparseVILA
+turn's packed decode buffer, which receives every new token too). Returns rotated q as (B, H, T, D),
+contiguous. One program per (token, group of heads of [q heads | k heads]); a k head also copies its
+v head. This replaces split, three view/transposes, two ropes (~4 elementwise launches each) and two
+cache copies by one launch.
+dtypes: fp16/bf16; D even, D <= 1024; cache last dim contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import round_to
+
+
+@triton.jit
+def _store_kv(k_ptr, v_ptr, slot_ptr, b, t, kh, offs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+              stride_vs, k_lo, k_hi, v_lo, v_hi, is_k, HALF: tl.constexpr):
+    """Rotated k and raw v halves of (b, kh, token t) at sequence slot slot_ptr[t] of one cache pair."""
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    k_dst = k_ptr + b * stride_kb + kh * stride_kh + slot * stride_ks + offs[None, :]
+    tl.store(k_dst, k_lo, mask=is_k)
+    tl.store(k_dst + HALF, k_hi, mask=is_k)
+    v_dst = v_ptr + b * stride_vb + kh * stride_vh + slot * stride_vs + offs[None, :]
+    tl.store(v_dst, v_lo, mask=is_k)
+    tl.store(v_dst + HALF, v_hi, mask=is_k)
+
+
+@triton.jit
+def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, k2_ptr, v2_ptr, slot2_ptr, T,
+                     stride_xb, stride_xt, stride_ct, stride_st,
+                     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                     stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h, stride_v2s,
+                     H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HEADS: tl.constexpr,
+                     SECOND: tl.constexpr, BLOCK: tl.constexpr):
+    bt = tl.program_id(0).to(tl.int64)  # token row b * T + t
+    b, t = bt // T, bt % T
+    # HEADS consecutive heads of [q heads | k heads]; a k head `kh` also copies v head `kh`.
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    offs = tl.arange(0, BLOCK)
+    mask = (heads[:, None] < H + HKV) & (offs[None, :] < HALF)  # (HEADS, BLOCK)
+    dtype = q_ptr.dtype.element_ty
+    src = qkv_ptr + b * stride_xb + t * stride_xt + heads[:, None] * (2 * HALF) + offs[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + t * stride_ct + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + t * stride_st + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + t * stride_st + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+    # ops.rope: x*cos + cat(-x2, x1)*sin, three fp16 ops; round(-a) = -round(a), so the first half's
+    # sum of the rounded (-x2*sin1) is the difference below. The roundings also keep the compiler
+    # from contracting a product and a sum into one FMA, which would round differently.
+    o1 = round_to(round_to(x1 * c1, dtype) - round_to(x2 * s1, dtype), dtype).to(dtype)
+    o2 = round_to(round_to(x2 * c2, dtype) + round_to(x1 * s2, dtype), dtype).to(dtype)
+    is_q = mask & (heads[:, None] < H)
+    q_dst = q_ptr + ((b * H + heads[:, None]) * T + t) * (2 * HALF) + offs[None, :]  # (B, H, T, D) contiguous
+    tl.store(q_dst, o1, mask=is_q)
+    tl.store(q_dst + HALF, o2, mask=is_q)
+    is_k = mask & (heads[:, None] >= H)
+    kh = (heads[:, None] - H).to(tl.int64)  # negative on q heads, whose lanes are masked off
+    v_src = src + HKV * (2 * HALF)  # v head kh sits Hkv heads after k head kh
+    v_lo, v_hi = tl.load(v_src, mask=is_k), tl.load(v_src + HALF, mask=is_k)
+    _store_kv(k_ptr, v_ptr, slot_ptr, b, t, kh, offs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+              stride_vs, o1, o2, v_lo, v_hi, is_k, HALF)
+    if SECOND:  # the packed decode buffer of a SparseVILA turn also receives the new token
+        _store_kv(k2_ptr, v2_ptr, slot2_ptr, b, t, kh, offs, stride_k2b, stride_k2h, stride_k2s, stride_v2b,
+                  stride_v2h, stride_v2s, o1, o2, v_lo, v_hi, is_k, HALF)
+
+
+def _check(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads) -> int:
+    """Validates shapes and dtypes (metadata only: no device sync); returns D."""
+    if qkv.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"rope_qkv: qkv must be fp16 or bf16, got {qkv.dtype}")
+    B, T, W = qkv.shape
+    D, rem = divmod(W, n_heads + 2 * n_kv_heads)
+    if rem or D % 2 or not 0 < D <= 1024:
+        raise ValueError(f"rope_qkv: last dim {W} is not (n_heads + 2 n_kv_heads) x an even head dim <= 1024")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"rope_qkv: n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (T, D) or t.dtype != qkv.dtype or t.stride(-1) != 1:
+            raise ValueError(f"rope_qkv: {name} must be ({T}, {D}) {qkv.dtype} with a contiguous last dim, "
+                             f"got {tuple(t.shape)} {t.dtype}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or c.shape[:2] != (B, n_kv_heads) or c.shape[3] != D or c.dtype != qkv.dtype or c.stride(-1) != 1:
+            raise ValueError(f"rope_qkv: {name} must be ({B}, {n_kv_heads}, S, {D}) {qkv.dtype}, last dim "
+                             f"contiguous; got {tuple(c.shape)} {c.dtype}")
+    if slots.shape != (T,) or slots.dtype.is_floating_point or slots.device != qkv.device:
+        raise ValueError(f"rope_qkv: slots must be ({T},) integers on {qkv.device}, got {tuple(slots.shape)} "
+                         f"{slots.dtype} on {slots.device}")
+    return D
+
+
+def _heads_per_program(rows: int, n_heads: int, device: torch.device) -> int:
+    """One head per program at decode (40 programs for Llama-3-8B: spread over the SMs, the latency
+    is one head's); a few heads per program in prefill (fewer, fuller programs; cos/sin loaded once
+    per head group). The interpreter pays per program: all heads of a token in one."""
+    if device.type != "cuda":
+        return triton.next_power_of_2(n_heads)
+    return 1 if rows <= 8 else 4
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv_heads: int,
+             second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             heads_per_program: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """qkv (B, T, (H + 2 Hkv) D), cos/sin (T, D), caches (B, Hkv, S, D), slots (T,) -> q (B, H, T, D).
+    Writes rotated k and v into the caches at `slots`, and also into `second` = (k2, v2, slots2)
+    when given (another cache pair (B, Hkv, S2, D), e.g. the packed decode buffer, at slots2 (T,)).
+    `heads_per_program` (a power of 2) and `num_warps` override the launch (benchmarks)."""
+    D = _check(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads)
+    if second is not None:
+        _check(qkv, cos, sin, *second, n_heads, n_kv_heads)
+    k2, v2, slots2 = second if second is not None else (k_cache, v_cache, slots)
+    B, T, _ = qkv.shape
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    q = torch.empty((B, n_heads, T, D), dtype=qkv.dtype, device=qkv.device)
+    if B * T:
+        n = n_heads + n_kv_heads
+        hp = heads_per_program or _heads_per_program(B * T, n, qkv.device)
+        block = triton.next_power_of_2(D // 2)
+        _rope_qkv_kernel[(B * T, triton.cdiv(n, hp))](
+            qkv, cos, sin, q, k_cache, v_cache, slots, k2, v2, slots2, T, qkv.stride(0), qkv.stride(1),
+            cos.stride(0), sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *k2.stride()[:3],
+            *v2.stride()[:3], H=n_heads, HKV=n_kv_heads, HALF=D // 2, HEADS=hp, SECOND=second is not None,
+            BLOCK=block, num_warps=num_warps or max(1, min(4, hp * block // 64)))
+    return q
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """ops.rope's expression: x (..., T, D) rotated with cos, sin (T, D)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_qkv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv_heads: int,
+                 second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Plain PyTorch (the CPU path), today's Attention sequence: split, view, transpose, rope, cache copy.
+    Any float dtype. The returned q holds the kernel's values in the layout PyTorch's elementwise ops
+    give a transposed input ((B, T, H, D) memory order), so CPU results stay those of the unfused model."""
+    B, T, _ = qkv.shape
+    H, Hkv = n_heads, n_kv_heads
+    D = qkv.shape[-1] // (H + 2 * Hkv)
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+    k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+    v = v.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+    k = rope_ref(k, cos, sin)
+    for kc, vc, sl in [(k_cache, v_cache, slots)] + ([second] if second is not None else []):
+        sl = sl.to(device=kc.device, dtype=torch.long)
+        kc.index_copy_(2, sl, k)
+        vc.index_copy_(2, sl, v)
+    return rope_ref(q, cos, sin)

@@ -1,0 +1,154 @@
+"""Decode steps from device state (tinyvila/generate.py): batched greedy decoding, chunked prefill,
+and CUDA-graph replay equal to the same step run eagerly.
+
+On CPU the device-state step runs eagerly (the same code the graph captures) and is checked against a
+full forward and against one-token-at-a-time decoding; the replay tests need CUDA.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tinyvila.api import from_config
+from tinyvila.config import QuantConfig, SparsityConfig, preset
+from tinyvila.generate import Decoder, SamplingParams, generate
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def tiny(dtype="float64", device="cpu", **quant):
+    cfg = preset("tiny-siglip-llama", dtype=dtype)
+    if quant:
+        cfg = dataclasses.replace(cfg, quant=QuantConfig(**quant))
+    return from_config(cfg, device=device, seed=0)
+
+
+def prompt(vlm, n=23, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vlm.cfg.text.vocab_size, (1, n), generator=g).to(vlm.model.device)
+    return vlm.model.text.embed(ids)  # (1, n, d)
+
+
+def decode(vlm, n_new, batch, stop=frozenset(), **kw):
+    dec = Decoder(vlm.model.text, **kw)
+    logits = dec.prefill(prompt(vlm))
+    out = list(generate(dec, logits, SamplingParams(max_new_tokens=n_new), stop, batch=batch))
+    return out, dec
+
+
+def test_greedy_batches_give_the_same_tokens_and_cache():
+    vlm = tiny()
+    ref, ref_dec = decode(vlm, 12, batch=1)
+    for batch in (5, 16):
+        out, dec = decode(vlm, 12, batch=batch)
+        assert out == ref
+        assert dec.length == ref_dec.length == 23 + 11
+        for a, b in zip(dec.cache.k, ref_dec.cache.k):
+            torch.testing.assert_close(a[:, :, :dec.length], b[:, :, :dec.length], rtol=0, atol=0)
+
+
+def test_a_stop_inside_a_batch_rolls_the_cache_back():
+    vlm = tiny()
+    ref, _ = decode(vlm, 12, batch=1)
+    stop = ref[4]
+    first = ref.index(stop)  # the first occurrence ends generation
+    out, dec = decode(vlm, 12, batch=16, stop=frozenset([stop]))
+    assert out == ref[:first + 1]
+    assert dec.length == 23 + first and dec.position == dec.length  # the stop token is not cached
+    # The next turn continues exactly as a fresh prefill of everything up to and including the stop.
+    nxt = dec.step(stop)
+    fed = torch.cat([prompt(vlm), vlm.model.text.embed(torch.tensor([ref[:first + 1]]))], dim=1)
+    torch.testing.assert_close(nxt, Decoder(vlm.model.text).prefill(fed), rtol=1e-9, atol=1e-9)
+
+
+def test_closing_the_stream_early_leaves_a_consistent_cache():
+    vlm = tiny()
+    dec = Decoder(vlm.model.text)
+    logits = dec.prefill(prompt(vlm))
+    stream = generate(dec, logits, SamplingParams(max_new_tokens=30), batch=16)
+    got = [next(stream) for _ in range(7)]
+    stream.close()
+    assert dec.length == 23 + 6  # everything before the last yielded token, nothing after
+    ref, _ = decode(vlm, 7, batch=1)
+    assert got == ref
+
+
+def test_decode_steps_equal_a_full_forward():
+    """Incremental decoding through the device-state step equals one causal forward of the whole
+    sequence (float64: only the order of additions differs)."""
+    vlm = tiny()
+    out, dec = decode(vlm, 9, batch=4)
+    text = vlm.model.text
+    h = torch.cat([prompt(vlm), text.embed(torch.tensor([out[:-1]]))], dim=1)  # prompt + fed tokens
+    full = Decoder(text, max_seq_len=64)
+    with torch.inference_mode():
+        logits = text(h, full.cache, 0)[0]  # (T, V) every row
+    want = logits[22:].argmax(-1).tolist()  # the argmax after the last prompt token and each fed token
+    assert want == out
+    for a, b in zip(dec.cache.k, full.cache.k):
+        torch.testing.assert_close(a[:, :, :h.shape[1]], b[:, :, :h.shape[1]], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_chunked_prefill_equals_one_pass(explicit):
+    vlm = tiny()
+    h = prompt(vlm, n=41)
+    pos = torch.arange(41) * 2 + 3 if explicit else None  # gaps, as kept visual tokens may have
+    one, chunked = Decoder(vlm.model.text), Decoder(vlm.model.text, prefill_chunk=7)
+    a, b = one.prefill(h, pos), chunked.prefill(h, pos)
+    torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+    assert (one.length, one.position) == (chunked.length, chunked.position)
+    for x, y in zip(one.cache.k, chunked.cache.k):
+        torch.testing.assert_close(y[:, :, :41], x[:, :, :41], rtol=1e-10, atol=1e-10)
+    assert one.step(5).argmax() == chunked.step(5).argmax()
+
+
+def test_greedy_rejects_a_batch_past_the_context():
+    vlm = tiny()
+    dec = Decoder(vlm.model.text, max_seq_len=30)
+    dec.prefill(prompt(vlm))
+    with pytest.raises(ValueError, match="context"):
+        dec.greedy(3, 8)
+    assert dec.length == 23
+
+
+# -- CUDA graphs -----------------------------------------------------------------------------------
+def graph_vs_eager(vlm, sparsity, rounds=2, n_new=24):
+    """The same two-turn chat with graph replay and with eager steps: identical tokens."""
+    results = []
+    for graph in (False, True):
+        vlm.stop_ids = frozenset()
+        chat = vlm.chat(sampling=SamplingParams(max_new_tokens=n_new), sparsity=sparsity)
+        chat.decoder.cuda_graph = graph
+        chat.add_image(torch.randint(0, 256, (64, 64, 3), dtype=torch.uint8,
+                                     generator=torch.Generator().manual_seed(0)).numpy())
+        toks = []
+        for r in range(rounds):
+            "".join(chat.ask(f"question number {r}"))
+            toks.append(list(chat.turns[-1][2]))
+        results.append((toks, chat))
+    return results
+
+
+@gpu
+@pytest.mark.parametrize("quant", [{}, {"llm": "w4a16", "group_size": 32}])
+@pytest.mark.parametrize("keep", [1.0, 0.3])
+def test_graph_replay_equals_eager_steps(quant, keep):
+    vlm = tiny("float16", "cuda", **quant)
+    (eager, _), (graph, chat) = graph_vs_eager(vlm, SparsityConfig(decode_keep=keep))
+    assert graph == eager
+    assert chat.decoder._graphs  # really replayed
+    assert chat.stats.decode_tokens == 24
+
+
+@gpu
+def test_graph_step_logits_match_eager():
+    vlm = tiny("float16", "cuda")
+    h = prompt(vlm)
+    decs = [Decoder(vlm.model.text, cuda_graph=g) for g in (False, True)]
+    logits = [d.prefill(h) for d in decs]
+    for t in (5, 9, 11, 2):
+        logits = [d.step(t) for d in decs]
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-3, atol=1e-3)
+    assert decs[1].length == decs[0].length == 27
