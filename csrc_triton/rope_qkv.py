@@ -4,8 +4,8 @@ qkv (B, T, (H + 2 Hkv) D) holds per token [q heads | k heads | v heads], D each 
 fused wqkv). Rotate-half RoPE (HF Llama layout: dim d pairs with d + D/2) with cos, sin (T, D) in
 the activation dtype, computed with ops.rope's roundings (x*cos, rot(x)*sin and their sum each
 rounded to the dtype, as PyTorch's three fp16 ops do; csrc_triton/rounding.py): bit for bit equal
-to ops.rope's under the interpreter; on the H200 (2026-11-29) a few elements come out one ulp away
-(cause not yet found), which the GPU tests bound:
+to ops.rope's under the interpreter; on the H200 (2026-11-29) some elements come out an ulp or two
+away (cause not yet found: likely a product not rounded before the sum), which the GPU tests bound:
     out[:D/2] = x1*cos1 - x2*sin1        out[D/2:] = x2*cos2 + x1*sin2
 Rotated k and raw v go to k_cache, v_cache (B, Hkv, S, D) at sequence slot slots[t] (T,) (any int
 dtype, read on the device, so a captured decode graph can advance it without re-capture; the caller

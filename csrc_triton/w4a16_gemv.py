@@ -13,21 +13,25 @@ bits 0-3 under 16.0 (ulp 2^-3): m = 16, u = 1/8. Then, per group g of row n (fp3
 
 Two kernels share this math and the epilogue:
 - "mma" (G = 128, K % 128 == 0; the GPU default): the v tile is the *register* operand A of mma.sync
-  (tl.dot (BLOCK_N, 128) x (128, 8)), x^T the shared-memory operand B (columns = the M rows, zero-padded
-  to 8). The dot sums over k in whatever order A's registers hold, so the tile is built in the order that
-  is exactly mma's operand layout (_mma_operand): no data moves between threads, and the tensor cores do
-  every multiply-add; per weight that leaves ~1 integer op (~2.7 SASS instructions in all). One dot per
-  group, acc += s * dot; the x-only terms (Xm, X) of all the program's groups are computed once, in the
-  first K step while the first tiles are still in flight (_zero_point_terms).
+  (tl.dot (BLOCK_N, 128 GPS) x (128 GPS, 8)), built in the order that is exactly mma's operand layout
+  (_mma_operand): Triton reads the words from shared memory straight into it, and the tensor cores do every
+  multiply-add (~1 integer op per weight to unpack). A K step covers GPS groups (64 GPS contiguous bytes
+  of each row). B is x in block-diagonal form: column jg BM + m holds row m of x for group jg and zeros
+  elsewhere, so one dot yields each group's sum in its own column and the per-group scales are one (BN, 8)
+  multiply (_x_operand, _step_scales). x is loaded contiguously as int32 pairs (pipelined with cp.async like
+  the weights) and permuted in registers; the x-only terms (Xm, X) of all the program's groups are computed
+  once, in the first K step while the first tiles are in flight (_zero_point_terms). CHAINS > 1 splits a
+  step into that many dots: independent mma accumulation chains instead of one.
 - "fma" (any G): the fp16 magic values (for either x dtype) widened to fp32 (cvt), fp32 FMAs against x,
   summed per 32-value chunk that one thread holds (4 words: one 16-byte load), scaled per chunk.
-  ~4.2 SASS instructions per weight: the baseline the sweep compares against.
+  ~4.2 SASS instructions per weight: the fallback for groups of 32 and 64.
 Split-K (SPLIT_K > 1; row blocks too few to fill the GPU): every program stores an fp32 partial; the
 last to arrive at its row block's counter sums the partials in split order (deterministic, whichever
 arrives last), adds the bias, stores y and resets the counter. No host sync, no autotuning, no per-call
 allocation (workspace and counters persist per device), so a call can be captured in a CUDA graph after
 one eager call of the same shape. One CUDA stream at a time per device (shared counters).
-Configs: a fixed table (gemv_config) from the H200 sweep (scripts/benches/w4a16.py, TINYVILA_W4_SWEEP=1).
+Configs: a fixed table (GEMV_TABLE, else a rule: gemv_config) from the H200 sweep (scripts/benches/w4a16.py,
+TINYVILA_W4_SWEEP=1).
 Limits: M <= 8 (larger M: w4a16_gemm), K % G == 0, N * K / 8 < 2^31.
 """
 
@@ -382,6 +386,15 @@ def _step_scales(s_ptr, idx, dtype, S_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 @triton.jit
+def _dot(a, b, UPCAST_DOT: tl.constexpr):
+    """(BN, K) x (K, 8) -> (BN, 8) fp32 on the tensor cores. UPCAST_DOT (interpreter): Triton 3.6's
+    interpreter multiplies bf16 tiles as raw integers, so both operands are widened to fp32 there (exact)."""
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _zero_point_terms(x_ptr, s_ptr, z_ptr, stride_xm, M, rows, NG, g_lo, g_hi, dtype, U_INV: tl.constexpr,
                       M_ODD: tl.constexpr, S_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, GB: tl.constexpr):
     """The x-only terms of groups [g_lo, g_hi), G = 128: sum_g b[n, g] X[m, g] - s[n, g] / u * Xm[m, g],
@@ -421,8 +434,6 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     # per warp: the B operand a warp reads from shared memory serves all of its tiles. CHAINS: the step's
     # groups in that many separate dots (each its own loads and B), whose mma accumulations are independent
     # chains a warp can overlap, instead of one chain of 8 GPS dependent mma.sync per 16-row tile.
-    # UPCAST_DOT (interpreter): Triton 3.6's interpreter multiplies bf16 tiles as raw integers, so both
-    # operands are widened to fp32 there (exact).
     dtype = y_ptr.dtype.element_ty
     U_INV: tl.constexpr = 8.0 if dtype == tl.bfloat16 else 64.0  # 1 / u of the magic values (_magic_planes)
     M_ODD: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0  # their m at odd k
@@ -447,17 +458,18 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
             corr = _zero_point_terms(x_ptr, s_ptr, z_ptr, stride_xm, M, rows, NG, g_lo, g_hi, dtype, U_INV, M_ODD,
                                      S_PAIRS, BLOCK_M, CORR_GB)
             acc += _pad_columns(corr * (1.0 / U_INV), BLOCK_M)
-        s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)  # (BN, 8)
-        for c in tl.static_range(CHAINS):
-            a = _mma_operand(tl.load(w_ptrs + c * 16 * GC), dtype, UNPACK)  # (BN, 128 GC)
-            xt = _x_operand(tl.load(x_ptrs + c * 64 * GC, mask=x_mask, other=0), dtype, BLOCK_M, GC, c * GC)
-            if UPCAST_DOT:
-                d = tl.dot(a.to(tl.float32), xt.to(tl.float32))
-            else:
-                d = tl.dot(a, xt)  # (BN, 8) fp32: column jg BM + m: sum_k v_k x[m]_k of group g + jg
-            # Scaled before the sum: an add of two dots would be folded into one dot accumulating the other
-            # (Triton's dot-add combine), i.e. one dependent chain again.
-            acc += s8 * d
+        if CHAINS == 1:
+            a = _mma_operand(tl.load(w_ptrs), dtype, UNPACK)  # (BN, 128 GPS)
+            xt = _x_operand(tl.load(x_ptrs, mask=x_mask, other=0), dtype, BLOCK_M, GPS, 0)  # (128 GPS, 8)
+            acc += _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS) * _dot(a, xt, UPCAST_DOT)
+        else:
+            s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)  # (BN, 8)
+            for c in tl.static_range(CHAINS):
+                a = _mma_operand(tl.load(w_ptrs + c * 16 * GC), dtype, UNPACK)  # (BN, 128 GC)
+                xt = _x_operand(tl.load(x_ptrs + c * 64 * GC, mask=x_mask, other=0), dtype, BLOCK_M, GC, c * GC)
+                # Scaled before the sum: an add of two dots would be folded into one dot accumulating the
+                # other (Triton's dot-add combine), i.e. one dependent chain again.
+                acc += s8 * _dot(a, xt, UPCAST_DOT)
         w_ptrs += 16 * GPS
         x_ptrs += 64 * GPS
         s_idx += GPS
@@ -498,9 +510,10 @@ def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
 
 # -- configs and launcher ----------------------------------------------------------------------------------
-# A config: {"kernel": "mma" | "fma", "num_warps", "STAGES" (tiles in flight), "SPLIT_K" (programs per row
-# block)}; "mma" programs own 16 num_warps rows and take one group of 128 per K step; "fma" ones take
-# BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W
+# A config: {"kernel": "mma" | "fma", "num_warps", "STAGES" (K steps in flight), "SPLIT_K" (programs per row
+# block), ...}. "mma": "BLOCK_N" rows per program (a multiple of 16 num_warps: 16-row tiles per warp; default
+# 16 num_warps), "GPS" groups of 128 per K step (capped to 8 / BLOCK_M and to a power of two dividing K / 128),
+# "CHAINS" dots per step (default 1). "fma": BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W
 # rows x BLOCK_W words with 16-byte loads; each thread then holds BLOCK_N BLOCK_W / (128 num_warps) rows of
 # one 32-value chunk per tile). No autotuning at call time: a decode step is captured in a CUDA graph.
 INTERPRET_CONFIG = {"kernel": "fma", "BLOCK_N": 16, "BLOCK_W": 16, "num_warps": 4, "STAGES": 1, "SPLIT_K": 1}
@@ -531,9 +544,14 @@ def _pairs_view(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32)
 
 
-# (BLOCK_M = next_pow2(M), N, K) -> config, for group 128, from the H200 sweep (TINYVILA_W4_SWEEP prints
-# this dict). Empty until that run: gemv_config's rule picks meanwhile.
-GEMV_TABLE: dict[tuple[int, int, int], dict] = {}
+# (BLOCK_M = next_pow2(M), N, K) -> config, for group 128: the fastest of the H200 sweep (TINYVILA_W4_SWEEP
+# prints this dict; 2026-11-30 run H1b-1, per call replayed from a CUDA graph, docs/perf_notes.md).
+GEMV_TABLE: dict[tuple[int, int, int], dict] = {
+    (1, 4096, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 4, "GPS": 4},  # 10.6 us
+    (1, 4096, 14336): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 4, "GPS": 4},  # 19.1 us
+    (1, 6144, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 8},  # 12.7 us
+    (1, 28672, 4096): {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 4},  # 29.5 us
+}
 
 
 # TINYVILA_W4_GEMV_KERNEL=fma keeps the default off the tensor-core kernel (a switch for bisecting).
@@ -541,20 +559,22 @@ FORCE_FMA = os.environ.get("TINYVILA_W4_GEMV_KERNEL", "") == "fma"
 
 
 def gemv_config(M: int, N: int, K: int, G: int) -> dict:
-    """The GPU launch config of an (M, K) x (N, K)^T call: GEMV_TABLE's entry, else a rule: tensor-core
-    tiles of 32 rows on 2 warps (181 registers, 53 KB of shared memory: 4 programs per SM), up to 8 groups
-    per K step, split-K until the grid has ~4 programs per SM while every split keeps >= 2 K steps."""
+    """The GPU launch config of an (M, K) x (N, K)^T call: GEMV_TABLE's entry, else a rule from that sweep:
+    64-row programs of 4 warps, 4 groups per K step (GPS = 4 beat 8 on every layer, 4-warp programs beat 1-
+    and 2-warp ones), split-K doubling while the grid stays within 2 programs per SM and every split keeps
+    >= 2 K steps. At the Llama-3-8B shapes the rule is within 0-8% of the table (same tile; splits 4, 4, 2,
+    1 for o, down, qkv, gate_up)."""
     key = (triton.next_power_of_2(M), N, K)
     if G == 128 and key in GEMV_TABLE and not (FORCE_FMA and GEMV_TABLE[key]["kernel"] == "mma"):
         return dict(GEMV_TABLE[key])
     if mma_ok(K, G) and not FORCE_FMA:
-        warps, block_n, stages = 2, 32, 3
-        gps = groups_per_step(8 // triton.next_power_of_2(M), K // G)  # what the launcher will use
+        warps, block_n, stages = 4, 64, 3
+        gps = groups_per_step(4, K // G)
         row_blocks, split = triton.cdiv(N, block_n), 1
-        while row_blocks * split < 4 * N_SM and K // G >= 2 * gps * 2 * split:
+        while row_blocks * split * 2 <= 2 * N_SM and K // G >= 2 * gps * 2 * split:
             split *= 2
         return {"kernel": "mma", "BLOCK_N": block_n, "num_warps": warps, "STAGES": stages, "SPLIT_K": split,
-                "GPS": 8}
+                "GPS": 4}
     R = 4 if M <= 2 else (2 if M <= 4 else 1)  # fp32 rows per thread; v stays live across the M rows
     return {"kernel": "fma", "BLOCK_N": 4 * R, "BLOCK_W": 128, "num_warps": 4, "STAGES": 4, "SPLIT_K": 1}
 

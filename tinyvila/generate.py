@@ -64,7 +64,8 @@ class Decoder:
     tensors (`KVCache.step_index`) and advance them themselves, so on CUDA one step is captured in a
     CUDA graph (per decode buffer and vocabulary limit) and replayed per token with no host work;
     greedy decoding also takes its argmax inside the graph and the host reads the new tokens once per
-    batch (`greedy`). `cuda_graph=False` (or TINYVILA_CUDA_GRAPH=0) runs the same step eagerly.
+    batch (`greedy`). `cuda_graph=False` (or TINYVILA_CUDA_GRAPH=0, or an fp32 model) runs the same
+    step eagerly.
     """
 
     def __init__(self, text_model, max_seq_len: int | None = None, cuda_graph: bool | None = None,
@@ -75,8 +76,9 @@ class Decoder:
         self.length = 0
         self.position = 0
         self._explicit: list[tuple[int, torch.Tensor]] = []  # (first slot, positions) of such prefills
-        if cuda_graph is None:
-            cuda_graph = w.is_cuda and os.environ.get("TINYVILA_CUDA_GRAPH", "1") != "0"
+        if cuda_graph is None:  # fp32/fp64 models decode through PyTorch references that sync the host
+            cuda_graph = (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16)
+                          and os.environ.get("TINYVILA_CUDA_GRAPH", "1") != "0")
         self.cuda_graph, self.prefill_chunk = cuda_graph, prefill_chunk
         # The decode step's device state: input token, greedy outputs of a batch, and their count.
         self._token = torch.zeros(1, 1, dtype=torch.long, device=w.device)

@@ -17,13 +17,16 @@ GEMM tile sweep (replaces the rows above; ~2 min on an H200, mostly Triton compi
 prints each fused config's time per shape and M (checked against the dequant path first), then the
 CONFIG_TABLE to paste into csrc_triton/w4a16_gemm.py, the DEQUANT_MIN_M crossover, and summary rows.
 
-GEMV config sweep (replaces the rows above; ~1-2 min on an H200, mostly compiling ~20 variants):
+GEMV config sweep (replaces the rows above; ~70 s on an H200 for M = 1: ~30 variants compiled in 12 worker
+processes in ~10 s, ~190 configs timed, then the chosen table checked at fp16/bf16, M = 1, 2, 4, 8):
 
-    TINYVILA_W4_SWEEP=1 PYTHONPATH=. python scripts/bench_kernels.py --only w4a16    # or =1,2,4,8 (rows M)
+    TINYVILA_W4_SWEEP=1 [TINYVILA_W4_TABLE_OUT=table.txt] PYTHONPATH=. python scripts/bench_kernels.py --only w4a16
 
-prints, per layer shape and M, each config's device time, GB/s, share of the copy bandwidth and speed-up
-over cuBLAS next to the read floor (a plain kernel reading the same bytes), then the GEMV_TABLE to paste
-into csrc_triton/w4a16_gemv.py and summary rows (launcher default vs best, also replayed from a CUDA graph).
+prints, per layer shape (largest first) and M, each config's per-call time replayed from a CUDA graph (16
+back-to-back calls, decode's situation), GB/s, share of the copy bandwidth and speed-up over cuBLAS (also
+replayed) next to the read floor (a plain kernel reading the same bytes, replayed), then the GEMV_TABLE to
+paste into csrc_triton/w4a16_gemv.py (also written to TINYVILA_W4_TABLE_OUT after every shape), the check
+of that table, and summary rows (launcher default vs best, and their sum over the 4 layers).
 """
 
 from __future__ import annotations
@@ -207,10 +210,15 @@ def gemm_sweep(ms: list[int], iters: int = 30) -> list[dict]:
 GEMV_SWEEP_ENV = "TINYVILA_W4_SWEEP"
 GEMV_TABLE_OUT_ENV = "TINYVILA_W4_TABLE_OUT"  # where the sweep also writes its GEMV_TABLE literal
 N_SM = 132
-# Tensor-core tiles the sweep times: (num_warps, BLOCK_N rows, GPS groups per K step, STAGES in flight). All
-# compile for sm_90 without spills (ptxas, Triton 3.6: 128-213 registers, 23-86 KB of shared memory).
-GEMV_SWEEP_TILES = [(1, 16, 8, 2), (1, 16, 8, 3), (1, 16, 8, 4), (1, 16, 4, 4), (2, 32, 8, 3), (2, 32, 4, 4),
-                    (2, 64, 4, 3), (4, 64, 8, 2), (4, 64, 8, 3), (4, 64, 4, 3), (4, 128, 4, 3)]
+# Tensor-core tiles the sweep times: (num_warps, BLOCK_N rows, GPS groups per K step, STAGES in flight, CHAINS
+# independent dots per step). All compile for sm_90 without spills (ptxas, Triton 3.6: 114-231 registers,
+# 21-150 KB of shared memory). Run H1b-1 (2026-11-30) timed the CHAINS = 1 tiles with 1-2 warps and 4 warps
+# at 64 / 128 rows: 4-warp programs of 64-128 rows with GPS = 4 won; this list keeps the winners and
+# adds 8-warp programs and 2-4 independent mma chains per step (untimed so far).
+GEMV_SWEEP_TILES = [(2, 32, 8, 3, 1), (2, 64, 4, 3, 1), (2, 64, 4, 3, 2), (4, 64, 8, 3, 1), (4, 64, 8, 3, 4),
+                    (4, 64, 4, 2, 1), (4, 64, 4, 3, 1), (4, 64, 4, 3, 2), (4, 64, 4, 3, 4), (4, 128, 4, 3, 1),
+                    (4, 128, 4, 3, 2), (8, 128, 2, 3, 1), (8, 128, 4, 3, 1), (8, 128, 4, 3, 2), (8, 256, 2, 3, 1),
+                    (8, 256, 4, 2, 1)]
 GEMV_SWEEP_SPLITS = (1, 2, 4, 8)
 
 
@@ -222,19 +230,20 @@ def gemv_sweep_configs(N: int, K: int, M: int = 1) -> list[dict]:
 
     groups = K // GROUP
     out = [gemv_config(M, N, K, GROUP)]
-    for warps, bn, gps, stages in GEMV_SWEEP_TILES:
+    for warps, bn, gps, stages, chains in GEMV_SWEEP_TILES:
         for split in GEMV_SWEEP_SPLITS:
             if groups // split >= 2 * gps and (split == 1 or -(-N // bn) * split <= 8 * N_SM):
                 out.append({"kernel": "mma", "BLOCK_N": bn, "num_warps": warps, "STAGES": stages, "SPLIT_K": split,
-                            "GPS": gps})
-    unique = {tuple(sorted(c.items())): c for c in out}
+                            "GPS": gps, "CHAINS": chains})
+    unique = {tuple(sorted({"CHAINS": 1, **c}.items())): c for c in out}  # CHAINS = 1 is the default
     return list(unique.values())
 
 
 def gemv_config_name(cfg: dict) -> str:
     if cfg["kernel"] == "mma":
+        chains = f" c{cfg['CHAINS']}" if cfg.get("CHAINS", 1) > 1 else ""
         return (f"mma w{cfg['num_warps']} n{cfg.get('BLOCK_N', 16 * cfg['num_warps'])} g{cfg.get('GPS', 1)} "
-                f"s{cfg['STAGES']} k{cfg['SPLIT_K']}")
+                f"s{cfg['STAGES']}{chains} k{cfg['SPLIT_K']}")
     return f"fma n{cfg['BLOCK_N']} b{cfg['BLOCK_W']} w{cfg['num_warps']} s{cfg['STAGES']} k{cfg['SPLIT_K']}"
 
 

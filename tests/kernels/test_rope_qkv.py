@@ -1,8 +1,8 @@
 """csrc_triton.rope_qkv against its reference (today's split / transpose / ops.rope / cache write).
 
 Rotated q, the cached rotated k and v must equal the reference bit for bit under the interpreter (the
-kernel repeats PyTorch's three roundings) and within one ulp on the GPU (measured on the H200: an ulp
-off in a few elements; see the kernel's docstring), at the given slots only: caches are poisoned with
+kernel repeats PyTorch's three roundings) and within a few roundings on the GPU (measured on the H200:
+some elements an ulp or two off; see the kernel's docstring), at the given slots only: caches are poisoned with
 NaN, so a write to a wrong slot or a missing write fails. CPU: the interpreter at small sizes (GQA 1, 2, 4, odd T); CUDA
 also Llama-3-8B (32 heads, 8 KV heads, D 128) at decode (T=1) and prefill (T=300), and a CUDA-graph
 replay whose slot tensor is advanced between replays.
@@ -45,12 +45,14 @@ def same(a, b):
 
 def match(kernel, ref):
     """The kernel's tensor against the reference's: bitwise under the interpreter; on the GPU NaN where
-    NaN and every value within one ulp (|diff| <= eps * |ref|)."""
+    NaN and every value within a few roundings of the dtype (2 eps relative, plus 2 eps of the largest
+    magnitude for cancellations in x*cos - x'*sin). A wrong rotation, head or slot is off by O(1)."""
     if not ON_GPU:
         return same(kernel, ref)
     eps = torch.finfo(ref.dtype).eps
     a, b = kernel.float().nan_to_num(0.0), ref.float().nan_to_num(0.0)
-    return torch.equal(kernel.isnan(), ref.isnan()) and bool(((a - b).abs() <= eps * b.abs() + 1e-6).all())
+    tol = 2 * eps * b.abs() + 2 * eps * b.abs().max()
+    return torch.equal(kernel.isnan(), ref.isnan()) and bool(((a - b).abs() <= tol).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,10 +3,10 @@
 On CPU both kernels run under TRITON_INTERPRET=1 at small odd shapes: "fma" (M in {1, 3, 8}, groups
 32/64/128, fp16/bf16, bias, partial tiles, split-K) and "mma" (G = 128: row counts that are not a multiple
 of the row tile, split-K ranges of unequal length, 1-8 groups per K step with the block-diagonal x operand,
-1-2 row tiles per warp); the PTX unpacking blocks are checked bit for bit by a small emulator. On CUDA the
-same cases run with both nibble unpackings (plain shifts, and the PTX that is the GPU default), plus
-Llama-3-8B layer shapes (M = 1, 2, 8, fp16/bf16) with the launcher's own configs (gemv_config), every config
-of the bench sweep at one real shape, split-K determinism and CUDA-graph replay.
+1-4 independent dots per step, 1-2 row tiles per warp); the PTX unpacking blocks are checked bit for bit by
+a small emulator. On CUDA the same cases run with both nibble unpackings (plain shifts, and the PTX that is
+the GPU default), plus Llama-3-8B layer shapes (M = 1, 2, 8, fp16/bf16) with the launcher's own configs
+(gemv_config), every config of the bench sweep at one real shape, split-K determinism and CUDA-graph replay.
 """
 
 import os
@@ -76,6 +76,20 @@ def test_mma_groups_per_step(M, N, K, gps, split, warps, block_n, dtype, unpack)
     """GPS groups per K step (one dot, the x operand block-diagonal over the 8 columns) at every M bucket."""
     a = make(M, N, K, 128, dtype, seed=N + K + gps, bias=True, device=DEVICE)
     cfg = {"kernel": "mma", "BLOCK_N": block_n, "num_warps": warps, "STAGES": 1, "SPLIT_K": split, "GPS": gps}
+    assert_w4_close(run(a, config=cfg, unpack=unpack), a)
+
+
+@pytest.mark.parametrize("unpack", UNPACKS)
+@pytest.mark.parametrize("M,N,K,gps,chains,split,dtype", [
+    (1, 100, 1024, 8, 2, 1, torch.float16),  # two dots of 4 groups, columns 0-3 and 4-7
+    (1, 70, 1024, 4, 4, 2, torch.bfloat16),  # four dots of one group each
+    (2, 50, 768, 8, 2, 3, torch.float16),  # GPS capped to 2 (6 groups), one group per dot, BM = 2
+])
+def test_mma_independent_chains(M, N, K, gps, chains, split, dtype, unpack):
+    """CHAINS separate dots per K step (independent mma accumulations), each filling its groups' columns."""
+    a = make(M, N, K, 128, dtype, seed=N + K + chains, bias=True, device=DEVICE)
+    cfg = {"kernel": "mma", "BLOCK_N": 32, "num_warps": 1, "STAGES": 1, "SPLIT_K": split, "GPS": gps,
+           "CHAINS": chains}
     assert_w4_close(run(a, config=cfg, unpack=unpack), a)
 
 
@@ -234,3 +248,6 @@ def test_bad_inputs_are_clear_errors():
         w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "BLOCK_W": 16})
     with pytest.raises(ValueError, match="multiple of 16 num_warps"):
         w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "BLOCK_N": 32})
+    c = make(1, 16, 512, 128, torch.float16, seed=0, device=DEVICE)
+    with pytest.raises(ValueError, match="power of two"):
+        w4a16_gemv(c["x"], c["qweight"], c["scales"], c["zeros"], config={**MMA, "GPS": 4, "CHAINS": 3})
