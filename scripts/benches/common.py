@@ -44,6 +44,32 @@ def bench(fn, inputs: list, warmup: int = 10, iters: int = 50, spin_cycles: int 
     return times[len(times) // 2]
 
 
+def graph_ms(fn, inputs: list, calls: int = 16, iters: int = 20) -> float | None:
+    """Median ms per call of fn(*inputs[i % len]) from replays of one CUDA graph of max(calls, len(inputs))
+    back-to-back calls: a kernel's device time as a captured decode step or encoder runs it (no host
+    launch overhead; each launch overlaps the previous one's tail). Every input is run once on a side
+    stream first (compiles, grows workspaces outside the capture). None, with a message, when the call
+    cannot be captured."""
+    n = max(calls, len(inputs))
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for args in inputs:
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(n):
+                fn(*inputs[i % len(inputs)])
+    except RuntimeError as e:
+        print(f"graph capture failed: {e}")
+        return None
+    ms = bench(graph.replay, [()], warmup=3, iters=iters) / n
+    del graph
+    return ms
+
+
 _CEILINGS: dict[str, float] = {}
 
 

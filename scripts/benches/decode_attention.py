@@ -41,27 +41,6 @@ def _kv(S, n):
             for _ in range(n)]
 
 
-def graph_ms(fn, inputs: list, calls: int = 16) -> float | None:
-    """Per-call median ms of fn replayed from one CUDA graph of >= `calls` calls cycling through
-    `inputs` (the decode loop replays a captured step, so this is its device time without Python
-    launch overhead); None when the call cannot be captured."""
-    n = max(calls, len(inputs))
-    try:
-        for args in inputs:  # compile and allocate outside the capture
-            fn(*args)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(n):
-                fn(*inputs[i % len(inputs)])
-    except RuntimeError as e:
-        print(f"graph capture failed: {e}")
-        return None
-    ms = common.bench(graph.replay, [()], warmup=3, iters=20) / n
-    del graph
-    return ms
-
-
 def decode_rows(lengths) -> list[dict]:
     from csrc_triton.decode_attention import decode_attention
 
@@ -72,8 +51,8 @@ def decode_rows(lengths) -> list[dict]:
         lens = torch.tensor([L], dtype=torch.int32, device="cuda")
         fn = lambda k, v, lens=lens: ops.decode_attention(q, k, v, lens)  # noqa: E731
         eager = common.bench(fn, kv)
-        graph = graph_ms(fn, kv) or eager
-        two = graph_ms(lambda k, v, lens=lens: decode_attention(q, k, v, lens, fused=False), kv)
+        graph = common.graph_ms(fn, kv) or eager
+        two = common.graph_ms(lambda k, v, lens=lens: decode_attention(q, k, v, lens, fused=False), kv)
         gbs = 4 * HKV * L * D / graph / 1e6  # K and V, 2 bytes each
         rows.append({"case": "decode packed (graph)", "L": L, "keep": 1.0, "us": 1000 * graph,
                      "eager_us": 1000 * eager, "two_kernel_us": 1000 * two if two else None,
@@ -89,13 +68,13 @@ def sparse_vs_sdpa(caches, keeps) -> list[dict]:
     for S in caches:
         kv = _kv(S, common.n_copies(4 * HKV * S * D))
         sdpa_fn = lambda k, v: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)  # noqa: E731
-        sdpa_eager, sdpa = common.bench(sdpa_fn, kv), graph_ms(sdpa_fn, kv)
+        sdpa_eager, sdpa = common.bench(sdpa_fn, kv), common.graph_ms(sdpa_fn, kv)
         for keep in keeps:
             L = round(keep * S)
             lens = torch.tensor([L], dtype=torch.int32, device="cuda")
             fn = lambda k, v, lens=lens: ops.decode_attention(q, k, v, lens)  # noqa: E731
             eager = common.bench(fn, kv)
-            ms = graph_ms(fn, kv) or eager
+            ms = common.graph_ms(fn, kv) or eager
             speedup = sdpa / ms if sdpa and ms else None
             rows.append({"case": "keep vs SDPA full (graph)", "L": S, "keep": keep, "us": 1000 * ms,
                          "sdpa_us": 1000 * sdpa if sdpa else None, "speedup": speedup,
@@ -128,7 +107,7 @@ def sweep_rows(lengths=(1024, 8192, 32768, 131072)) -> list[dict]:
                                    num_warps=warps, num_stages=stages, fused=fused)
             name = f"n{bn}w{warps}s{stages}c{per_sm}{'f' if fused else ''}"
             try:
-                ms = graph_ms(fn, kv)
+                ms = common.graph_ms(fn, kv)
             except Exception as e:  # a config that does not compile (shared memory) is a row, not a crash
                 print(f"config {name} failed: {type(e).__name__}: {e}")
                 ms = None
@@ -164,14 +143,14 @@ def retrieval_sweep_rows(S=32768, T=64) -> list[dict]:
 
     sets = _question(S, T, common.n_copies(2 * HKV * (S + T) * D))
     idx = torch.arange(S, device="cuda", dtype=torch.int32)
-    prefill = graph_ms(lambda q, k, v, lse: ops.attention_lse(q, k, v, S), sets)
+    prefill = common.graph_ms(lambda q, k, v, lse: ops.attention_lse(q, k, v, S), sets)
     rows = []
     for bm, bn, tiles, warps, stages in RETRIEVAL_SWEEP:
         fn = functools.partial(retrieval_salience, idx=idx, block_m=bm, block_n=bn, tiles=tiles,
                                num_warps=warps, num_stages=stages)
         call = lambda q, k, v, lse, fn=fn: fn(q, k, lse=lse)  # noqa: E731
         try:
-            eager, graph = common.bench(call, sets), graph_ms(call, sets)
+            eager, graph = common.bench(call, sets), common.graph_ms(call, sets)
         except Exception as e:  # a config that does not compile is a row, not a crash
             print(f"config {bm, bn, tiles, warps, stages} failed: {type(e).__name__}: {e}")
             eager = graph = None
@@ -195,8 +174,8 @@ def retrieval_rows(S=32768, T=64) -> list[dict]:
     idx = torch.arange(S, device="cuda", dtype=torch.int32)
     kern_fn = lambda q, k, v, lse: ops.retrieval_salience(q, k, idx, lse)  # noqa: E731
     prefill_fn = lambda q, k, v, lse: ops.attention_lse(q, k, v, S)  # noqa: E731
-    kern, kern_g = common.bench(kern_fn, sets), graph_ms(kern_fn, sets)
-    prefill, prefill_g = common.bench(prefill_fn, sets), graph_ms(prefill_fn, sets)
+    kern, kern_g = common.bench(kern_fn, sets), common.graph_ms(kern_fn, sets)
+    prefill, prefill_g = common.bench(prefill_fn, sets), common.graph_ms(prefill_fn, sets)
     naive = common.bench(lambda q, k, v, lse: _naive_salience(q, k[:, :, :S], idx, scale), sets, iters=20)
     rows = [{"case": "retrieval kernel", "L": S, "T": T, "us": 1000 * kern,
              "graph_us": 1000 * kern_g if kern_g else None},
@@ -264,7 +243,7 @@ def overhead_rows(S=8192, T=64, keep=0.1, turn=50) -> list[dict]:
     score()
     out = cache.scoring.scores
     idx = cache.scoring.idx
-    retr_g = graph_ms(lambda: [ops.retrieval_salience(q, cache.k[i][:, :, :S + T], idx, lse, out=out[i])
+    retr_g = common.graph_ms(lambda: [ops.retrieval_salience(q, cache.k[i][:, :, :S + T], idx, lse, out=out[i])
                                for i in range(LAYERS)], [()], calls=1)
     rows, total = [], score_ms + pack_ms
     for name, ms in (("retrieval 32 layers (eager)", score_ms), ("retrieval 32 layers (graph)", retr_g),
@@ -285,7 +264,7 @@ def pack_sweep_rows(S=8192, T=64, keep=0.1) -> list[dict]:
     dst = [torch.empty(LAYERS, 1, HKV, L + 64, D, device="cuda", dtype=DT) for _ in range(2)]
     rows, bw = [], common.copy_bandwidth_gbs()
     for block_l in (16, 32, 64, 128):
-        ms = graph_ms(lambda b=block_l: kv_pack(tuple(src), idx, tuple(dst), block_l=b), [()])
+        ms = common.graph_ms(lambda b=block_l: kv_pack(tuple(src), idx, tuple(dst), block_l=b), [()])
         gbs = 2 * 2 * LAYERS * HKV * L * D * 2 / ms / 1e6 if ms else None  # read + write, K and V
         rows.append({"case": "pack sweep (graph)", "L": S, "keep": keep, "block_l": block_l,
                      "us": 1000 * ms if ms else None, "GB/s": gbs, "of_copy_bw": gbs / bw if gbs else None})

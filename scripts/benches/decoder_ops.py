@@ -28,30 +28,17 @@ from csrc_triton.rope_qkv import rope_qkv, rope_qkv_ref
 from csrc_triton.silu_mul import silu_mul, silu_mul_ref
 
 DIM, H, HKV, D, FFN, LAYERS = 4096, 32, 8, 128, 14336, 32
+
 S = 1024  # KV cache slots
 EPS = 1e-5
 DT = torch.float16
 DEVICE = "cuda"
 
 
-def graph_us(fn, sets: list, calls: int = 32) -> float | None:
-    """Median us per call of fn(*set) from replays of one CUDA graph of max(calls, len(sets)) calls
-    cycling through `sets`; None when the sequence cannot be captured."""
-    n = max(calls, len(sets))
-    try:
-        for s in sets:  # compile and allocate outside the capture
-            fn(*s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(n):
-                fn(*sets[i % len(sets)])
-    except RuntimeError as e:
-        print(f"graph capture failed: {e}")
-        return None
-    ms = common.bench(graph.replay, [()], warmup=3, iters=20)
-    del graph
-    return 1000 * ms / n
+def graph_us(fn, sets: list) -> float | None:
+    """us per call from CUDA-graph replays (common.graph_ms, 32 calls)."""
+    ms = common.graph_ms(fn, sets, calls=32)
+    return None if ms is None else 1000 * ms
 
 
 def _n_sets(M: int, bytes_per_set: int) -> int:

@@ -261,19 +261,7 @@ def _read_floor_us(nbytes: int) -> float:
     bufs = [torch.randint(0, 100, (n,), dtype=torch.int32, device="cuda") for _ in range(common.n_copies(nbytes))]
     block = 2048
     out = torch.empty(triton.cdiv(n, block), dtype=torch.int32, device="cuda")
-    return _graph_us(lambda b: _read_kernel[(triton.cdiv(n, block),)](b, out, n, BLOCK=block), [(b,) for b in bufs])
-
-
-def _graph_us(fn, inputs: list, calls: int = 16) -> float:
-    """Per-call time of `calls` back-to-back calls (rotating inputs) replayed from one CUDA graph: decode's
-    situation, where a kernel's launch overlaps the previous one's tail. Median over 20 replays."""
-    fn(*inputs[0])  # compile and grow workspaces outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(*inputs[i % len(inputs)])
-    return 1e3 * common.bench(lambda: graph.replay(), [()], warmup=3, iters=20) / calls
+    return 1e3 * common.graph_ms(lambda b: _read_kernel[(triton.cdiv(n, block),)](b, out, n, BLOCK=block), [(b,) for b in bufs])
 
 
 def _gemv_check(job: tuple) -> dict:
@@ -341,7 +329,7 @@ def _gemv_shape_rows(name: str, M: int, N: int, K: int, sets: list[tuple], floor
 
     xs = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _ in sets]
     w4_in = [(x, q, s, z) for x, (_, q, s, z) in zip(xs, sets)]
-    t_fp = _graph_us(F.linear, [(x, w) for x, (w, _, _, _) in zip(xs, sets)])
+    t_fp = 1e3 * common.graph_ms(F.linear, [(x, w) for x, (w, _, _, _) in zip(xs, sets)])
     nbytes = _w4_bytes(N, K) + 2 * M * (K + N)
     copy_gbs = common.copy_bandwidth_gbs()
     x0, q0, s0, z0 = w4_in[0]
@@ -351,7 +339,7 @@ def _gemv_shape_rows(name: str, M: int, N: int, K: int, sets: list[tuple], floor
         try:  # a config that fails to compile or launch is reported, not fatal to the sweep
             y = w4a16_gemv(x0, q0, s0, z0, config=cfg)
             err = ((y.float() - exact).abs().max() / exact.abs().max()).item()
-            t = _graph_us(lambda x, q, s, z, c=cfg: w4a16_gemv(x, q, s, z, config=c), w4_in)
+            t = 1e3 * common.graph_ms(lambda x, q, s, z, c=cfg: w4a16_gemv(x, q, s, z, config=c), w4_in)
         except Exception as e:
             print(f"  {name:<8} M={M} {gemv_config_name(cfg):<26} FAILED: {str(e).strip().splitlines()[-1][:120]}",
                   flush=True)

@@ -46,24 +46,6 @@ def _progress(row: dict) -> dict:
     return row
 
 
-def graph_ms(fn, sets: list, calls: int = 12, iters: int = 10) -> float:
-    """Median ms per call of `fn(*set)` from replays of one CUDA graph of `calls` calls (rotating
-    the sets): the GPU time without host launch overhead, as the encoder's graph runs it."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for s in sets:
-            fn(*s)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(*sets[i % len(sets)])
-    ms = common.bench(g.replay, [()], warmup=2, iters=iters)
-    del g
-    return ms / calls
-
-
 def int8_tops_ceiling() -> float:
     """Measured int8 tensor-core ceiling: torch._int_mm (cuBLASLt) at 8192^3, TOPS."""
     n = 8192
@@ -94,7 +76,7 @@ def _sweep(sets, ops: float, label: str) -> list[dict]:
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages, TMA=tma)
         name = f"{bm}x{bn}x{bk} w{warps} s{stages} {'tma' if tma else 'ptr'}"
         try:
-            ms = graph_ms(lambda a, b, sa, sb, bias, *_, cfg=cfg: w8a8_gemm(a, b, sa, sb, bias, config=cfg),
+            ms = common.graph_ms(lambda a, b, sa, sb, bias, *_, cfg=cfg: w8a8_gemm(a, b, sa, sb, bias, config=cfg),
                           sets)
         except Exception as e:  # a config that does not compile or fit is a row, not a crash
             rows.append(_progress({"case": f"sweep {label} {name}", "note": f"{type(e).__name__}: {e}"[:80]}))
@@ -117,11 +99,11 @@ def _gemm_rows(images: list[int], ceil_i8: float, ceil_f16: float, sweep: list[i
             sets = _sets(M, K, N)
             ops = 2 * M * N * K / 1e9
             tri = lambda a, b, sa, sb, bias, *_: w8a8_gemm(a, b, sa, sb, bias)  # noqa: E731
-            t_tri = graph_ms(tri, sets)
-            t_intmm = graph_ms(lambda a, b, *_: torch._int_mm(a, b.t()), sets)
-            t_intmm_epi = graph_ms(lambda a, b, sa, sb, bias, *_: (torch._int_mm(a, b.t()).float() * sa[:, None]
+            t_tri = common.graph_ms(tri, sets)
+            t_intmm = common.graph_ms(lambda a, b, *_: torch._int_mm(a, b.t()), sets)
+            t_intmm_epi = common.graph_ms(lambda a, b, sa, sb, bias, *_: (torch._int_mm(a, b.t()).float() * sa[:, None]
                                                                     * sb[None, :] + bias).half(), sets)
-            t_f16 = graph_ms(lambda *s: F.linear(s[5], s[6], s[4]), sets)
+            t_f16 = common.graph_ms(lambda *s: F.linear(s[5], s[6], s[4]), sets)
             cfg = _config(M, N, K, sets[0][0].device)
             rows.append(_progress({"case": f"gemm {name} M={M} K={K} N={N}", "triton_ms": t_tri,
                          "triton_tops": ops / t_tri, "pct_int8_ceil": 100 * ops / t_tri / ceil_i8,
@@ -164,13 +146,13 @@ def _quant_rows(images: list[int], sweep: list[int]) -> list[dict]:
             sets = [(torch.randn(M, K, device="cuda", dtype=torch.float16),
                      (torch.rand(K, device="cuda") + 0.5).half(), torch.randn(K, device="cuda").half())
                     for _ in range(common.n_copies(3 * M * K))]
-            t, t_plain = graph_ms(fused, sets), graph_ms(plain, sets)
+            t, t_plain = common.graph_ms(fused, sets), common.graph_ms(plain, sets)
             gbs = (3 * M * K + 4 * M) / t / 1e6  # fp16 in, int8 + fp32 scale out
             rows.append(_progress({"case": f"{name} M={M} K={K}", "triton_ms": t, "gbs": gbs,
                                    "pct_copy_bw": 100 * gbs / ceil, "fp16_op_ms": t_plain}))
             for rows_, warps, split in (ROW_SWEEP if n_img in sweep else ()):
                 meta = dict(ROWS=rows_, num_warps=warps, SPLIT=split)
-                t = graph_ms(lambda x, w, b, meta=meta, f=fused: f(x, w, b, meta=meta), sets)
+                t = common.graph_ms(lambda x, w, b, meta=meta, f=fused: f(x, w, b, meta=meta), sets)
                 gbs = (3 * M * K + 4 * M) / t / 1e6
                 rows.append(_progress({"case": f"sweep {name} M={M} rows={rows_} warps={warps} split={split}",
                                        "triton_ms": t, "gbs": gbs, "pct_copy_bw": 100 * gbs / ceil}))
@@ -332,7 +314,7 @@ def _layer_rows(images: list[int], models=None) -> list[dict]:
         times = {}
         for name, fn in steps.items():
             try:
-                times[name] = graph_ms(fn, sets, calls=6, iters=8)
+                times[name] = common.graph_ms(fn, sets, calls=6, iters=8)
             except Exception as e:
                 rows.append(_progress({"case": f"layer x{n_img} {name}", "note": f"{type(e).__name__}: {e}"[:100]}))
                 continue
