@@ -63,7 +63,7 @@ def test_batched_pack_equals_layer_by_layer(window):
                 assert torch.equal(cache.packed.idx[layer, b, h].long(), want)
                 assert torch.equal(cache.packed.k[layer][b, h, :rows], cache.k[layer][b, h, want])
                 assert torch.equal(cache.packed.v[layer][b, h, :rows], cache.v[layer][b, h, want])
-    assert int(cache.packed.lengths[0]) == rows and cache.packed.dropped == 46 - rows
+    assert cache.packed.rows == rows and cache.packed.dropped == 46 - rows
 
 
 def test_pack_needs_every_layer_scored():

@@ -82,7 +82,7 @@ class _Scoring:
 class _Packed:
     k: list                        # per layer (B, Hkv, capacity, Dh): views of k_stack
     v: list
-    lengths: torch.Tensor          # (B,) int32 on the device: valid packed rows (read by the kernel)
+    rows: int                      # rows packed at the turn's start (decode steps append after them)
     dropped: int                   # full-cache slots left out; packed row = slot - dropped
     kept: int                      # retrievable slots kept per layer and KV head
     idx: torch.Tensor | None = None      # (n_layers, B, Hkv, rows) int32: the full-cache slots packed
@@ -271,7 +271,7 @@ class KVCache:
         idx = torch.cat([others.expand(L, B, Hkv, -1), chosen], dim=-1).sort(dim=-1).values  # original order
         self.packed.idx = idx  # (L, B, Hkv, rows)
         ops.kv_pack((self.k_stack, self.v_stack), idx, (self.packed.k_stack, self.packed.v_stack))
-        self.packed.lengths.fill_(rows)
+        self.packed.rows = rows
         return rows
 
     def _ensure_packed(self, cap: int, kept: int, dropped: int) -> None:
@@ -281,8 +281,8 @@ class KVCache:
             B, Hkv, _, D = self.k[0].shape
             shape, dev = (self.n_layers, B, Hkv, cap, D), self.k[0].device
             ks, vs = (torch.empty(shape, dtype=self.dtype, device=dev) for _ in range(2))
-            old = _Packed([ks[i] for i in range(len(ks))], [vs[i] for i in range(len(vs))],
-                          torch.zeros(B, dtype=torch.int32, device=dev), 0, 0, k_stack=ks, v_stack=vs)
+            old = _Packed([ks[i] for i in range(len(ks))], [vs[i] for i in range(len(vs))], 0, 0, 0,
+                          k_stack=ks, v_stack=vs)
             self._storage = old
         old.dropped, old.kept = dropped, kept
         self.packed = old
