@@ -159,9 +159,7 @@ class TinyvilaPipeline:
             sparsity = SparsityConfig(prefill_keep=args.prefill_keep, decode_keep=args.decode_keep)
             self.cfg = dataclasses.replace(self.vlm.cfg, sparsity=sparsity if name == "sparse" else SparsityConfig())
         else:
-            self.vlm, self.cfg = from_config(cfg, device=args.device), cfg
-            if self.vlm.model.vision is not None and torch.device(args.device).type == "cuda":
-                self.vlm.model.vision.use_cuda_graphs()  # as tinyvila.load does
+            self.vlm, self.cfg = from_config(cfg, device=args.device), cfg  # encoder graphs on, as load()
         self.vlm.stop_ids = frozenset()  # exactly --new-tokens per round
         self.chat = self.vlm.chat(sparsity=self.cfg.sparsity, max_seq_len=max_seq_len)
 
