@@ -237,8 +237,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
 
     `out` (like q) receives the result when given (a captured graph's fixed output buffer).
     block_n, num_warps, num_stages, n_splits and fused (merge in the same launch) are tuning knobs;
-    the defaults won the H200 sweep of scripts/benches/decode_attention.py (DECODE_SWEEP=1;
-    docs/perf_notes.md).
+    block_n/num_warps/num_stages/CTAS_PER_SM won the H200 sweep of scripts/benches/decode_attention.py
+    (DECODE_SWEEP=1, run A in docs/perf_notes.md); the in-kernel merge measured the same as the two-kernel
+    merge in run R8 (15.5 vs 15.4 us at 8K) and has not been swept.
     """
     _check(q, k, v, lengths, out)
     B, H, D = q.shape

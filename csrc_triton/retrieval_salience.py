@@ -151,7 +151,9 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse:
 
     block_m (default: all of a group's n_rep*T rows, up to 256), block_n, tiles (key tiles per
     program; default from the SM count), num_warps and num_stages are tuning knobs swept by
-    scripts/benches/decode_attention.py (DECODE_SWEEP=1; docs/perf_notes.md)."""
+    scripts/benches/decode_attention.py (DECODE_SWEEP=retrieval). The defaults were chosen from an offline
+    sm_90 compile (registers, shared memory), not yet from that sweep; R8 measured them at 78.9 us
+    (graph) for a 64-token question over 32K keys (docs/benchmarks.md)."""
     _check(q, k, idx, lse, out)
     B, H, T, D = q.shape
     Hkv, N = k.shape[1], idx.numel()
