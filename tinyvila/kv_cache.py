@@ -116,6 +116,7 @@ class KVCache:
         # Permanent pruning baselines (FastV-style): (first layer, (max_seq_len,) bool keep mask).
         self.key_mask: tuple[int, torch.Tensor] | None = None
         self._step: StepIndex | None = None    # device indices of decode steps (step_index())
+        self._slots: tuple | None = None       # ((start, T), slot tensor) of the current prefill (slots())
 
     # -- the full cache ------------------------------------------------------------------------
     def check(self, start: int, T: int) -> None:
@@ -154,8 +155,14 @@ class KVCache:
                                "unpack() before a prefill")
         T = qkv.shape[1]
         self.check(start, T)
-        slots = torch.arange(start, start + T, device=qkv.device)
-        return ops.rope_qkv(qkv, cos, sin, self.k[layer], self.v[layer], slots, n_heads, Hkv)
+        return ops.rope_qkv(qkv, cos, sin, self.k[layer], self.v[layer], self.slots(start, T), n_heads, Hkv)
+
+    def slots(self, start: int, T: int) -> torch.Tensor:
+        """Slots start..start+T-1 as a (T,) int64 device tensor, made once per prefill (not once per
+        layer: a short prefill is bound by host launches) and reused while (start, T) stays the same."""
+        if self._slots is None or self._slots[0] != (start, T):
+            self._slots = ((start, T), torch.arange(start, start + T, device=self.k[0].device))
+        return self._slots[1]
 
     def attend(self, layer: int, start: int | StepIndex, q: torch.Tensor) -> torch.Tensor:
         """Attend q (B, H, T, Dh) of the rows at slots start.. (already written by `rope_write`) over

@@ -169,8 +169,8 @@ class TextModel(nn.Module):
             cache.begin_step(start)
         else:
             self._check_inputs(h, cache, start, positions)
-            if positions is None:
-                positions = torch.arange(start, start + h.shape[1], device=h.device)
+            if positions is None:  # the slots themselves (one tensor, shared with the cache writes)
+                positions = cache.slots(start, h.shape[1])
         cos, sin = rope_cos_sin(self.cfg, positions, h.dtype, self.inv_freq(h.device))  # (T, Dh) each
         x, residual = h, None  # the residual stream is residual + x; each add fuses into the next norm
         for block in self.layers:
