@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .rounding import round_to
 
 MAX_D = 32768
@@ -26,7 +27,8 @@ MAX_D = 32768
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, stride_y, stride_s, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # a decode-step kernel: may start early, reads nothing before the previous one is done
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -76,8 +78,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         # One row per program: at decode M = 1, so the row's latency chain (load, reduce, store) is
         # the whole cost; 8 warps keep 16 fp16 per thread at D = 4096.
         warps = num_warps or (8 if block >= 4096 else 4)
+        use_pdl = pdl.enabled(x.device)
         _add_rms_norm_kernel[(M,)](x2, r2, weight, y, s, D, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0),
-                                   float(eps), HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=warps)
+                                   float(eps), HAS_RESIDUAL=residual is not None, BLOCK_D=block, PDL=use_pdl,
+                                   num_warps=warps, launch_pdl=use_pdl)
     return y.view(x.shape), (x if residual is None else s.view(x.shape))
 
 

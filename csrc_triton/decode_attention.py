@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 LOG2E = 1.4426950408889634
 # Programs per SM that the split count aims for: enough loads in flight to cover HBM latency.
 CTAS_PER_SM = 4
@@ -76,8 +78,9 @@ def _decode_attention_kernel(
     scale_log2, HKV, H, N_SPLITS, N_REP: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
-    FUSED: tl.constexpr, UPCAST: tl.constexpr,
+    FUSED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # a decode-step kernel: may start early, reads nothing before the previous one is done
     bg = tl.program_id(0)
     split = tl.program_id(1)
     b = bg // HKV
@@ -260,8 +263,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), scale * LOG2E, Hkv, H, n_splits,
         N_REP=n_rep, D=D, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_R=block_r, BLOCK_S=block_s, MERGE_S=min(block_s, max(1, MERGE_ELEMS // (block_r * block_d))),
-        FUSED=fused, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        FUSED=fused, UPCAST=_interpreting() and q.dtype == torch.bfloat16, PDL=pdl.enabled(q.device),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl.enabled(q.device),
     )
     if n_splits > 1 and not fused:
         _decode_attention_reduce_kernel[(B * H,)](

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .rounding import round_to
 
 
@@ -45,7 +46,8 @@ def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, k
                      stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                      stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h, stride_v2s,
                      H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HEADS: tl.constexpr,
-                     SECOND: tl.constexpr, BLOCK: tl.constexpr):
+                     SECOND: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # a decode-step kernel: may start early, reads nothing before the previous one is done
     bt = tl.program_id(0).to(tl.int64)  # token row b * T + t
     b, t = bt // T, bt % T
     # HEADS consecutive heads of [q heads | k heads]; a k head `kh` also copies v head `kh`.
@@ -137,7 +139,8 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: t
             qkv, cos, sin, q, k_cache, v_cache, slots, k2, v2, slots2, T, qkv.stride(0), qkv.stride(1),
             cos.stride(0), sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *k2.stride()[:3],
             *v2.stride()[:3], H=n_heads, HKV=n_kv_heads, HALF=D // 2, HEADS=hp, SECOND=second is not None,
-            BLOCK=block, num_warps=num_warps or max(1, min(4, hp * block // 64)))
+            BLOCK=block, PDL=pdl.enabled(qkv.device), num_warps=num_warps or max(1, min(4, hp * block // 64)),
+            launch_pdl=pdl.enabled(qkv.device))
     return q
 
 

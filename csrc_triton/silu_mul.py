@@ -19,11 +19,13 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import pdl
 from .rounding import INTERPRET, round_to
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, Fdim, stride_x, stride_y, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, Fdim, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # a decode-step kernel: may start early, reads nothing before the previous one is done
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < Fdim
@@ -61,8 +63,9 @@ def silu_mul(gate_up: torch.Tensor, block: int | None = None, num_warps: int = 4
     y = torch.empty((M, Fdim), dtype=gate_up.dtype, device=gate_up.device)
     if M:
         block = block or _block(M, Fdim, gate_up.device)
+        use_pdl = pdl.enabled(gate_up.device)
         _silu_mul_kernel[(M, triton.cdiv(Fdim, block))](x2, y, Fdim, x2.stride(0), y.stride(0), BLOCK=block,
-                                                        num_warps=num_warps)
+                                                        PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl)
     return y.view(*gate_up.shape[:-1], Fdim)
 
 

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 GROUP_SIZES = (32, 64, 128)
 MAX_M = 8
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -248,7 +250,7 @@ def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
                            stride_ym, K8, NG, W_SPLIT, SPLIT_K, LOG_WPG, BLOCK_M: tl.constexpr,
                            HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr, S_PAIRS: tl.constexpr,
                            EVEN: tl.constexpr, FENCE: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_W: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr):
+                           BLOCK_W: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     # K8 = K / 8, NG = K / G and W_SPLIT come in as arguments (not computed) so Triton sees their
     # divisibility by 16 and issues 16-byte loads along the packed rows.
     BLOCK_K: tl.constexpr = BLOCK_W * 8
@@ -263,6 +265,7 @@ def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     n_mask = offs_n < N
     w_lo = pid_k * W_SPLIT
     w_hi = tl.minimum(w_lo + W_SPLIT, K8)  # this program's words [w_lo, w_hi) of every row
+    pdl.enter(PDL)  # a decode-step kernel (csrc_triton/pdl.py): nothing is read before the previous one is done
     # int32 offsets (the launcher checks N * K8 < 2^31); pointers advance by one tile per iteration.
     w_ptrs = qw_ptr + offs_n[:, None] * K8 + w_lo + offs_w[None, :]  # (BN, BW)
     x_ptrs = x_ptr + w_lo * 8 + offs_k  # (BK,)
@@ -426,7 +429,8 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
                            stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
                            UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, FENCE: tl.constexpr,
                            UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                           STAGES: tl.constexpr, GPS: tl.constexpr, CHAINS: tl.constexpr, CORR_GB: tl.constexpr):
+                           STAGES: tl.constexpr, GPS: tl.constexpr, CHAINS: tl.constexpr, CORR_GB: tl.constexpr,
+                           PDL: tl.constexpr):
     # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's
     # 64 GPS bytes are contiguous, so each step reads longer runs of every row, and the per-step costs
     # (pipeline barriers, B operand through shared memory) are paid once per GPS groups. The launcher
@@ -450,6 +454,7 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     w_ptrs = (qw_ptr + rows[None, :, None] * K8 + g_lo * 16 + 16 * tl.arange(0, GC)[:, None, None]
               + tl.arange(0, 16)[None, None, :])  # (GC, BN, 16): group-major, see above
     s_idx = rows * NG + g_lo
+    pdl.enter(PDL)  # a decode-step kernel (csrc_triton/pdl.py): nothing is read before the previous one is done
     acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
     for g in tl.range(g_lo, g_hi, GPS, num_stages=STAGES):
         if g == g_lo:
@@ -653,8 +658,9 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     ws, locks = _split_buffers(x.device, split * M * N, row_blocks) if split > 1 else (out, out)  # (unused if 1)
     args = (x, qweight, scales.view(torch.int32) if s_pairs else scales, zeros, bias if bias is not None else scales,
             out, ws, locks, M, N, x.stride(0), out.stride(0), K8, K // G, w_split, split)
+    use_pdl = on_gpu and pdl.enabled(x.device)
     meta = dict(BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, UNPACK=unpack, S_PAIRS=s_pairs,
-                FENCE=on_gpu, SPLIT=split > 1)
+                FENCE=on_gpu, SPLIT=split > 1, PDL=use_pdl, launch_pdl=use_pdl)
     if kernel == "mma":
         x32 = _pairs_view(x)  # x as int32 pairs: 4-byte elements, which Triton pipelines with cp.async
         args = (x32,) + args[1:10] + (x32.stride(0),) + args[11:]

@@ -34,6 +34,9 @@ def parse_args(argv):
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--top", type=int, default=15, help="kernels listed in the profile")
+    p.add_argument("--variants", default="",
+                   help="also time the graph step with programmatic dependent launch off/on, e.g. 'pdl=0,pdl=1' "
+                        "(TINYVILA_PDL, csrc_triton/pdl.py)")
     return p.parse_args(argv)
 
 
@@ -75,6 +78,24 @@ def kernel_profile(text, args) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
+def variants(text, args) -> dict[str, float]:
+    """Graph tok/s per 'pdl=P' setting (a fresh Decoder, so fresh graphs, for each); restores it afterwards."""
+    import os
+
+    saved, out = os.environ.get("TINYVILA_PDL"), {}
+    try:
+        for spec in args.variants.split(","):
+            os.environ["TINYVILA_PDL"] = spec.split("=")[1]
+            out[spec] = tok_per_s(text, args, True)
+            print(f"  variant {spec}: graph {out[spec]:.1f} tok/s ({1000 / out[spec]:.3f} ms/token)", flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop("TINYVILA_PDL", None)
+        else:
+            os.environ["TINYVILA_PDL"] = saved
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     text = text_model(args)
@@ -82,6 +103,8 @@ def main(argv=None):
     print(f"{args.preset} {args.quant} context {args.context}: eager {eager:.1f} tok/s | "
           f"graph {graph:.1f} tok/s ({1000 / graph:.2f} ms/token)")
     result = dict(preset=args.preset, quant=args.quant, context=args.context, eager_tok_s=eager, graph_tok_s=graph)
+    if args.variants and args.device != "cpu":
+        result["variants"] = variants(text, args)
     if args.device != "cpu":
         rows = kernel_profile(text, args)
         total = sum(r[1] for r in rows)

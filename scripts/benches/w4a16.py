@@ -17,6 +17,13 @@ GEMM tile sweep (replaces the rows above; ~2 min on an H200, mostly Triton compi
 prints each fused config's time per shape and M (checked against the dequant path first), then the
 CONFIG_TABLE to paste into csrc_triton/w4a16_gemm.py, the DEQUANT_MIN_M crossover, and summary rows.
 
+Programmatic dependent launch (csrc_triton/pdl.py) off and on, M=1 (~30 s):
+
+    TINYVILA_W4_PDL_SWEEP=1 PYTHONPATH=. python scripts/bench_kernels.py --only w4a16
+
+per shape: per-call time of 16 back-to-back GEMVs, and of 16 (add+RMSNorm -> GEMV) pairs, the decode step's
+pattern (the norm's output is the GEMV's input), both replayed from a CUDA graph, each output checked.
+
 GEMV config sweep (replaces the rows above; ~70 s on an H200 for M = 1: ~30 variants compiled in 12 worker
 processes in ~10 s, ~190 configs timed, then the chosen table checked at fp16/bf16, M = 1, 2, 4, 8):
 
@@ -90,6 +97,8 @@ def _row(name: str, M: int, N: int, K: int, sets: list[tuple], iters: int, path:
 
 
 def run(args) -> list[dict]:
+    if os.environ.get(PDL_SWEEP_ENV):
+        return pdl_sweep()
     if os.environ.get(GEMV_SWEEP_ENV):
         return gemv_sweep([int(m) for m in os.environ[GEMV_SWEEP_ENV].split(",")])
     if os.environ.get(GEMM_SWEEP_ENV):
@@ -431,3 +440,56 @@ def gemv_sweep(ms: list[int]) -> list[dict]:
                           "cublas_us": sum(r["cublas_us"] for r in rs), "default_us": sum(r["default_us"] for r in rs),
                           "best_us": sum(r["best_us"] for r in rs)})
     return summaries
+
+
+# -- PDL sweep: TINYVILA_W4_PDL_SWEEP=1 -----------------------------------------------------------------------
+PDL_SWEEP_ENV = "TINYVILA_W4_PDL_SWEEP"
+
+
+def pdl_sweep() -> list[dict]:
+    """Per Llama-3-8B shape, M = 1, the launcher's config, PDL off and on: us per GEMV back to back, and per
+    (add+RMSNorm -> GEMV) pair as in a decode step, both graph-replayed; each output checked."""
+    from csrc_triton import w4a16_gemv as gemv_mod
+    from csrc_triton.add_rms_norm import add_rms_norm
+
+    print(f"copy bandwidth {common.copy_bandwidth_gbs():.0f} GB/s", flush=True)
+    rows, saved = [], os.environ.get("TINYVILA_PDL")
+    try:
+        for name, K, N in SHAPES:
+            sets = _weights(N, K, common.n_copies(_w4_bytes(N, K)))
+            xs = [torch.randn(1, K, device="cuda", dtype=torch.float16) for _ in sets]
+            res = [torch.randn(1, K, device="cuda", dtype=torch.float16) for _ in sets]
+            wn = torch.randn(K, device="cuda", dtype=torch.float16)
+            gemv_in = [(x, q, s, z) for x, (_, q, s, z) in zip(xs, sets)]
+            pair_in = [(x, r, q, s, z) for x, r, (_, q, s, z) in zip(xs, res, sets)]
+            floor_us = _read_floor_us(_w4_bytes(N, K))
+            x0, q0, s0, z0 = gemv_in[0]
+            exact = x0.float() @ dequantize_w4(q0, s0, z0, torch.float32).T
+
+            def pair(x, r, q, s, z, wn=wn):
+                h, _ = add_rms_norm(x, r, wn, 1e-5)
+                return gemv_mod.w4a16_gemv(h, q, s, z)
+
+            for use_pdl in ("0", "1"):
+                os.environ["TINYVILA_PDL"] = use_pdl
+                norm_us = 1e3 * common.graph_ms(lambda x, r, q, s, z, wn=wn: add_rms_norm(x, r, wn, 1e-5), pair_in)
+                y = gemv_mod.w4a16_gemv(x0, q0, s0, z0)
+                err = ((y.float() - exact).abs().max() / exact.abs().max()).item()
+                t = 1e3 * common.graph_ms(gemv_mod.w4a16_gemv, gemv_in)
+                tp = 1e3 * common.graph_ms(pair, pair_in)
+                gbs = (_w4_bytes(N, K) + 2 * (K + N)) / t / 1e3
+                row = {"layer": name, "N": N, "K": K, "pdl": int(use_pdl), "gemv_us": t, "GBs": gbs,
+                       "copy_frac": gbs / common.copy_bandwidth_gbs(), "pair_us": tp, "norm_us": norm_us,
+                       "floor_us": floor_us, "ok": err < 4e-3}
+                rows.append(row)
+                print(f"  {name:<8} pdl {use_pdl}: gemv {t:6.2f} us ({gbs:5.0f} GB/s, {row['copy_frac']:.2f} of copy)  "
+                      f"norm+gemv {tp:6.2f} us (norm alone {norm_us:.2f})  floor {floor_us:.2f}"
+                      f"{'' if row['ok'] else f'  WRONG {err:.2g}'}", flush=True)
+            del sets
+            torch.cuda.empty_cache()
+    finally:
+        if saved is None:
+            os.environ.pop("TINYVILA_PDL", None)
+        else:
+            os.environ["TINYVILA_PDL"] = saved
+    return rows

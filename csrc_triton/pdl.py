@@ -1,0 +1,68 @@
+"""Programmatic dependent launch (PDL) for the decode step's kernels (sm_90+).
+
+A decode step is a chain of short kernels (per layer: add+RMSNorm, qkv GEMV, RoPE+cache write, decoding
+attention, o GEMV, add+RMSNorm, gate/up GEMV, SiLU*mul, down GEMV). Launched plainly, each kernel starts
+only after the previous one has fully drained, so every launch pays the ramp-up of its programs and the
+GPU's memory system idles through each small kernel. With PDL (`launch_pdl=True`, CUDA's programmatic
+stream serialization) a kernel may start as soon as every program of its predecessor has executed
+`launch_dependents`; it then must `wait` (griddepcontrol.wait: the predecessor has completed and its
+memory is visible) before it reads anything the predecessor wrote or writes anything at all.
+
+Every PDL kernel here calls `enter` first: `wait`, then `launch_dependents`. So nothing is read or
+written before the predecessor is done (waiting is transitive: each kernel waits for its predecessor,
+which waited for its own), and the next kernel may be scheduled onto free SM slots while this one runs:
+what PDL saves is the launch latency and ramp-up between consecutive kernels, not any memory ordering.
+Kernels launched without PDL (cuBLAS, PyTorch ops) keep plain stream order in both directions.
+
+Measured on the H200 (docs/perf_notes.md, session 3): the graph-replayed vila-8b W4A16 decode step at 1K
+context went from 3.15 to 2.98 ms per token (317.8 -> 335.2 tok/s). Also tried and removed: each W4 GEMV
+program prefetching its weights into L2 (cp.async.bulk.prefetch.L2) before the wait and a few K steps
+ahead in its loop: slower at every distance (e.g. 3.41 ms per token at 4 steps ahead).
+
+`enabled(device)`: PDL on CUDA devices of compute capability >= 9.0 outside the interpreter, unless
+TINYVILA_PDL=0. In the interpreter and on other devices the PDL constexpr is False and the kernels are
+exactly the plain ones.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_ENABLED: dict[int, bool] = {}
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL (sm_90+, not the interpreter, TINYVILA_PDL != 0)."""
+    if device.type != "cuda" or INTERPRET or os.environ.get("TINYVILA_PDL", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ENABLED:
+        _ENABLED[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _ENABLED[index]
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """griddepcontrol.wait: the preceding kernel has completed and its writes are visible (no-op if not PDL)."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """griddepcontrol.launch_dependents: the next kernel may start once every program got here (or exited)."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """The start of every PDL kernel: wait for the predecessor, then let the next kernel start."""
+    wait(PDL)
+    launch_dependents(PDL)
