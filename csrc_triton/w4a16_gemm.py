@@ -328,18 +328,31 @@ def fit_config(cfg: Config, K: int, G: int) -> Config:
 
 # -- workspaces -------------------------------------------------------------------------------------------
 _SCRATCH: dict[tuple, torch.Tensor] = {}
+_CAPTURED: set[tuple] = set()      # keys whose buffer a CUDA graph captured (a prefill graph bakes its address)
+_RETIRED: list[torch.Tensor] = []  # such buffers once outgrown: never freed, since the graph still replays them
 
 
 def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
     """A flat buffer of >= numel elements kept per (name, dtype, device) and grown (x1.5) when too small,
     so prefill does not allocate per call. Stream-ordered reuse: valid until the next call that asks for it.
-    `zero` buffers (the split-K counters) start at zero and are returned to zero by their users."""
+    `zero` buffers (the split-K counters) start at zero and are returned to zero by their users.
+    Under CUDA-graph capture a buffer must already be large enough (run the call once eagerly first), and
+    one handed to a capture is kept alive after it is outgrown (a later, larger eager call)."""
     key = (name, dtype, str(device))
     buf = _SCRATCH.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if buf is None or buf.numel() < numel:
+        if capturing:
+            raise RuntimeError(f"w4a16_gemm: workspace {name!r} must grow before CUDA-graph capture: "
+                               "run the same call once eagerly first")
+        if key in _CAPTURED:
+            _RETIRED.append(buf)
+            _CAPTURED.discard(key)
         size = max(numel, int(1.5 * buf.numel()) if buf is not None else 0)
         buf = (torch.zeros if zero else torch.empty)(size, dtype=dtype, device=device)
         _SCRATCH[key] = buf
+    if capturing:
+        _CAPTURED.add(key)
     return buf[:numel]
 
 

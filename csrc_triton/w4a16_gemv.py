@@ -585,6 +585,7 @@ def gemv_config(M: int, N: int, K: int, G: int) -> dict:
 
 
 _SPLIT_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown workspaces: CUDA graphs captured earlier still point at them
 MAX_ROW_BLOCKS = 1 << 16  # arrival counters per device: one per row block of one call
 
 
@@ -598,6 +599,8 @@ def _split_buffers(device: torch.device, ws_numel: int, row_blocks: int) -> tupl
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("w4a16_gemv's split-K workspace must grow before CUDA-graph capture: "
                                "run the same call once eagerly first")
+        if ws is not None:
+            _RETIRED.append(ws)  # never freed: a captured decode step may replay with its address
         ws = torch.empty(max(ws_numel, 1 << 20), dtype=torch.float32, device=device)
         locks = locks if locks is not None else torch.zeros(MAX_ROW_BLOCKS, dtype=torch.int32, device=device)
         _SPLIT_BUFFERS[device] = (ws, locks)

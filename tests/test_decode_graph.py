@@ -121,6 +121,7 @@ def graph_vs_eager(vlm, sparsity, rounds=2, n_new=24):
         vlm.stop_ids = frozenset()
         chat = vlm.chat(sampling=SamplingParams(max_new_tokens=n_new), sparsity=sparsity)
         chat.decoder.cuda_graph = graph
+        chat.decoder.pad_prefill = True  # the eager side runs the first prefill as the graph does
         chat.add_image(torch.randint(0, 256, (64, 64, 3), dtype=torch.uint8,
                                      generator=torch.Generator().manual_seed(0)).numpy())
         toks = []
@@ -147,6 +148,7 @@ def test_graph_step_logits_match_eager():
     vlm = tiny("float16", "cuda")
     h = prompt(vlm)
     decs = [Decoder(vlm.model.text, cuda_graph=g) for g in (False, True)]
+    decs[0].pad_prefill = True  # the same (padded) first prefill on both sides: only the steps differ
     logits = [d.prefill(h) for d in decs]
     for t in (5, 9, 11, 2):
         logits = [d.step(t) for d in decs]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,25 @@ from .text import KVCache
 
 PREFILL_CHUNK = 4096  # prompt tokens per prefill pass: bounds activation memory for long videos
 MAX_BATCH = 64        # greedy tokens per host synchronisation, at most
+PREFILL_GRAPH_MAX = 2048  # longest padded first-turn prefill replayed from a CUDA graph (longer: eager)
+PREFILL_GRAPHS = 8        # prefill graphs a decoder keeps (least recently used dropped first)
+
+
+def prefill_bucket(T: int) -> int:
+    """The padded length a T-token graph prefill runs at: multiples of 16 up to 64, then four steps per
+    octave (64, 80, 96, 112, 128, 160, 192, 224, 256, 320, ..., 448, 512, ..., 2048).
+
+    Why: a prefill's cost grows with its rows (GEMM M), so padding is paid in GPU time, while every
+    bucket is one more capture (an eager warm-up plus the capture itself, on first use) and one more
+    graph. Quarter-octave steps cap the padding at 25% (12% on average; 447 -> 448 for one vila-8b image
+    with a short question) with 24 buckets up to 2048; powers of two would waste up to 100%, multiples of
+    128 would need 16 graphs. Buckets are multiples of 16, the tensor-core tile edge."""
+    if T < 1:
+        raise ValueError(f"a prefill needs at least one token, got {T}")
+    if T <= 64:
+        return -(-T // 16) * 16
+    step = 1 << ((T - 1).bit_length() - 3)  # T in (2^j, 2^(j+1)] -> 2^j / 4
+    return -(-T // step) * step
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class _PrefillInputs(NamedTuple):
+    """Static inputs of the prefill graphs, each sized for the largest bucket: a graph of Tp rows reads
+    the first Tp of them."""
+
+    h: torch.Tensor      # (1, n, d) input embeddings, zero past the real rows
+    pos: torch.Tensor    # (n,) int64 RoPE positions
+    slots: torch.Tensor  # (n,) int64 0..n-1: the cache slots (constant)
+    last: torch.Tensor   # (1,) int64 the last real row, whose logits the graph returns
+
+
 class Decoder:
     """Runs a `TextModel` over one conversation's KV cache. `length` = tokens in the cache;
     `position` = the logical RoPE position of the next token, ahead of `length` once a prefill was
@@ -66,6 +96,19 @@ class Decoder:
     greedy decoding also takes its argmax inside the graph and the host reads the new tokens once per
     batch (`greedy`). `cuda_graph=False` (or TINYVILA_CUDA_GRAPH=0, or an fp32 model) runs the same
     step eagerly.
+
+    The first turn's prefill (empty cache: system + image + question in one pass) is host-bound too
+    (~25 launches per layer), so with `cuda_graph` it replays a CUDA graph as well: the T rows padded at
+    the END to `prefill_bucket(T)` rows (zero embeddings, positions continuing +1), one graph per bucket,
+    captured on first use. With causal attention no real row sees a padding row, and the padding rows'
+    K/V land in slots T.. that are past the cache length (nothing reads them; later tokens overwrite
+    them). What this guarantees: the real rows' logits and K/V are those of the same forward run eagerly
+    at the padded length (bit for bit on the GPU: same kernels, same shapes), and on CPU equal the
+    unpadded prefill up to rounding. Against the unpadded eager prefill on the GPU they may differ in
+    the last bits, because the GEMMs' M changes and cuBLAS / the W4 kernel may pick other tiles or
+    split-K. Other prefills (later turns, retrieval scoring or FastV active, a packed buffer, more than
+    PREFILL_GRAPH_MAX or `prefill_chunk` padded rows, or past the cache) run eagerly. `pad_prefill`
+    (tests) runs the padded forward eagerly where no graph is used.
     """
 
     def __init__(self, text_model, max_seq_len: int | None = None, cuda_graph: bool | None = None,
@@ -86,6 +129,10 @@ class Decoder:
         self._count = torch.zeros(1, dtype=torch.long, device=w.device)
         self._graphs: dict[tuple, tuple] = {}
         self._pool = None
+        # First-turn prefill graphs: padded bucket -> (graph, logits); their static inputs (made on first use).
+        self.pad_prefill = False
+        self._prefill_graphs: dict[int, tuple] = {}
+        self._pf: _PrefillInputs | None = None
 
     @property
     def max_len(self) -> int:
@@ -105,24 +152,114 @@ class Decoder:
 
         positions (T,) long, increasing: their RoPE positions (default: the next T logical ones);
         later tokens continue after the last of them. Runs in chunks of `prefill_chunk` tokens, so a
-        long (video) prompt needs activation memory for one chunk, not for all of it."""
+        long (video) prompt needs activation memory for one chunk, not for all of it. A first turn
+        (empty cache) replays a CUDA graph at a padded length instead (see the class docstring)."""
         T = h.shape[1]
         self.check_room(T)
         explicit = positions is not None
         if not explicit and self.position != self.length:
             positions = torch.arange(self.position, self.position + T, device=h.device)
-        for a in range(0, T, self.prefill_chunk):
-            b = min(T, a + self.prefill_chunk)
-            # Only pass positions when they differ from the slots, as models without the argument expect.
-            extra = {} if positions is None else {"positions": positions[a:b]}
-            logits = self.model(h[:, a:b], self.cache, self.length + a, last_only=True, **extra)
+        bucket = self._prefill_bucket(T)
+        if bucket is None:
+            logits = self._prefill_eager(h, positions)
+        else:
+            logits = self._prefill_padded(h, positions, bucket)
         if explicit:
             self._explicit.append((self.length, positions.cpu()))
             self.position = int(self._explicit[-1][1][-1]) + 1
         else:
             self.position += T
         self.length += T
+        return logits
+
+    def _prefill_eager(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """The prefill in chunks of `prefill_chunk` rows -> the last row's logits (V,)."""
+        T = h.shape[1]
+        for a in range(0, T, self.prefill_chunk):
+            b = min(T, a + self.prefill_chunk)
+            # Only pass positions when they differ from the slots, as models without the argument expect.
+            extra = {} if positions is None else {"positions": positions[a:b]}
+            logits = self.model(h[:, a:b], self.cache, self.length + a, last_only=True, **extra)
         return logits[0, -1]
+
+    # -- first-turn prefill at a padded length (CUDA graph) -------------------------------------
+    def _prefill_bucket(self, T: int) -> int | None:
+        """The padded length of a graph (or `pad_prefill`) prefill of T tokens, None for eager."""
+        c = self.cache
+        if not (self.cuda_graph or self.pad_prefill) or self.length != 0:
+            return None
+        if c.scoring is not None or c.key_mask is not None or c.packed is not None:
+            return None  # retrieval scoring / FastV keep host state per prefill; packed: rope_write refuses
+        Tp = prefill_bucket(T)
+        return Tp if Tp <= min(PREFILL_GRAPH_MAX, self.prefill_chunk, self.max_len) else None
+
+    def _prefill_padded(self, h: torch.Tensor, positions: torch.Tensor | None, Tp: int) -> torch.Tensor:
+        """Rows h (1, T, d) at slots 0..T-1 run as Tp rows: copied into the static inputs, zero padding
+        after them, positions continuing +1 past the last; the last real row's logits (V,).
+        A graph replay when `cuda_graph`, else the same padded forward eagerly."""
+        T = h.shape[1]
+        self.model._check_inputs(h, self.cache, 0, positions)  # all the eager path validates, for T rows
+        if h.shape[2] != self.model.cfg.dim:
+            raise ValueError(f"hidden states of width {h.shape[2]}, the model's is {self.model.cfg.dim}")
+        pf = self._prefill_inputs()
+        pf.h[:, :T].copy_(h)
+        pf.h[:, T:Tp].zero_()  # zero rows: RMSNorm maps them to zero, never to NaN
+        if positions is None:
+            pf.pos[:Tp].copy_(pf.slots[:Tp])
+        else:
+            pf.pos[:T].copy_(positions)
+            pf.pos[T:Tp].copy_(pf.slots[:Tp - T] + (positions[-1:].to(pf.pos.device) + 1))
+        pf.last.fill_(T - 1)
+        if not self.cuda_graph:
+            return self._padded_forward(Tp)[0, -1]
+        entry = self._prefill_graphs.pop(Tp, None)  # re-inserted last: the dict's order is the LRU order
+        if entry is None:
+            if len(self._prefill_graphs) >= PREFILL_GRAPHS:
+                del self._prefill_graphs[next(iter(self._prefill_graphs))]
+            entry = self._capture_prefill(Tp)
+        self._prefill_graphs[Tp] = entry
+        graph, logits = entry
+        graph.replay()
+        return logits[0, -1].clone()  # the graph's output buffer is overwritten by the next replay
+
+    def _prefill_inputs(self) -> _PrefillInputs:
+        """The static inputs every prefill graph reads, sized for the largest bucket allowed (views of
+        one buffer per input, so all graphs share them and none grows)."""
+        if self._pf is None:
+            n = min(PREFILL_GRAPH_MAX, self.prefill_chunk, self.max_len)
+            w = self.model.embed.weight
+            slots = torch.arange(n, device=w.device)
+            self._pf = _PrefillInputs(torch.zeros(1, n, w.shape[1], dtype=w.dtype, device=w.device),
+                                      torch.zeros(n, dtype=torch.long, device=w.device), slots,
+                                      torch.zeros(1, dtype=torch.long, device=w.device))
+        return self._pf
+
+    def _padded_forward(self, Tp: int) -> torch.Tensor:
+        """The forward a prefill graph captures, from the static inputs: logits (1, 1, V) of row `last`.
+        Device ops only; the cache's slot tensor is the static `slots` (its address is baked in)."""
+        pf = self._pf
+        self.cache.use_slots(0, pf.slots[:Tp])
+        return self.model(pf.h[:, :Tp], self.cache, 0, positions=pf.pos[:Tp], rows=pf.last)
+
+    def _capture_prefill(self, Tp: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # One eager run on a side stream first (as `_capture`): compiles the Triton kernels, lets cuBLAS
+        # pick its algorithms and grows the kernels' workspaces outside the capture. It writes K/V at
+        # slots 0..Tp-1 of the empty cache, which the replay then rewrites with the same values.
+        # The graph shares the decode graphs' pool: replays are serial on one stream and every graph's
+        # state that outlives a replay (inputs, cache, step index) lives outside the pool; outputs are
+        # cloned (prefill) or consumed (decode) before another graph runs.
+        dev = self._token.device
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._padded_forward(Tp)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._padded_forward(Tp)
+        return graph, logits
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:

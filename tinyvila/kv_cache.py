@@ -164,6 +164,11 @@ class KVCache:
             self._slots = ((start, T), torch.arange(start, start + T, device=self.k[0].device))
         return self._slots[1]
 
+    def use_slots(self, start: int, slots: torch.Tensor) -> None:
+        """Make `slots(start, T)` return `slots` (T,) = start..start+T-1, a buffer the caller keeps:
+        a CUDA-graph prefill bakes the slot tensor's address in, so it must outlive the capture."""
+        self._slots = ((start, slots.numel()), slots)
+
     def attend(self, layer: int, start: int | StepIndex, q: torch.Tensor) -> torch.Tensor:
         """Attend q (B, H, T, Dh) of the rows at slots start.. (already written by `rope_write`) over
         the cache -> (B, H, T, Dh).

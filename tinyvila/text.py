@@ -155,12 +155,14 @@ class TextModel(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     def forward(self, h: torch.Tensor, cache: KVCache, start: int | StepIndex, *, last_only: bool = False,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run hidden states h (B, T, d) at cache slots start..start+T-1 -> logits (B, T or 1, V) fp32.
 
         K/V are written into `cache` and each row attends causally over slots 0..its own.
         `positions` (T,) long overrides the RoPE positions (default: the slots), e.g. after pruning.
-        `last_only` returns only the last row's logits (prefill).
+        `last_only` returns only the last row's logits (prefill). `rows` (R,) long, a device tensor,
+        returns only those rows' logits (B, R, V): a CUDA-graph prefill padded past its last real row
+        selects that row by device index, which a replay can change and a host slice could not.
         A `StepIndex` as `start` runs one decode token (T = 1) at the slot, position and packed row
         held in its device tensors: no host values, so the step can be captured in a CUDA graph.
         """
@@ -175,7 +177,9 @@ class TextModel(nn.Module):
         x, residual = h, None  # the residual stream is residual + x; each add fuses into the next norm
         for block in self.layers:
             x, residual = block.forward_residual(x, residual, cos, sin, cache, start)
-        if last_only:
+        if rows is not None:
+            x, residual = x.index_select(1, rows), None if residual is None else residual.index_select(1, rows)
+        elif last_only:
             x, residual = x[:, -1:], None if residual is None else residual[:, -1:]
         h, _ = self.norm.add_norm(x, residual)
         # Logits in the activation dtype like HF, then fp32 for sampling.

@@ -1,0 +1,226 @@
+"""First-turn prefill at a padded length, replayed from a CUDA graph (tinyvila/generate.py).
+
+On CPU the padded forward runs eagerly (`Decoder.pad_prefill`, the code a graph captures) and is
+checked against the unpadded prefill: logits, cache, bookkeeping, later turns, and the fallbacks to
+eager. The replay tests need CUDA: graph == the same padded forward run eagerly, bit for bit, and
+against the unpadded eager prefill within twice the eager path's own fp16 rounding error.
+"""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from tinyvila.api import from_config
+from tinyvila.config import QuantConfig, SparsityConfig, TextConfig, preset
+from tinyvila.errors import ContextLimitError
+from tinyvila.generate import PREFILL_GRAPH_MAX, Decoder, SamplingParams, generate, prefill_bucket
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def tiny(dtype="float64", device="cpu", text: TextConfig | None = None, **quant):
+    cfg = preset("tiny-siglip-llama", dtype=dtype)
+    if text is not None:
+        cfg = dataclasses.replace(cfg, text=text)
+    if quant:
+        cfg = dataclasses.replace(cfg, quant=QuantConfig(**quant))
+    return from_config(cfg, device=device, seed=0)
+
+
+def embeds(vlm, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vlm.cfg.text.vocab_size, (1, n), generator=g).to(vlm.model.device)
+    return vlm.model.text.embed(ids)  # (1, n, d)
+
+
+def gapped(n, device="cpu"):
+    """Increasing positions with gaps, as pruned visual tokens keeping their original ones have."""
+    return (torch.arange(n) * 2 + 3).to(device)
+
+
+def padded(text, **kw):
+    dec = Decoder(text, **kw)
+    dec.pad_prefill = True
+    return dec
+
+
+def test_buckets_pad_at_most_a_quarter_and_stay_few():
+    buckets = sorted({prefill_bucket(T) for T in range(1, PREFILL_GRAPH_MAX + 1)})
+    assert buckets[:6] == [16, 32, 48, 64, 80, 96] and buckets[-1] == PREFILL_GRAPH_MAX
+    assert len(buckets) == 24
+    for T in range(1, 3000):
+        b = prefill_bucket(T)
+        assert b >= T and b % 16 == 0
+        assert b <= max(T + 15, 1.25 * T)  # multiples of 16 up to 64, then quarter octaves
+    assert prefill_bucket(447) == 448  # one vila-8b image + a short question
+
+
+@pytest.mark.parametrize("n,explicit", [(23, False), (23, True), (64, False), (70, True)])
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 2e-5)])
+def test_padded_prefill_equals_the_unpadded_one(n, explicit, dtype, tol):
+    vlm = tiny(dtype)
+    text, h = vlm.model.text, embeds(vlm, n)
+    pos = gapped(n) if explicit else None
+    ref, pad = Decoder(text), padded(text)
+    a, b = ref.prefill(h, pos), pad.prefill(h, pos)
+    assert pad._pf is not None and ref._pf is None  # the padded path really ran
+    torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+    assert (pad.length, pad.position) == (ref.length, ref.position) == (n, int(pos[-1]) + 1 if explicit else n)
+    for x, y in zip(ref.cache.k + ref.cache.v, pad.cache.k + pad.cache.v):
+        torch.testing.assert_close(y[:, :, :n], x[:, :, :n], rtol=tol, atol=tol)
+    # Decoding and a second turn (eager) continue as after the unpadded prefill: slots past the
+    # length, where the padding rows' K/V went, are overwritten before anything reads them.
+    for t in (5, 9):
+        torch.testing.assert_close(pad.step(t), ref.step(t), rtol=tol, atol=tol)
+    torch.testing.assert_close(pad.prefill(embeds(vlm, 9, seed=2)), ref.prefill(embeds(vlm, 9, seed=2)),
+                               rtol=tol, atol=tol)
+    assert (pad.length, pad.position) == (ref.length, ref.position)
+
+
+def test_padding_rows_do_not_change_real_rows():
+    """Garbage instead of zeros in the padding rows: the real rows' logits and K/V stay bit for bit
+    (causal attention: no real row sees a later one; every other op is row-wise)."""
+    vlm = tiny()
+    n, Tp = 37, prefill_bucket(37)
+    outs = []
+    for fill in (None, 1e3):
+        dec = padded(vlm.model.text)
+        dec.prefill(embeds(vlm, n))  # fills the static inputs (zero padding)
+        with torch.inference_mode():
+            if fill is not None:
+                dec._pf.h[:, n:Tp].normal_(0, fill, generator=torch.Generator().manual_seed(0))
+            logits = dec._padded_forward(Tp)[0, -1]
+        outs.append((logits, [k[:, :, :n].clone() for k in dec.cache.k + dec.cache.v], dec._pf.h[:, n:Tp].abs().sum()))
+    (l0, kv0, s0), (l1, kv1, s1) = outs
+    assert s0 == 0 and s1 > 0
+    assert torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(kv0, kv1))
+
+
+def test_fallbacks_run_eagerly():
+    vlm = tiny()
+    text, h = vlm.model.text, embeds(vlm, 35)
+    # A bucket past the cache (35 -> 48 > 40 slots) or past prefill_chunk: eager, same result.
+    for kw in ({"max_seq_len": 40}, {"prefill_chunk": 32}):
+        dec = padded(text, **kw)
+        torch.testing.assert_close(dec.prefill(h), Decoder(text).prefill(h), rtol=1e-10, atol=1e-10)
+        assert dec._pf is None
+    # Retrieval scoring on the first turn (decode_keep < 1) keeps host state per prefill: eager.
+    dec = padded(text)
+    dec.cache.add_span("visual", 2, 20)
+    assert dec.cache.begin_scoring(20) == 18
+    dec.prefill(h)
+    assert dec._pf is None
+    # Later turns are eager.
+    dec = padded(text)
+    dec.prefill(h[:, :10])
+    dec._pf = None
+    dec.prefill(h[:, 10:])
+    assert dec._pf is None
+
+
+def test_padded_prefill_validates_before_touching_state():
+    vlm = tiny()
+    dec = padded(vlm.model.text, max_seq_len=30)
+    with pytest.raises(ContextLimitError):
+        dec.prefill(embeds(vlm, 31))
+    with pytest.raises(ValueError, match="dtype|float"):
+        dec.prefill(embeds(vlm, 10).float())
+    with pytest.raises(ValueError, match="positions"):
+        dec.prefill(embeds(vlm, 10), torch.arange(9))
+    assert (dec.length, dec.position) == (0, 0) and not dec.cache.k_stack.any()
+
+
+@pytest.mark.parametrize("original", [False, True])
+def test_a_chat_with_padded_first_turns_gives_the_same_tokens(original):
+    vlm = tiny()
+    sparsity = SparsityConfig(prefill_keep=0.5, prefill_positions="original") if original else SparsityConfig()
+    image = torch.randint(0, 256, (64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy()
+    runs = []
+    for pad in (False, True):
+        vlm.stop_ids = frozenset()
+        chat = vlm.chat(sampling=SamplingParams(max_new_tokens=6), sparsity=sparsity)
+        chat.decoder.pad_prefill = pad
+        toks = []
+        for r in range(2):
+            if r == 0:
+                chat.add_image(image)
+            "".join(chat.ask(f"question {r}"))
+            toks.append((list(chat.turns[-1][2]), chat.last_logits))
+        runs.append((toks, chat.decoder.position))
+        assert (chat.decoder._pf is not None) == pad
+    (eager, p0), (pad, p1) = runs
+    assert [t for t, _ in eager] == [t for t, _ in pad] and p0 == p1
+    for (_, a), (_, b) in zip(eager, pad):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+
+
+# -- CUDA graphs -----------------------------------------------------------------------------------
+# Llama-3-8B's head geometry (head_dim 128, 4 query heads per KV head, theta 5e5) at a small width.
+SMALL_8B = TextConfig(vocab_size=1024, dim=512, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=1024,
+                      rope_theta=500000.0, max_seq_len=1024)
+QUANTS = [{}, {"llm": "w4a16", "group_size": 128}]
+
+
+def count_captures(dec):
+    calls = []
+    capture = dec._capture_prefill
+    dec._capture_prefill = lambda Tp: calls.append(Tp) or capture(Tp)
+    return calls
+
+
+@gpu
+@pytest.mark.parametrize("quant", QUANTS)
+def test_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
+    """Two buckets (the fused W4 kernel below 256 rows, dequant + cuBLAS above), each replayed twice
+    with different inputs (and positions), against the same padded forward run eagerly."""
+    vlm = tiny("float16", "cuda", text=SMALL_8B, **quant)
+    text = vlm.model.text
+    graph, eager = Decoder(text), padded(text, cuda_graph=False)
+    assert graph.cuda_graph
+    captures = count_captures(graph)
+    for n, seed, explicit in [(23, 1, False), (300, 2, True), (29, 3, True), (290, 4, False)]:
+        h, pos = embeds(vlm, n, seed), gapped(n, "cuda") if explicit else None
+        for d in (graph, eager):
+            d.truncate(0)
+        a, b = eager.prefill(h, pos), graph.prefill(h, pos)
+        assert torch.equal(b, a), f"T={n}"
+        assert (graph.length, graph.position) == (eager.length, eager.position)
+        for x, y in zip(eager.cache.k + eager.cache.v, graph.cache.k + graph.cache.v):
+            assert torch.equal(y[:, :, :n], x[:, :, :n])
+        # The graph's K/V serve the decode step (graph step vs eager step: test_decode_graph's tolerance).
+        torch.testing.assert_close(graph.step(7), eager.step(7), rtol=1e-3, atol=1e-3)
+    assert captures == [32, 320] and sorted(graph._prefill_graphs) == [32, 320]
+
+
+@gpu
+@pytest.mark.parametrize("quant", QUANTS)
+def test_graph_prefill_is_as_accurate_as_the_eager_one(quant):
+    """Against the unpadded eager prefill the GEMMs' M differs (other tiles, split-K), so the bits may
+    too: the graph's error against a float64 reference is at most twice the eager fp16 error + 1e-3."""
+    vlm = tiny("float16", "cuda", text=SMALL_8B, **quant)
+    text = vlm.model.text
+    ref_text = copy.deepcopy(text).to("cpu", torch.float64)
+    graph, eager = Decoder(text), Decoder(text, cuda_graph=False)
+    for n in (23, 300):
+        h = embeds(vlm, n)
+        for d in (graph, eager):
+            d.truncate(0)
+        want = Decoder(ref_text).prefill(h.cpu().double())
+        a, b = eager.prefill(h).cpu().double(), graph.prefill(h).cpu().double()
+        err_eager, err_graph = (a - want).abs().max().item(), (b - want).abs().max().item()
+        assert err_graph <= 2 * err_eager + 1e-3, (n, err_graph, err_eager)
+        assert graph._prefill_graphs and eager._pf is None
+
+
+@gpu
+def test_graph_prefill_then_greedy_decoding_matches_eager():
+    vlm = tiny("float16", "cuda", text=SMALL_8B, llm="w4a16", group_size=128)
+    text, h = vlm.model.text, embeds(vlm, 200)
+    outs = []
+    for dec in (Decoder(text), padded(text, cuda_graph=False)):
+        logits = dec.prefill(h)
+        outs.append(list(generate(dec, logits, SamplingParams(max_new_tokens=20), batch=8)))
+    assert outs[0] == outs[1]
