@@ -1,16 +1,22 @@
 """VisionEncoder.use_cuda_graphs (tinyvila/cuda_graph.py): replays equal eager forwards.
 
 On CPU only the fall-through (eager path, unchanged outputs) and the clear errors run; the replay
-tests need CUDA (fp16 and W8A8 tiny encoders, two batch sizes, weights moved between calls).
+tests need CUDA (fp16 and W8A8 tiny encoders, two batch sizes, weights moved between calls), and so
+do VLM.encode_images' graphs: encoder + projector, and SparseVILA's prune (indices equal and tokens
+bit-identical to the eager prune), at tiny shapes and at vila-8b's real vision shapes.
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tinyvila import sparsity as sparse
+from tinyvila.config import ProjectorConfig, QuantConfig, SparsityConfig, preset
 from tinyvila.cuda_graph import GraphCache
+from tinyvila.loader import random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_w8a8 import as_w8a8, dense_encoder  # noqa: E402
@@ -71,3 +77,70 @@ def test_graphs_dropped_when_weights_move():
     assert not enc.graphs.graphs  # stale weight addresses are never replayed
     with torch.no_grad():
         torch.testing.assert_close(enc(px), enc._forward(px), rtol=1e-3, atol=1e-3)
+
+
+# -- VLM.encode_images: encoder + projector and SparseVILA's prune from graphs --------------------
+
+def vlm(name: str, quant: str):
+    """A random fp16 VLM on the GPU with the encoder graphs on (as tinyvila.load). "so400m": vila-8b's
+    real vision encoder and projector shapes feeding a tiny LLM (the LLM plays no part here)."""
+    if name == "so400m":
+        tiny = preset("tiny-siglip-llama")
+        cfg = dataclasses.replace(preset("vila-8b"), text=tiny.text, projector=ProjectorConfig(out_dim=tiny.text.dim))
+    else:
+        cfg = preset(name)
+    cfg = dataclasses.replace(cfg, dtype="float16", quant=QuantConfig(vision=quant))
+    model = random_model(cfg, device="cuda")
+    model.vision.use_cuda_graphs()
+    return model
+
+
+def test_cpu_encode_images_is_eager():
+    model = random_model(preset("tiny-siglip-llama"), device="cpu")
+    model.vision.use_cuda_graphs()
+    px = torch.randn(2, 3, model.cfg.vision.image_size, model.cfg.vision.image_size)
+    out, idx = model.encode_images(px, SparsityConfig(prefill_keep=0.5), with_index=True)
+    assert model._graphs is None  # nothing made, nothing captured on CPU
+    want, want_idx = sparse.prune_top_k(model.vision, model.projector, px, idx.shape[1], model.cfg.vision.n_run_layers - 1)
+    assert torch.equal(idx, want_idx) and torch.equal(out, want)
+
+
+@gpu
+@pytest.mark.parametrize("quant", ["none", "w8a8"])
+@pytest.mark.parametrize("name", ["tiny-siglip-llama", "tiny-clip-qwen2", "so400m"])
+def test_graph_prune_equals_eager_prune(name, quant):
+    model = vlm(name, quant)
+    size, n_out = model.cfg.vision.image_size, model.projector.n_out
+    for B, keep, layer in ((1, 0.5, -1), (2, 0.25, 0), (1, 0.5, -1)):  # the last reuses the first graph
+        sp = SparsityConfig(prefill_keep=keep, salience_layer=layer)
+        k = sparse.keep_count(n_out, keep)
+        px = torch.randn(B, 3, size, size, device="cuda", dtype=torch.float16)
+        with torch.inference_mode():
+            want, want_idx = sparse.prune_top_k(model.vision, model.projector, px, k,
+                                                sparse.salience_layer(model.cfg.vision, sp))
+            got, idx = model.encode_images(px, sp, with_index=True)
+        assert torch.isfinite(got).all() and idx.shape == (B, k)
+        # The graph runs the same kernels on the same data: the same tokens, bit for bit.
+        assert torch.equal(idx, want_idx)
+        assert torch.equal(got, want)
+    assert model._graphs.captures == 2  # one per (batch, k, layer); replays never recapture
+
+
+@gpu
+@pytest.mark.parametrize("quant", ["none", "w8a8"])
+@pytest.mark.parametrize("name", ["tiny-siglip-llama", "so400m"])
+def test_graph_encode_equals_eager(name, quant):
+    model = vlm(name, quant)
+    size = model.cfg.vision.image_size
+    for B in (1, 3, 1):
+        px = torch.randn(B, 3, size, size, device="cuda", dtype=torch.float16)
+        with torch.inference_mode():
+            want = model._encode(px)
+            got = model.encode_images(px)
+            kept = model.encode_images(px, SparsityConfig(prefill_keep=1.0))
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)  # as test_replay_matches_eager
+        assert torch.equal(kept, got)  # keep 1.0 is exactly the dense path
+    assert model._graphs.captures == 2
+    model.half()  # moving/casting the weights drops the graphs (stale addresses are never replayed)
+    assert not model._graphs.graphs

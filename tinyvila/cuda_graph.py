@@ -1,50 +1,60 @@
 """CUDA-graph replay of a fixed-shape forward: one captured graph per input signature.
 
 A ViT forward at one image is launch-bound (26 layers x ~10 kernels, each a few microseconds of GPU
-work behind tens of microseconds of Python and launch overhead); replaying a captured graph removes
-the host side entirely. Used by `VisionEncoder` (tinyvila/vision.py); CUDA only.
+work behind tens of microseconds of Python and launch overhead; a W8A8 layer's Triton launches cost
+more still); replaying a captured graph removes the host side entirely. Used by `VisionEncoder`
+(tinyvila/vision.py) and by `VLM.encode_images` (encoder + projector, and SparseVILA's prune with its
+fixed-k top-k, tinyvila/vlm.py); CUDA only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+
 
 class GraphCache:
-    """Calls `fn(x)` through a CUDA graph captured once per (shape, dtype, device) of `x`.
+    """Calls `fn(x, *static)` through a CUDA graph captured once per (shape, dtype, device) of `x` and
+    value of the hashable `static` arguments (constants baked into the graph, e.g. a top-k's k).
 
-    Inputs are copied into the graph's static input and the static output is cloned out, so results
-    never alias a later replay. The captured graphs bake in the addresses of the module's weights:
-    call `clear()` after moving or reloading them. Graphs share one memory pool (replays are serial
-    on the current stream, so their intermediates may overlap); at most `max_graphs` are kept.
+    `fn` returns a tensor or a tuple of tensors. Inputs are copied into the graph's static input and
+    the static outputs are cloned out, so results never alias a later replay. The captured graphs bake
+    in the addresses of the module's weights: call `clear()` after moving or reloading them. Graphs
+    share one memory pool (replays are serial on the current stream, so their intermediates may
+    overlap); at most `max_graphs` are kept. `captures` counts captures (a replay that recaptures
+    would show here: benchmarks and tests read it).
     """
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], max_graphs: int = 8):
+    def __init__(self, fn: Callable[..., Outputs], max_graphs: int = 8):
         self.fn, self.max_graphs = fn, max_graphs
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, Outputs]] = {}
         self.pool = None
+        self.captures = 0
 
     def clear(self) -> None:
         self.graphs.clear()
         self.pool = None
 
     @torch.no_grad()
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *static: Hashable) -> Outputs:
         if not x.is_cuda:
             raise ValueError(f"GraphCache: CUDA graphs need a CUDA input, got one on {x.device}")
-        key = (tuple(x.shape), x.dtype, x.device)
+        key = (tuple(x.shape), x.dtype, x.device, static)
         if key not in self.graphs:
             if len(self.graphs) >= self.max_graphs:
                 self.clear()  # rare (many batch sizes): start over rather than grow without bound
-            self.graphs[key] = self._capture(x)
+            self.graphs[key] = self._capture(x, static)
         graph, static_in, static_out = self.graphs[key]
         static_in.copy_(x)
         graph.replay()
+        if isinstance(static_out, tuple):
+            return tuple(t.clone() for t in static_out)
         return static_out.clone()
 
-    def _capture(self, x: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    def _capture(self, x: torch.Tensor, static: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Outputs]:
         static_in = x.clone()
         # Warm-up on a side stream, as torch.cuda.graphs asks: compiles the Triton kernels and lets
         # cuBLAS/SDPA pick their algorithms outside the capture (which must not synchronize).
@@ -52,11 +62,12 @@ class GraphCache:
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.fn(static_in)
+                self.fn(static_in, *static)
         torch.cuda.current_stream(x.device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            static_out = self.fn(static_in)
+            static_out = self.fn(static_in, *static)
+        self.captures += 1
         return graph, static_in, static_out

@@ -105,21 +105,42 @@ def visionzip(merged: torch.Tensor, salience: torch.Tensor, keys: torch.Tensor, 
     return torch.stack(tokens), torch.stack(index)
 
 
-def prune(vision, projector, pixels: torch.Tensor, sparsity: SparsityConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def prune_top_k(vision, projector, pixels: torch.Tensor, k: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseVILA's whole prune at a fixed k: pixels (B, C, S, S) -> (B, k, d) tokens, (B, k) index.
+
+    Encoder (salience layer `layer` also returning q, k, LSE), salience per projector token, top-k,
+    gather, projector MLP on the kept tokens. No host synchronisation and fixed shapes throughout,
+    so `VLM.encode_images` replays exactly this function from a CUDA graph per (B, k, layer)."""
+    feats, (q, kk, lse) = vision.features(pixels, qk_layer=layer)
+    merged = projector.merge(feats)  # (B, N', C)
+    sal = grid_salience(token_salience(q, kk, vision.cfg, lse), projector)  # (B, N')
+    idx = top_k(sal, k)
+    return projector.mlp(gather(merged, idx)), idx
+
+
+def prune(vision, projector, pixels: torch.Tensor, sparsity: SparsityConfig,
+          graphs=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode and prune: pixels (B, C, S, S) -> (B, k, d) LLM-width tokens and (B, k) their index in
-    the image's projector-token grid (increasing), k = keep_count(N', prefill_keep)."""
+    the image's projector-token grid (increasing), k = keep_count(N', prefill_keep).
+
+    `graphs`: a GraphCache over `prune_top_k` (tinyvila/cuda_graph.py); given, "sparsevila" on CUDA
+    is one graph replay, the same kernels as the eager call. "random" uses the encoder's own graph
+    when it has one (its selection is a host RNG); "visionzip" stays eager (groups of data-dependent
+    size, a per-image host loop)."""
     cfg = vision.cfg
     k = keep_count(projector.n_out, sparsity.prefill_keep)
     if sparsity.prefill_method == "random":  # needs no attention: the plain encoder runs
         merged = projector.merge(vision(pixels))  # (B, N', C)
         idx = random_k(merged.shape[0], merged.shape[1], k, sparsity.seed, merged.device)
         return projector.mlp(gather(merged, idx)), idx
-    x, (q, kk, lse) = vision.run_layers(vision.embed(pixels), qk_layer=salience_layer(cfg, sparsity))
-    merged = projector.merge(vision.select(x))  # (B, N', C)
-    sal = grid_salience(token_salience(q, kk, cfg, lse), projector)  # (B, N')
+    layer = salience_layer(cfg, sparsity)
     if sparsity.prefill_method == "sparsevila":
-        idx = top_k(sal, k)
-        return projector.mlp(gather(merged, idx)), idx
+        if graphs is not None and pixels.is_cuda:
+            return graphs(pixels, k, layer)
+        return prune_top_k(vision, projector, pixels, k, layer)
+    feats, (q, kk, lse) = vision.features(pixels, qk_layer=layer)
+    merged = projector.merge(feats)  # (B, N', C)
+    sal = grid_salience(token_salience(q, kk, cfg, lse), projector)  # (B, N')
     keys = kk.mean(1)  # (B, T, Dh): head-mean keys, as VisionZip
     keys = projector.merge(keys[:, 1:] if cfg.n_out_tokens < cfg.n_tokens else keys)  # (B, N', E)
     tokens, idx = visionzip(merged, sal, keys, k)

@@ -169,7 +169,8 @@ class VisionEncoder(nn.Module):
     def use_cuda_graphs(self, enabled: bool = True) -> "VisionEncoder":
         """Run `forward` on CUDA inputs as a CUDA graph replay, one graph per input shape and dtype
         (tinyvila/cuda_graph.py): removes the launch overhead that dominates at one image. Inference
-        only; graphs are dropped when the weights are moved or reloaded."""
+        only; graphs are dropped when the weights are moved or reloaded. `VLM.encode_images` reads
+        this switch to replay encoder + projector (and SparseVILA's prune) from its own graphs."""
         self.graphs = GraphCache(self._forward) if enabled else None
         return self
 
@@ -183,10 +184,16 @@ class VisionEncoder(nn.Module):
             self.graphs.clear()
         return super()._load_from_state_dict(*args, **kwargs)
 
-    def _forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        x, _ = self.run_layers(self.embed(pixels))
+    def features(self, pixels: torch.Tensor, qk_layer: int | None = None):
+        """(B, C, S, S) -> the projector's input (B, n_out_tokens, D) (post_norm, then `select`), and
+        layer `qk_layer`'s (q, k, lse) (`run_layers`) or None. Eager; the graph-safe body of both
+        `forward` and SparseVILA's prune (tinyvila/sparsity.py), so the two see the same features."""
+        x, qk = self.run_layers(self.embed(pixels), qk_layer)
         x = x if self.post_norm is None else self.post_norm(x)
-        return self.select(x)
+        return self.select(x), qk
+
+    def _forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.features(pixels)[0]
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """(B, C, S, S) -> (B, n_out_tokens, D); a graph replay on CUDA after `use_cuda_graphs`."""

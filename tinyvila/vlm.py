@@ -6,6 +6,9 @@ ids, with `IMAGE_TOKEN` sentinels, -> input embeddings with each image's tokens 
 sentinel, as VILA's `tokenizer_image_token` + `prepare_inputs_labels_for_multimodal` do).
 With `SparsityConfig.prefill_keep` < 1, `encode_images` prunes each image's tokens before the projector
 MLP (tinyvila/sparsity.py) and `positions` gives the kept tokens their original RoPE positions.
+On CUDA, once `vision.use_cuda_graphs()` is on (tinyvila.load does it), encoder + projector, and
+SparseVILA's whole prune, replay from CUDA graphs (tinyvila/cuda_graph.py): at one image the eager
+launches cost several times the GPU work.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import nn
 
 from . import sparsity as sparse
 from .config import SparsityConfig, VLMConfig
+from .cuda_graph import GraphCache
 from .projector import Projector
 from .quant import swap_linears
 from .text import TextModel
@@ -33,6 +37,7 @@ class VLM(nn.Module):
         self.text = TextModel(cfg.text)
         if cfg.quant.llm == "w4a16":  # packed W4 LLM linears, stored as such in the checkpoint
             swap_linears(self.text, cfg.quant)
+        self._graphs: GraphCache | None = None  # encode graphs, made on first CUDA use (_encode_graphs)
 
     @property
     def device(self) -> torch.device:
@@ -52,17 +57,43 @@ class VLM(nn.Module):
         pixels = pixels.to(self.device, self.dtype)
         # Long videos go through the encoder ENCODE_BATCH frames at a time: activation memory (and a
         # CUDA graph's pool) stays that of one batch, and one captured batch shape serves them all.
+        graphs = self._encode_graphs() if pixels.is_cuda else None
         outs, idxs = [], []
         for chunk in pixels.split(ENCODE_BATCH):
             if sparsity is not None and sparsity.prefill_keep < 1.0:
-                out, idx = sparse.prune(self.vision, self.projector, chunk, sparsity)
+                out, idx = sparse.prune(self.vision, self.projector, chunk, sparsity, graphs)
             else:
-                out = self.projector(self.vision(chunk))  # (n, image_tokens, d)
+                out = graphs(chunk) if graphs is not None else self._encode(chunk)  # (n, image_tokens, d)
                 idx = torch.arange(out.shape[1], device=out.device).expand(out.shape[0], -1)
             outs.append(out)
             idxs.append(idx)
         out, idx = (outs[0], idxs[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(idxs))
         return (out, idx) if with_index else out
+
+    def _encode(self, pixels: torch.Tensor, k: int | None = None, layer: int | None = None):
+        """The graph-safe body: (n, C, S, S) -> projector(encoder) (n, image_tokens, d); with k,
+        SparseVILA's prune at salience layer `layer` -> ((n, k, d), (n, k) index)."""
+        if k is None:
+            return self.projector(self.vision.features(pixels)[0])
+        return sparse.prune_top_k(self.vision, self.projector, pixels, k, layer)
+
+    def _encode_graphs(self) -> GraphCache | None:
+        """The GraphCache over `_encode` when the encoder's graphs are on, else None (eager)."""
+        if self.vision.graphs is None:
+            return None
+        if self._graphs is None:
+            self._graphs = GraphCache(self._encode)
+        return self._graphs
+
+    def _apply(self, fn, recurse=True):
+        if self._graphs is not None:
+            self._graphs.clear()  # captured graphs hold the old weight addresses
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        if self._graphs is not None:
+            self._graphs.clear()
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def embed(self, ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids with IMAGE_TOKEN sentinels -> (1, T, d) input embeddings.
