@@ -63,8 +63,13 @@ def test_image_conversation_every_pipeline(capsys):
 
 def test_decode_mode_counts_the_bytes_each_step_reads(capsys):
     pipelines = "hf,quant" if has_transformers() else "quant"
-    report, out = run_bench(["--decode-context", "300", "--new-tokens", "6", "--pipelines", pipelines], capsys)
+    report, out = run_bench(["--decode-context", "300", "--new-tokens", "6", "--pipelines", pipelines,
+                             "--repeats", "3"], capsys)
     row = report["rows"][-1]
+    # Three measured runs: the row is the median one by end to end, its TTFT the median TTFT.
+    runs = row["e2e_runs_ms"]
+    assert report["repeats"] == 3 and len(runs) == 3 and runs == sorted(runs)
+    assert row["e2e_ms"] == pytest.approx(runs[1]) and row["ttft_ms"] == row["ttft_runs_ms"][1]
     assert row["pipeline"] == "quant" and row["prefill_tokens"] == 300  # the byte tokenizer hits it exactly
     assert row["visual"] == "-" and row["context_tokens"] == 306
     # 5 decode steps (the first token comes from the prefill); step j attends over 300 + j rows.
