@@ -78,10 +78,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         # One row per program: at decode M = 1, so the row's latency chain (load, reduce, store) is
         # the whole cost; 8 warps keep 16 fp16 per thread at D = 4096.
         warps = num_warps or (8 if block >= 4096 else 4)
-        use_pdl = pdl.enabled(x.device)
         _add_rms_norm_kernel[(M,)](x2, r2, weight, y, s, D, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0),
-                                   float(eps), HAS_RESIDUAL=residual is not None, BLOCK_D=block, PDL=use_pdl,
-                                   num_warps=warps, launch_pdl=use_pdl)
+                                   float(eps), HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=warps,
+                                   **pdl.options(x.device))
     return y.view(x.shape), (x if residual is None else s.view(x.shape))
 
 

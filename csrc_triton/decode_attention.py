@@ -263,8 +263,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), scale * LOG2E, Hkv, H, n_splits,
         N_REP=n_rep, D=D, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_R=block_r, BLOCK_S=block_s, MERGE_S=min(block_s, max(1, MERGE_ELEMS // (block_r * block_d))),
-        FUSED=fused, UPCAST=_interpreting() and q.dtype == torch.bfloat16, PDL=pdl.enabled(q.device),
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl.enabled(q.device),
+        FUSED=fused, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages, **pdl.options(q.device),
     )
     if n_splits > 1 and not fused:
         _decode_attention_reduce_kernel[(B * H,)](

@@ -19,9 +19,12 @@ context went from 3.15 to 2.98 ms per token (317.8 -> 335.2 tok/s). Also tried a
 program prefetching its weights into L2 (cp.async.bulk.prefetch.L2) before the wait and a few K steps
 ahead in its loop: slower at every distance (e.g. 3.41 ms per token at 4 steps ahead).
 
-`enabled(device)`: PDL on CUDA devices of compute capability >= 9.0 outside the interpreter, unless
-TINYVILA_PDL=0. In the interpreter and on other devices the PDL constexpr is False and the kernels are
-exactly the plain ones.
+Not a kernel of its own: device-side helpers every decode-step kernel calls. A launcher passes
+`**options(device)` (the kernel's PDL constexpr and Triton's launch_pdl option): PDL on CUDA devices of
+compute capability >= 9.0 outside the interpreter, unless TINYVILA_PDL=0. `options_ref()` is the plain
+launch, the reference: the same kernel launched with it gives the same bits (tests/kernels/test_pdl.py,
+kernel by kernel and for a whole decode-like chain, eager and graph-replayed). In the interpreter and on
+other devices `options` is `options_ref()`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ def enabled(device: torch.device) -> bool:
     if index not in _ENABLED:
         _ENABLED[index] = torch.cuda.get_device_capability(index) >= (9, 0)
     return _ENABLED[index]
+
+
+def options(device: torch.device) -> dict:
+    """Launch keywords of a decode-step kernel on `device`: its PDL constexpr and Triton's launch_pdl."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+def options_ref() -> dict:
+    """The plain launch (no PDL): the reference every PDL launch must match bit for bit."""
+    return {"PDL": False, "launch_pdl": False}
 
 
 @triton.jit

@@ -139,8 +139,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: t
             qkv, cos, sin, q, k_cache, v_cache, slots, k2, v2, slots2, T, qkv.stride(0), qkv.stride(1),
             cos.stride(0), sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *k2.stride()[:3],
             *v2.stride()[:3], H=n_heads, HKV=n_kv_heads, HALF=D // 2, HEADS=hp, SECOND=second is not None,
-            BLOCK=block, PDL=pdl.enabled(qkv.device), num_warps=num_warps or max(1, min(4, hp * block // 64)),
-            launch_pdl=pdl.enabled(qkv.device))
+            BLOCK=block, num_warps=num_warps or max(1, min(4, hp * block // 64)), **pdl.options(qkv.device))
     return q
 
 

@@ -63,9 +63,8 @@ def silu_mul(gate_up: torch.Tensor, block: int | None = None, num_warps: int = 4
     y = torch.empty((M, Fdim), dtype=gate_up.dtype, device=gate_up.device)
     if M:
         block = block or _block(M, Fdim, gate_up.device)
-        use_pdl = pdl.enabled(gate_up.device)
         _silu_mul_kernel[(M, triton.cdiv(Fdim, block))](x2, y, Fdim, x2.stride(0), y.stride(0), BLOCK=block,
-                                                        PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl)
+                                                        num_warps=num_warps, **pdl.options(gate_up.device))
     return y.view(*gate_up.shape[:-1], Fdim)
 
 

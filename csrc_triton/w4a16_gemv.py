@@ -662,9 +662,8 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     ws, locks = _split_buffers(x.device, split * M * N, row_blocks) if split > 1 else (out, out)  # (unused if 1)
     args = (x, qweight, scales.view(torch.int32) if s_pairs else scales, zeros, bias if bias is not None else scales,
             out, ws, locks, M, N, x.stride(0), out.stride(0), K8, K // G, w_split, split)
-    use_pdl = on_gpu and pdl.enabled(x.device)
     meta = dict(BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, UNPACK=unpack, S_PAIRS=s_pairs,
-                FENCE=on_gpu, SPLIT=split > 1, PDL=use_pdl, launch_pdl=use_pdl)
+                FENCE=on_gpu, SPLIT=split > 1, **pdl.options(x.device))
     if kernel == "mma":
         x32 = _pairs_view(x)  # x as int32 pairs: 4-byte elements, which Triton pipelines with cp.async
         args = (x32,) + args[1:10] + (x32.stride(0),) + args[11:]

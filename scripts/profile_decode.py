@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -80,19 +82,11 @@ def kernel_profile(text, args) -> list[tuple[str, float, int]]:
 
 def variants(text, args) -> dict[str, float]:
     """Graph tok/s per 'pdl=P' setting (a fresh Decoder, so fresh graphs, for each); restores it afterwards."""
-    import os
-
-    saved, out = os.environ.get("TINYVILA_PDL"), {}
-    try:
-        for spec in args.variants.split(","):
-            os.environ["TINYVILA_PDL"] = spec.split("=")[1]
+    out = {}
+    for spec in args.variants.split(","):
+        with mock.patch.dict(os.environ, {"TINYVILA_PDL": spec.split("=")[1]}):
             out[spec] = tok_per_s(text, args, True)
-            print(f"  variant {spec}: graph {out[spec]:.1f} tok/s ({1000 / out[spec]:.3f} ms/token)", flush=True)
-    finally:
-        if saved is None:
-            os.environ.pop("TINYVILA_PDL", None)
-        else:
-            os.environ["TINYVILA_PDL"] = saved
+        print(f"  variant {spec}: graph {out[spec]:.1f} tok/s ({1000 / out[spec]:.3f} ms/token)", flush=True)
     return out
 
 

@@ -16,6 +16,28 @@ import torch
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 
+def capture(fn: Callable[[], object], pool, warmups: int = 1, restore: tuple[torch.Tensor, ...] = ()):
+    """Capture `fn()` into a CUDA graph in memory pool `pool` -> (graph, fn's output in the pool).
+
+    `warmups` eager calls first on a side stream, as torch.cuda.graphs asks: they compile the Triton
+    kernels, let cuBLAS/SDPA pick their algorithms and grow the kernels' workspaces outside the capture
+    (which must not synchronize or allocate outside the pool). Tensors in `restore` (device state the
+    warm-up advances, e.g. a decode step's slot) are put back before the capture."""
+    saved = [t.clone() for t in restore]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    for t, v in zip(restore, saved):
+        t.copy_(v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class GraphCache:
     """Calls `fn(x, *static)` through a CUDA graph captured once per (shape, dtype, device) of `x` and
     value of the hashable `static` arguments (constants baked into the graph, e.g. a top-k's k).
@@ -56,18 +78,30 @@ class GraphCache:
 
     def _capture(self, x: torch.Tensor, static: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Outputs]:
         static_in = x.clone()
-        # Warm-up on a side stream, as torch.cuda.graphs asks: compiles the Triton kernels and lets
-        # cuBLAS/SDPA pick their algorithms outside the capture (which must not synchronize).
-        side = torch.cuda.Stream(device=x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.fn(static_in, *static)
-        torch.cuda.current_stream(x.device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            static_out = self.fn(static_in, *static)
+        with torch.cuda.device(x.device):
+            graph, static_out = capture(lambda: self.fn(static_in, *static), self.pool, warmups=2)
         self.captures += 1
         return graph, static_in, static_out
+
+
+class GraphOwner:
+    """nn.Module mixin (listed before nn.Module) for a module that keeps a GraphCache in the attribute
+    named by GRAPHS_ATTR: moving, casting or reloading its weights drops the captured graphs, which hold
+    the old weight addresses."""
+
+    GRAPHS_ATTR = "graphs"
+
+    def _drop_graphs(self) -> None:
+        graphs = getattr(self, self.GRAPHS_ATTR, None)
+        if graphs is not None:
+            graphs.clear()
+
+    def _apply(self, fn, recurse=True):
+        self._drop_graphs()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._drop_graphs()
+        return super()._load_from_state_dict(*args, **kwargs)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from .cuda_graph import capture
 from .errors import ContextLimitError
 from .text import KVCache
 
@@ -242,24 +243,11 @@ class Decoder:
         return self.model(pf.h[:, :Tp], self.cache, 0, positions=pf.pos[:Tp], rows=pf.last)
 
     def _capture_prefill(self, Tp: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # One eager run on a side stream first (as `_capture`): compiles the Triton kernels, lets cuBLAS
-        # pick its algorithms and grows the kernels' workspaces outside the capture. It writes K/V at
-        # slots 0..Tp-1 of the empty cache, which the replay then rewrites with the same values.
-        # The graph shares the decode graphs' pool: replays are serial on one stream and every graph's
-        # state that outlives a replay (inputs, cache, step index) lives outside the pool; outputs are
-        # cloned (prefill) or consumed (decode) before another graph runs.
-        dev = self._token.device
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._padded_forward(Tp)
-        torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._padded_forward(Tp)
-        return graph, logits
+        # The eager warm-up writes K/V at slots 0..Tp-1 of the empty cache, which the replay then rewrites
+        # with the same values. The graph shares the decode graphs' pool: replays are serial on one stream
+        # and every graph's state that outlives a replay (inputs, cache, step index) lives outside the
+        # pool; outputs are cloned (prefill) or consumed (decode) before another graph runs.
+        return self._capture_graph(lambda: self._padded_forward(Tp))
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
@@ -324,24 +312,17 @@ class Decoder:
         return logits
 
     def _capture(self, vocab_size: int | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # One eager warm-up step on a side stream compiles the Triton kernels and lets cuBLAS pick its
-        # algorithms outside the capture. It writes K/V at the next slot (overwritten by the real
-        # step) and advances the device state, which is restored after it.
+        # The eager warm-up step writes K/V at the next slot (overwritten by the real step) and advances
+        # the device state, which is restored before the capture.
         live = (*self.cache.step_index().tensors(), self._token, self._count)
-        state = [t.clone() for t in live]
-        side = torch.cuda.Stream(device=self._token.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._step(vocab_size)
-        torch.cuda.current_stream().wait_stream(side)
-        for t, saved in zip(live, state):
-            t.copy_(saved)
+        return self._capture_graph(lambda: self._step(vocab_size), restore=live)
+
+    def _capture_graph(self, fn, restore: tuple = ()) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """fn() captured in the decoder's graph pool after one eager warm-up (tinyvila/cuda_graph.capture)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(vocab_size)
-        return graph, logits
+        with torch.cuda.device(self._token.device):
+            return capture(fn, self._pool, restore=restore)
 
     def truncate(self, length: int) -> None:
         """Forget everything past `length` (the entries are overwritten by later writes)."""

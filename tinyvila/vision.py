@@ -18,7 +18,7 @@ from torch import nn
 
 from tinyvila import ops
 from tinyvila.config import VisionConfig
-from tinyvila.cuda_graph import GraphCache
+from tinyvila.cuda_graph import GraphCache, GraphOwner
 from tinyvila.quant import QTensor, W8A8Linear
 
 VISION_QUANT = ("none", "w8a8")  # QuantConfig.vision values
@@ -121,7 +121,7 @@ class Block(nn.Module):
         return (x, qk) if return_qk else x
 
 
-class VisionEncoder(nn.Module):
+class VisionEncoder(GraphOwner, nn.Module):
     """ViT truncated at `cfg.select_layer`: pixels (B, C, S, S) -> features (B, n_out_tokens, D).
 
     `quant` "w8a8" builds W8A8Linear q/k/v, o, fc1, fc2 fed by fused LayerNorm/GELU+quant kernels
@@ -173,16 +173,6 @@ class VisionEncoder(nn.Module):
         this switch to replay encoder + projector (and SparseVILA's prune) from its own graphs."""
         self.graphs = GraphCache(self._forward) if enabled else None
         return self
-
-    def _apply(self, fn, recurse=True):
-        if self.graphs is not None:
-            self.graphs.clear()  # captured graphs hold the old weight addresses
-        return super()._apply(fn, recurse)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        if self.graphs is not None:
-            self.graphs.clear()
-        return super()._load_from_state_dict(*args, **kwargs)
 
     def features(self, pixels: torch.Tensor, qk_layer: int | None = None):
         """(B, C, S, S) -> the projector's input (B, n_out_tokens, D) (post_norm, then `select`), and

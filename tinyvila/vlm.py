@@ -18,7 +18,7 @@ from torch import nn
 
 from . import sparsity as sparse
 from .config import SparsityConfig, VLMConfig
-from .cuda_graph import GraphCache
+from .cuda_graph import GraphCache, GraphOwner
 from .projector import Projector
 from .quant import swap_linears
 from .text import TextModel
@@ -28,7 +28,9 @@ from .vision import VisionEncoder
 ENCODE_BATCH = 32  # images (video frames) per vision-encoder pass
 
 
-class VLM(nn.Module):
+class VLM(GraphOwner, nn.Module):
+    GRAPHS_ATTR = "_graphs"  # the encode graphs (GraphOwner drops them when the weights move)
+
     def __init__(self, cfg: VLMConfig):
         super().__init__()
         self.cfg = cfg
@@ -84,16 +86,6 @@ class VLM(nn.Module):
         if self._graphs is None:
             self._graphs = GraphCache(self._encode)
         return self._graphs
-
-    def _apply(self, fn, recurse=True):
-        if self._graphs is not None:
-            self._graphs.clear()  # captured graphs hold the old weight addresses
-        return super()._apply(fn, recurse)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        if self._graphs is not None:
-            self._graphs.clear()
-        return super()._load_from_state_dict(*args, **kwargs)
 
     def embed(self, ids: list[int], images: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids with IMAGE_TOKEN sentinels -> (1, T, d) input embeddings.

@@ -39,6 +39,7 @@ of that table, and summary rows (launcher default vs best, and their sum over th
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -453,43 +454,37 @@ def pdl_sweep() -> list[dict]:
     from csrc_triton.add_rms_norm import add_rms_norm
 
     print(f"copy bandwidth {common.copy_bandwidth_gbs():.0f} GB/s", flush=True)
-    rows, saved = [], os.environ.get("TINYVILA_PDL")
-    try:
-        for name, K, N in SHAPES:
-            sets = _weights(N, K, common.n_copies(_w4_bytes(N, K)))
-            xs = [torch.randn(1, K, device="cuda", dtype=torch.float16) for _ in sets]
-            res = [torch.randn(1, K, device="cuda", dtype=torch.float16) for _ in sets]
-            wn = torch.randn(K, device="cuda", dtype=torch.float16)
-            gemv_in = [(x, q, s, z) for x, (_, q, s, z) in zip(xs, sets)]
-            pair_in = [(x, r, q, s, z) for x, r, (_, q, s, z) in zip(xs, res, sets)]
-            floor_us = _read_floor_us(_w4_bytes(N, K))
-            x0, q0, s0, z0 = gemv_in[0]
-            exact = x0.float() @ dequantize_w4(q0, s0, z0, torch.float32).T
+    rows = []
+    for name, K, N in SHAPES:
+        sets = _weights(N, K, common.n_copies(_w4_bytes(N, K)))
+        xs = [torch.randn(1, K, device="cuda", dtype=torch.float16) for _ in sets]
+        res = [torch.randn(1, K, device="cuda", dtype=torch.float16) for _ in sets]
+        wn = torch.randn(K, device="cuda", dtype=torch.float16)
+        gemv_in = [(x, q, s, z) for x, (_, q, s, z) in zip(xs, sets)]
+        pair_in = [(x, r, q, s, z) for x, r, (_, q, s, z) in zip(xs, res, sets)]
+        floor_us = _read_floor_us(_w4_bytes(N, K))
+        x0, q0, s0, z0 = gemv_in[0]
+        exact = x0.float() @ dequantize_w4(q0, s0, z0, torch.float32).T
 
-            def pair(x, r, q, s, z, wn=wn):
-                h, _ = add_rms_norm(x, r, wn, 1e-5)
-                return gemv_mod.w4a16_gemv(h, q, s, z)
+        def pair(x, r, q, s, z, wn=wn):
+            h, _ = add_rms_norm(x, r, wn, 1e-5)
+            return gemv_mod.w4a16_gemv(h, q, s, z)
 
-            for use_pdl in ("0", "1"):
-                os.environ["TINYVILA_PDL"] = use_pdl
+        for use_pdl in ("0", "1"):
+            with mock.patch.dict(os.environ, {"TINYVILA_PDL": use_pdl}):
                 norm_us = 1e3 * common.graph_ms(lambda x, r, q, s, z, wn=wn: add_rms_norm(x, r, wn, 1e-5), pair_in)
                 y = gemv_mod.w4a16_gemv(x0, q0, s0, z0)
                 err = ((y.float() - exact).abs().max() / exact.abs().max()).item()
                 t = 1e3 * common.graph_ms(gemv_mod.w4a16_gemv, gemv_in)
                 tp = 1e3 * common.graph_ms(pair, pair_in)
-                gbs = (_w4_bytes(N, K) + 2 * (K + N)) / t / 1e3
-                row = {"layer": name, "N": N, "K": K, "pdl": int(use_pdl), "gemv_us": t, "GBs": gbs,
-                       "copy_frac": gbs / common.copy_bandwidth_gbs(), "pair_us": tp, "norm_us": norm_us,
-                       "floor_us": floor_us, "ok": err < 4e-3}
-                rows.append(row)
-                print(f"  {name:<8} pdl {use_pdl}: gemv {t:6.2f} us ({gbs:5.0f} GB/s, {row['copy_frac']:.2f} of copy)  "
-                      f"norm+gemv {tp:6.2f} us (norm alone {norm_us:.2f})  floor {floor_us:.2f}"
-                      f"{'' if row['ok'] else f'  WRONG {err:.2g}'}", flush=True)
-            del sets
-            torch.cuda.empty_cache()
-    finally:
-        if saved is None:
-            os.environ.pop("TINYVILA_PDL", None)
-        else:
-            os.environ["TINYVILA_PDL"] = saved
+            gbs = (_w4_bytes(N, K) + 2 * (K + N)) / t / 1e3
+            row = {"layer": name, "N": N, "K": K, "pdl": int(use_pdl), "gemv_us": t, "GBs": gbs,
+                   "copy_frac": gbs / common.copy_bandwidth_gbs(), "pair_us": tp, "norm_us": norm_us,
+                   "floor_us": floor_us, "ok": err < 4e-3}
+            rows.append(row)
+            print(f"  {name:<8} pdl {use_pdl}: gemv {t:6.2f} us ({gbs:5.0f} GB/s, {row['copy_frac']:.2f} of copy)  "
+                  f"norm+gemv {tp:6.2f} us (norm alone {norm_us:.2f})  floor {floor_us:.2f}"
+                  f"{'' if row['ok'] else f'  WRONG {err:.2g}'}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
     return rows

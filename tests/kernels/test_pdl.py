@@ -28,9 +28,25 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="PDL is sm_90 PTX: GPU only")
 
 def test_off_on_cpu_and_in_the_interpreter(monkeypatch):
     assert not pdl.enabled(torch.device("cpu"))
+    assert pdl.options(torch.device("cpu")) == pdl.options_ref() == {"PDL": False, "launch_pdl": False}
     monkeypatch.setattr(pdl, "INTERPRET", True)
     if ON_GPU:
         assert not pdl.enabled(torch.device("cuda"))
+
+
+@gpu
+def test_kernel_launch_matches_the_plain_launch():
+    """One kernel launched with pdl.options equals the same kernel launched with pdl.options_ref."""
+    from csrc_triton.silu_mul import _silu_mul_kernel
+
+    x = torch.randn(3, 2 * 5000, device="cuda").half()
+    outs = []
+    for opts in (pdl.options(x.device), pdl.options_ref()):
+        y = torch.full((3, 5000), float("nan"), device="cuda").half()
+        _silu_mul_kernel[(3, 5)](x, y, 5000, x.stride(0), y.stride(0), BLOCK=1024, **opts)
+        outs.append(y)
+    assert pdl.options(x.device)["PDL"] == (torch.cuda.get_device_capability() >= (9, 0))
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
 
 
 class _Chain:
