@@ -425,24 +425,43 @@ def _zero_point_terms(x_ptr, s_ptr, z_ptr, stride_xm, M, rows, NG, g_lo, g_hi, d
 
 
 @triton.jit
-def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm,
-                           stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, FENCE: tl.constexpr,
-                           UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                           STAGES: tl.constexpr, GPS: tl.constexpr, CHAINS: tl.constexpr, CORR_GB: tl.constexpr,
-                           PDL: tl.constexpr):
-    # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's
-    # 64 GPS bytes are contiguous, so each step reads longer runs of every row, and the per-step costs
-    # (pipeline barriers, B operand through shared memory) are paid once per GPS groups. The launcher
-    # makes every split range whole steps. BLOCK_N rows per program, BLOCK_N / (16 num_warps) 16-row tiles
-    # per warp: the B operand a warp reads from shared memory serves all of its tiles. CHAINS: the step's
-    # groups in that many separate dots (each its own loads and B), whose mma accumulations are independent
-    # chains a warp can overlap, instead of one chain of 8 GPS dependent mma.sync per 16-row tile.
+def _step_zero_terms(pairs, z_ptr, idx, s8, dtype, U: tl.constexpr, M_ODD: tl.constexpr, BLOCK_M: tl.constexpr,
+                     GPS: tl.constexpr):
+    """The x-only terms of one K step's GPS groups in _x_operand's column layout, (BN, 8) fp32 in units of u:
+    u b[n, g] X[m, g] - s[n, g] Xm[m, g] in column jg BM + m (zero in the columns of groups >= GPS, whose
+    dot sums are zero too). pairs: the step's x as (BM, 64 GPS) int32 pairs (even k low, odd k high), so
+    X = sum lo + sum hi and Xm = 16 sum lo + M_ODD sum hi; s8: the step's scales (_step_scales); zeros of
+    groups idx + jg loaded here (GPS values per row, one load, pipelined like the step's other loads):
+    the ZSTEP alternative to the per-program prologue (_zero_point_terms), whose round trip a program with
+    few K steps cannot hide."""
+    BN: tl.constexpr = idx.shape[0]
+    J: tl.constexpr = 8 // BLOCK_M
+    lo, hi = _split_pairs(tl.reshape(pairs, (BLOCK_M, GPS, 64)), dtype)
+    x_even = tl.sum(lo.to(tl.float32), axis=2)  # (BM, GPS)
+    x_odd = tl.sum(hi.to(tl.float32), axis=2)
+    b = tl.load(z_ptr + idx[:, None] + tl.arange(0, GPS)[None, :])  # (BN, GPS)
+    b8 = tl.reshape(tl.broadcast_to(b[:, None, :, None], (BN, J // GPS, GPS, BLOCK_M)), (BN, 8))
+    xs = tl.trans(x_even + x_odd)  # (GPS, BM)
+    xms = tl.trans(16.0 * x_even + M_ODD * x_odd)
+    col_ok = tl.arange(0, 8) < GPS * BLOCK_M
+    X8 = tl.where(col_ok, tl.reshape(tl.broadcast_to(xs[None, :, :], (J // GPS, GPS, BLOCK_M)), (8,)), 0.0)
+    Xm8 = tl.where(col_ok, tl.reshape(tl.broadcast_to(xms[None, :, :], (J // GPS, GPS, BLOCK_M)), (8,)), 0.0)
+    return (U * b8) * X8[None, :] - s8 * Xm8[None, :]
+
+
+@triton.jit
+def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm,
+              stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+              UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
+              CHAINS: tl.constexpr, CORR_GB: tl.constexpr, ZSTEP: tl.constexpr):
+    """Row block pid_n, K split pid_k of the mma kernel: y (or its split-K partial) for BLOCK_N rows.
+    ZSTEP: the x-only (zero-point) terms accumulate per K step (_step_zero_terms) instead of in a prologue
+    over all the tile's groups (_zero_point_terms): no round trip outside the pipelined loads (the qkv
+    shape's 4-step programs run 11.7 -> 10.4 us with it, session 4)."""
     dtype = y_ptr.dtype.element_ty
     U_INV: tl.constexpr = 8.0 if dtype == tl.bfloat16 else 64.0  # 1 / u of the magic values (_magic_planes)
     M_ODD: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0  # their m at odd k
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = cols % N  # rows past N wrap around instead of being masked (unmasked loads); the store drops them
     g_lo = pid_k * (W_SPLIT // 16)
@@ -454,19 +473,25 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     w_ptrs = (qw_ptr + rows[None, :, None] * K8 + g_lo * 16 + 16 * tl.arange(0, GC)[:, None, None]
               + tl.arange(0, 16)[None, None, :])  # (GC, BN, 16): group-major, see above
     s_idx = rows * NG + g_lo
-    pdl.enter(PDL)  # a decode-step kernel (csrc_triton/pdl.py): nothing is read before the previous one is done
     acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
     for g in tl.range(g_lo, g_hi, GPS, num_stages=STAGES):
-        if g == g_lo:
-            # The x-only terms of all this program's groups, computed while the first tiles are in flight
-            # (this code needs none of them), scaled by u like the dot sums.
-            corr = _zero_point_terms(x_ptr, s_ptr, z_ptr, stride_xm, M, rows, NG, g_lo, g_hi, dtype, U_INV, M_ODD,
-                                     S_PAIRS, BLOCK_M, CORR_GB)
-            acc += _pad_columns(corr * (1.0 / U_INV), BLOCK_M)
+        if not ZSTEP:
+            if g == g_lo:
+                # The x-only terms of all this program's groups, computed while the first tiles are in flight
+                # (this code needs none of them), scaled by u like the dot sums.
+                corr = _zero_point_terms(x_ptr, s_ptr, z_ptr, stride_xm, M, rows, NG, g_lo, g_hi, dtype, U_INV,
+                                         M_ODD, S_PAIRS, BLOCK_M, CORR_GB)
+                acc += _pad_columns(corr * (1.0 / U_INV), BLOCK_M)
         if CHAINS == 1:
             a = _mma_operand(tl.load(w_ptrs), dtype, UNPACK)  # (BN, 128 GPS)
-            xt = _x_operand(tl.load(x_ptrs, mask=x_mask, other=0), dtype, BLOCK_M, GPS, 0)  # (128 GPS, 8)
-            acc += _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS) * _dot(a, xt, UPCAST_DOT)
+            pairs = tl.load(x_ptrs, mask=x_mask, other=0)
+            xt = _x_operand(pairs, dtype, BLOCK_M, GPS, 0)  # (128 GPS, 8)
+            s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)
+            if ZSTEP:
+                acc += s8 * _dot(a, xt, UPCAST_DOT) + _step_zero_terms(pairs, z_ptr, s_idx, s8, dtype, 1.0 / U_INV,
+                                                                       M_ODD, BLOCK_M, GPS)
+            else:
+                acc += s8 * _dot(a, xt, UPCAST_DOT)
         else:
             s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)  # (BN, 8)
             for c in tl.static_range(CHAINS):
@@ -482,6 +507,29 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     out = tl.sum(tl.reshape(acc, (BLOCK_N, 8 // BLOCK_M, BLOCK_M)), axis=1) * U_INV  # (BN, BM)
     _finish(tl.trans(out), offs_m, cols, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr,
             lock_ptr, SPLIT_K, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm,
+                           stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr, S_PAIRS: tl.constexpr,
+                           FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                           SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, CHAINS: tl.constexpr,
+                           CORR_GB: tl.constexpr, ZSTEP: tl.constexpr, PDL: tl.constexpr):
+    # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's
+    # 64 GPS bytes are contiguous, so each step reads longer runs of every row, and the per-step costs
+    # (pipeline barriers, B operand through shared memory) are paid once per GPS groups. The launcher
+    # makes every split range whole steps. BLOCK_N rows per program, BLOCK_N / (16 num_warps) 16-row tiles
+    # per warp: the B operand a warp reads from shared memory serves all of its tiles. CHAINS: the step's
+    # groups in that many separate dots (each its own loads and B), whose mma accumulations are independent
+    # chains a warp can overlap, instead of one chain of 8 GPS dependent mma.sync per 16-row tile.
+    # One (row block, K split) tile per program (_mma_tile). A persistent form (fewer programs looping over
+    # tiles in one flat, pipelined loop of K steps) was measured slower at every Llama-3-8B shape (session
+    # 4, docs/perf_notes.md) and removed.
+    pdl.enter(PDL)  # a decode-step kernel (csrc_triton/pdl.py): nothing is read before the previous one is done
+    _mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr,
+              M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
+              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, CHAINS, CORR_GB, ZSTEP)
 
 
 def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -518,12 +566,13 @@ def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 # A config: {"kernel": "mma" | "fma", "num_warps", "STAGES" (K steps in flight), "SPLIT_K" (programs per row
 # block), ...}. "mma": "BLOCK_N" rows per program (a multiple of 16 num_warps: 16-row tiles per warp; default
 # 16 num_warps), "GPS" groups of 128 per K step (capped to 8 / BLOCK_M and to a power of two dividing K / 128),
-# "CHAINS" dots per step (default 1). "fma": BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W
-# rows x BLOCK_W words with 16-byte loads; each thread then holds BLOCK_N BLOCK_W / (128 num_warps) rows of
-# one 32-value chunk per tile). No autotuning at call time: a decode step is captured in a CUDA graph.
+# "CHAINS" dots per step (default 1), "ZSTEP" (1: zero-point terms per K step, no prologue; CHAINS 1 only;
+# default 0). "fma": BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W rows x BLOCK_W words with 16-byte loads; each
+# thread then holds BLOCK_N BLOCK_W / (128 num_warps) rows of one 32-value chunk per tile). No autotuning
+# at call time: a decode step is captured in a CUDA graph.
 INTERPRET_CONFIG = {"kernel": "fma", "BLOCK_N": 16, "BLOCK_W": 16, "num_warps": 4, "STAGES": 1, "SPLIT_K": 1}
 INTERPRET_MMA_CONFIG = {"kernel": "mma", "num_warps": 4, "STAGES": 1, "SPLIT_K": 1, "GPS": 2}
-CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "CHAINS"),
+CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "CHAINS", "ZSTEP"),
                "fma": ("BLOCK_N", "BLOCK_W", "num_warps", "STAGES", "SPLIT_K")}
 N_SM = 132  # H200; the split rule only needs the order of magnitude
 
@@ -551,11 +600,13 @@ def _pairs_view(x: torch.Tensor) -> torch.Tensor:
 
 # (BLOCK_M = next_pow2(M), N, K) -> config, for group 128: the fastest of the H200 sweep (TINYVILA_W4_SWEEP
 # prints this dict; session-3 run S3-5 with programmatic dependent launch on, per call replayed from a CUDA
-# graph, docs/perf_notes.md; 32/32 table checks passed). o and down moved to 8-warp 128-row programs.
+# graph, docs/perf_notes.md; 32/32 table checks passed). o and down moved to 8-warp 128-row programs; qkv
+# took the per-step zero-point terms (ZSTEP) in session 4's run S4-2 (32/32 checks passed).
 GEMV_TABLE: dict[tuple[int, int, int], dict] = {
     (1, 4096, 4096): {"kernel": "mma", "BLOCK_N": 128, "num_warps": 8, "STAGES": 3, "SPLIT_K": 4, "GPS": 2},  # 9.15 us
     (1, 4096, 14336): {"kernel": "mma", "BLOCK_N": 128, "num_warps": 8, "STAGES": 3, "SPLIT_K": 8, "GPS": 2},  # 17.8 us
-    (1, 6144, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 8},  # 11.6 us
+    (1, 6144, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 8,
+                      "ZSTEP": 1},  # 10.4 us (session 4, run S4-2; 11.7 without ZSTEP)
     (1, 28672, 4096): {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 4},  # 27.8 us
 }
 
@@ -647,6 +698,9 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         cfg["CHAINS"] = min(cfg.get("CHAINS", 1), cfg["GPS"])
         if cfg["CHAINS"] & (cfg["CHAINS"] - 1):
             raise ValueError(f"CHAINS={cfg['CHAINS']} must be a power of two")
+        cfg["ZSTEP"] = bool(cfg.get("ZSTEP", 0))
+        if cfg["ZSTEP"] and cfg["CHAINS"] > 1:
+            raise ValueError("ZSTEP takes CHAINS = 1")
         bw = 16 * cfg["GPS"]  # one K step: GPS groups of 16 words
     else:
         bw = max(cfg["BLOCK_W"], G // 8)  # a tile holds whole groups

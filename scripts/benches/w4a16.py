@@ -224,12 +224,26 @@ N_SM = 132
 # independent dots per step). All compile for sm_90 without spills (ptxas, Triton 3.6: 114-231 registers,
 # 21-150 KB of shared memory). Run H1b-1 (2026-11-30) timed the CHAINS = 1 tiles with 1-2 warps and 4 warps
 # at 64 / 128 rows: 4-warp programs of 64-128 rows with GPS = 4 won; this list keeps the winners and
-# adds 8-warp programs and 2-4 independent mma chains per step (untimed so far).
+# adds 8-warp programs and 2-4 independent mma chains per step; the last three (a sixth entry, ZSTEP = 1:
+# zero-point terms per K step) were added in session 4, whose run S4-2 picked one of them for qkv.
 GEMV_SWEEP_TILES = [(2, 32, 8, 3, 1), (2, 64, 4, 3, 1), (2, 64, 4, 3, 2), (4, 64, 8, 3, 1), (4, 64, 8, 3, 4),
                     (4, 64, 4, 2, 1), (4, 64, 4, 3, 1), (4, 64, 4, 3, 2), (4, 64, 4, 3, 4), (4, 128, 4, 3, 1),
                     (4, 128, 4, 3, 2), (8, 128, 2, 3, 1), (8, 128, 4, 3, 1), (8, 128, 4, 3, 2), (8, 256, 2, 3, 1),
-                    (8, 256, 4, 2, 1)]
+                    (8, 256, 4, 2, 1), (4, 64, 8, 3, 1, 1), (4, 128, 4, 3, 1, 1), (8, 128, 2, 3, 1, 1)]
 GEMV_SWEEP_SPLITS = (1, 2, 4, 8)
+# TINYVILA_W4_SWEEP_TILES="w,n,g,s,c[,z];..." replaces GEMV_SWEEP_TILES for one run: the same tuple order,
+# optionally followed by ZSTEP (z, 0/1).
+GEMV_TILES_ENV = "TINYVILA_W4_SWEEP_TILES"
+
+
+def gemv_sweep_tiles() -> list[tuple[int, ...]]:
+    """GEMV_SWEEP_TILES, or the tiles named in $TINYVILA_W4_SWEEP_TILES, as 6-tuples (w, n, g, s, c, z)."""
+    spec = os.environ.get(GEMV_TILES_ENV, "").strip()
+    tiles = GEMV_SWEEP_TILES if not spec else [tuple(int(v) for v in t.split(",")) for t in spec.split(";") if t.strip()]
+    if any(not 5 <= len(t) <= 6 for t in tiles):
+        raise ValueError(f"{GEMV_TILES_ENV} wants 'warps,rows,gps,stages,chains[,zstep]' tiles separated by ';', "
+                         f"got {spec!r}")
+    return [tuple(t) + (0,) * (6 - len(t)) for t in tiles]
 
 
 def gemv_sweep_configs(N: int, K: int, M: int = 1) -> list[dict]:
@@ -240,11 +254,12 @@ def gemv_sweep_configs(N: int, K: int, M: int = 1) -> list[dict]:
 
     groups = K // GROUP
     out = [gemv_config(M, N, K, GROUP)]
-    for warps, bn, gps, stages, chains in GEMV_SWEEP_TILES:
+    for warps, bn, gps, stages, chains, zstep in gemv_sweep_tiles():
         for split in GEMV_SWEEP_SPLITS:
             if groups // split >= 2 * gps and (split == 1 or -(-N // bn) * split <= 8 * N_SM):
-                out.append({"kernel": "mma", "BLOCK_N": bn, "num_warps": warps, "STAGES": stages, "SPLIT_K": split,
-                            "GPS": gps, "CHAINS": chains})
+                cfg = {"kernel": "mma", "BLOCK_N": bn, "num_warps": warps, "STAGES": stages, "SPLIT_K": split,
+                       "GPS": gps, "CHAINS": chains}
+                out.append({**cfg, "ZSTEP": 1} if zstep else cfg)
     unique = {tuple(sorted({"CHAINS": 1, **c}.items())): c for c in out}  # CHAINS = 1 is the default
     return list(unique.values())
 
@@ -252,8 +267,9 @@ def gemv_sweep_configs(N: int, K: int, M: int = 1) -> list[dict]:
 def gemv_config_name(cfg: dict) -> str:
     if cfg["kernel"] == "mma":
         chains = f" c{cfg['CHAINS']}" if cfg.get("CHAINS", 1) > 1 else ""
+        extra = " z" if cfg.get("ZSTEP") else ""
         return (f"mma w{cfg['num_warps']} n{cfg.get('BLOCK_N', 16 * cfg['num_warps'])} g{cfg.get('GPS', 1)} "
-                f"s{cfg['STAGES']}{chains} k{cfg['SPLIT_K']}")
+                f"s{cfg['STAGES']}{chains} k{cfg['SPLIT_K']}{extra}")
     return f"fma n{cfg['BLOCK_N']} b{cfg['BLOCK_W']} w{cfg['num_warps']} s{cfg['STAGES']} k{cfg['SPLIT_K']}"
 
 

@@ -93,6 +93,22 @@ def test_mma_independent_chains(M, N, K, gps, chains, split, dtype, unpack):
     assert_w4_close(run(a, config=cfg, unpack=unpack), a)
 
 
+@pytest.mark.parametrize("unpack", UNPACKS)
+@pytest.mark.parametrize("M,N,K,gps,split,dtype", [
+    (1, 100, 1024, 8, 1, torch.float16),  # one step of 8 groups: all columns carry a group
+    (3, 70, 1024, 2, 2, torch.bfloat16),  # BM = 4: two groups of 4 columns; split-K partials
+    (1, 100, 1024, 4, 2, torch.float16),  # GPS 4 < 8 columns: the repeated columns must add nothing
+    (2, 50, 768, 8, 3, torch.bfloat16),  # GPS capped to 2, BM = 2, unequal split ranges
+    (8, 33, 512, 8, 1, torch.float16),  # BM = 8: one group per step
+])
+def test_mma_step_zero_terms(M, N, K, gps, split, dtype, unpack):
+    """ZSTEP: the x-only terms of each K step's groups added in that step (no prologue over the program's
+    groups), in the columns of those groups only."""
+    a = make(M, N, K, 128, dtype, seed=N + K + gps, bias=True, device=DEVICE)
+    cfg = {"kernel": "mma", "BLOCK_N": 16, "num_warps": 1, "STAGES": 1, "SPLIT_K": split, "GPS": gps, "ZSTEP": 1}
+    assert_w4_close(run(a, config=cfg, unpack=unpack), a)
+
+
 def test_groups_per_step():
     assert [groups_per_step(8, n) for n in (32, 112, 38, 5)] == [8, 8, 2, 1]
     assert groups_per_step(6, 32) == 4  # rounded down to a power of two
