@@ -32,6 +32,21 @@ from . import pdl
 LOG2E = 1.4426950408889634
 # Programs per SM that the split count aims for: enough loads in flight to cover HBM latency.
 CTAS_PER_SM = 4
+# Launch config by buffer length L_max (the only length known on the host: the real one is on the device):
+# (largest L_max, block_n, num_warps, num_stages, programs per SM), first row that covers L_max. From the
+# H200 sweep of session 4 (run S4-1, PDL on, graph-replayed): block 128 / 3 stages / one program per SM
+# took 1K 6.8 -> 5.7 us, 8K 16.4 -> 13.1, 32K 45.5 -> 36.7 against the older single default (block 64,
+# 2 stages, CTAS_PER_SM = 4 per SM), and lost at 128K (166 us), where block 64 / 4 stages / 2 per SM won
+# (126 us).
+CONFIG_BY_LENGTH = ((32768, 128, 4, 3, 1), (None, 64, 4, 4, 2))
+
+
+def default_config(max_len: int) -> tuple[int, int, int, int]:
+    """(block_n, num_warps, num_stages, programs per SM) for a buffer of max_len slots (CONFIG_BY_LENGTH)."""
+    for bound, *cfg in CONFIG_BY_LENGTH:
+        if bound is None or max_len <= bound:
+            return tuple(cfg)
+    raise AssertionError("CONFIG_BY_LENGTH ends with an unbounded row")
 MIN_SPLIT = 128  # keys per split at least: below that the per-program prologue/epilogue dominates
 MERGE_ELEMS = 8192  # fp32 partial elements the merging program holds per step (64 registers at 4 warps)
 
@@ -234,22 +249,23 @@ def _check(q, k, v, lengths, out):
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                      scale: float | None = None, n_splits: int | None = None,
-                     block_n: int = 64, out: torch.Tensor | None = None,
-                     num_warps: int = 4, num_stages: int = 2, fused: bool = True) -> torch.Tensor:
+                     block_n: int | None = None, out: torch.Tensor | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None, fused: bool = True) -> torch.Tensor:
     """q (B, H, D) x k, v (B, Hkv, L_max, D), lengths (B,) int32 on q's device -> (B, H, D) in q's dtype.
 
     `out` (like q) receives the result when given (a captured graph's fixed output buffer).
-    block_n, num_warps, num_stages, n_splits and fused (merge in the same launch) are tuning knobs;
-    block_n/num_warps/num_stages/CTAS_PER_SM won the H200 sweep of scripts/benches/decode_attention.py
-    (DECODE_SWEEP=1, run A in docs/perf_notes.md); the in-kernel merge measured the same as the two-kernel
-    merge in run R8 (15.5 vs 15.4 us at 8K) and has not been swept.
+    block_n, num_warps, num_stages, n_splits and fused (merge in the same launch) are tuning knobs; left
+    None they come from the buffer length (default_config: the H200 sweep of scripts/benches/
+    decode_attention.py, DECODE_SWEEP=decode, run S4-1 in docs/perf_notes.md).
     """
     _check(q, k, v, lengths, out)
     B, H, D = q.shape
     Hkv, L_max = k.shape[1], k.shape[2]
     out = torch.empty_like(q) if out is None else out
     n_rep = H // Hkv
-    n_splits = n_splits or default_splits(L_max, B * Hkv, q.device)
+    d_block, d_warps, d_stages, per_sm = default_config(L_max)
+    block_n, num_warps, num_stages = block_n or d_block, num_warps or d_warps, num_stages or d_stages
+    n_splits = n_splits or default_splits(L_max, B * Hkv, q.device, per_sm)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     # One fp32 workspace: partial outputs (B, H, n_splits, D) then their log-sum-exps (B, H, n_splits).
     work = torch.empty(B * H * n_splits * (D + 1) if n_splits > 1 else 1, device=q.device, dtype=torch.float32)

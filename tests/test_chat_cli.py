@@ -1,12 +1,18 @@
 """The chat CLI end to end on CPU: one-shot, the REPL's commands, the demo model, and bad input."""
 
 import builtins
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 import tinyvila
 from tinyvila import chat as cli
+from tinyvila.generate import Decoder
 from tinyvila.loader import build_synthetic
 
 DEMO_IMAGE = str(Path(tinyvila.__file__).parent / "assets" / "demo.png")
@@ -54,10 +60,77 @@ def test_repl_ends_on_ctrl_d_and_reports_errors_without_dying(folder, capsys, mo
 
 def test_missing_model_names_the_places_looked_and_how_to_build(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TINYVILA_CHECKPOINTS", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # ./checkpoints is then not the repo's own checkpoints/
     rc = cli.main(["--model", "no-such-model", "-p", "hi"])
     _, err = capsys.readouterr()
     assert rc == 1
-    assert str(tmp_path / "no-such-model") in err and "scripts/quantize.py" in err
+    places = tinyvila.api.checkpoint_dirs()
+    assert len(places) == 3 and places[0] == tmp_path  # $TINYVILA_CHECKPOINTS, ./checkpoints, the repo's
+    for place in places:  # every place looked is named
+        assert str(place / "no-such-model") in err
+    assert "scripts/quantize.py synthetic" in err and "scripts/quantize.py import-vila" in err
+
+
+def _truncate_weights(folder: Path) -> None:
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:len(data) // 3])
+
+
+def _drop_tensor(folder: Path) -> None:
+    sd = load_file(folder / "model.safetensors")
+    del sd["text.layers.0.mlp.w2.weight"]
+    save_file(sd, folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("corrupt, needles", [
+    (_truncate_weights, ["model.safetensors", "truncated or corrupt"]),
+    (_drop_tensor, ["text.layers.0.mlp.w2.weight: missing (expected (64, 128) float32)"]),
+], ids=["truncated", "missing-tensor"])
+def test_bad_checkpoint_exits_non_zero_and_changes_no_file(folder, tmp_path, capsys, corrupt, needles):
+    bad = Path(shutil.copytree(folder, tmp_path / "bad"))
+    corrupt(bad)
+    before = {p.name: p.read_bytes() for p in bad.iterdir()}
+    rc = cli.main(["--model", str(bad), "--image", DEMO_IMAGE, "-p", "hi"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and out == ""
+    assert f"error: {bad}: " in err and "scripts/quantize.py" in err
+    assert all(needle in err for needle in needles), err
+    assert {p.name: p.read_bytes() for p in bad.iterdir()} == before
+
+
+def test_ctrl_c_stops_an_answer_and_the_repl_goes_on(folder, capsys, monkeypatch):
+    """A KeyboardInterrupt inside decoding (where Ctrl-C lands) ends that answer only."""
+    real, calls = Decoder.greedy, []
+
+    def interrupted(self, *args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(Decoder, "greedy", interrupted)
+    lines = iter(["describe", "again", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    rc = cli.main(["--model", folder, "--max-new-tokens", "20"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.count("[stopped]") == 1
+    stats = [x for x in err.splitlines() if "decode" in x and "tok/s" in x]
+    assert len(stats) == 2
+    assert "decode 1 tok" in stats[0] and stats[0].endswith("interrupted]")  # only the prefill's token
+    assert "decode 20 tok" in stats[1] and stats[1].endswith("max_tokens]")
+
+
+def test_no_huggingface_library_is_imported_at_run_time(folder):
+    """A whole one-shot answer (load, tokenizer, image, generate) imports none of the test oracles."""
+    code = ("import sys; from tinyvila import chat; "
+            f"rc = chat.main(['--model', {folder!r}, '--image', {DEMO_IMAGE!r}, '-p', 'hi', '--max-new-tokens', '3']); "
+            "hf = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('transformers', 'tokenizers', 'huggingface_hub', 'sentencepiece_model_pb2')); "
+            "print('RC', rc, 'HF', hf)")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert "RC 0 HF []" in run.stdout, run.stdout + run.stderr
 
 
 def test_unreadable_image_exits_non_zero(folder, tmp_path, capsys):

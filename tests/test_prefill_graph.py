@@ -1,9 +1,10 @@
 """First-turn prefill at a padded length, replayed from a CUDA graph (tinyvila/generate.py).
 
 On CPU the padded forward runs eagerly (`Decoder.pad_prefill`, the code a graph captures) and is
-checked against the unpadded prefill: logits, cache, bookkeeping, later turns, and the fallbacks to
-eager. The replay tests need CUDA: graph == the same padded forward run eagerly, bit for bit, and
-against the unpadded eager prefill within twice the eager path's own fp16 rounding error.
+checked against the unpadded prefill: logits, cache, bookkeeping, later turns, SparseVILA's retrieval
+scores and selection (padding rows add exactly nothing), and the fallbacks to eager. The replay tests
+need CUDA: graph == the same padded forward run eagerly, bit for bit (scored or not), and against the
+unpadded eager prefill within twice the eager path's own fp16 rounding error.
 """
 
 import copy
@@ -99,6 +100,66 @@ def test_padding_rows_do_not_change_real_rows():
     assert all(torch.equal(a, b) for a, b in zip(kv0, kv1))
 
 
+# -- SparseVILA: retrieval scoring during the first prefill -----------------------------------------
+# system | visual | visual | retrievable text (a document) | question from slot 20
+SCORED_SPANS = [("system", 0, 2, False), ("visual", 2, 9, True), ("visual", 11, 15, True),
+                ("text", 15, 20, True), ("question", 20, None, False)]
+
+
+def begin_scored(dec, n, spans=SCORED_SPANS):
+    """Record the spans of an n-token first turn and start scoring its question -> N retrievable slots."""
+    for kind, a, b, retrievable in spans:
+        dec.cache.add_span(kind, a, n if b is None else b, retrievable)
+    q_from = next(a for kind, a, _, _ in spans if kind == "question")
+    return dec.cache.begin_scoring(q_from)
+
+
+@pytest.mark.parametrize("n,explicit", [(23, False), (37, True), (64, False), (70, True)])
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 2e-5)])
+def test_padded_scored_prefill_equals_the_unpadded_one(n, explicit, dtype, tol):
+    """Scores (summed over the real question rows only), logits, the selection pack() makes from them,
+    and decoding over the packed buffer: as after the unpadded eager prefill."""
+    vlm = tiny(dtype)
+    text, h = vlm.model.text, embeds(vlm, n)
+    pos = gapped(n) if explicit else None
+    ref, pad = Decoder(text), padded(text)
+    assert begin_scored(ref, n) == begin_scored(pad, n) == 16
+    begun = pad.cache.scoring.scores
+    a, b = ref.prefill(h, pos), pad.prefill(h, pos)
+    assert pad._pf is not None and ref._pf is None  # the padded path really ran
+    torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+    sr, sp = ref.cache.scoring, pad.cache.scoring
+    assert sp.scores is not begun and sp.pad is None and all(sp.scored)  # its own (poisoned) buffers
+    assert torch.equal(sp.idx, sr.idx)
+    assert sr.scores.min() > 0
+    torch.testing.assert_close(sp.scores, sr.scores, rtol=tol, atol=tol)
+    rows = [d.cache.pack(0.3, d.length, window=2) for d in (ref, pad)]
+    assert rows[0] == rows[1] == n - 16 + 5
+    assert torch.equal(pad.cache.packed.idx, ref.cache.packed.idx)
+    for t in (5, 9):
+        torch.testing.assert_close(pad.step(t), ref.step(t), rtol=tol, atol=tol)
+
+
+def test_padding_rows_add_nothing_to_the_scores():
+    """Garbage instead of zeros in the padding rows (so garbage queries): the scores stay bit for bit,
+    while counting those rows as real (`last` moved to the end) would change them."""
+    vlm = tiny()
+    n, Tp = 37, prefill_bucket(37)
+    dec = padded(vlm.model.text)
+    begin_scored(dec, n)
+    dec.prefill(embeds(vlm, n))  # fills the static inputs (zero padding)
+    sc = dec.cache.scoring
+    want = sc.scores.clone()
+    with torch.inference_mode():
+        dec._pf.h[:, n:Tp].normal_(0, 1e3, generator=torch.Generator().manual_seed(0))
+        dec._padded_forward(Tp)
+        garbage = sc.scores.clone()
+        dec._pf.last.fill_(Tp - 1)
+        dec._padded_forward(Tp)
+    assert torch.equal(garbage, want)
+    assert not torch.allclose(sc.scores, want, rtol=1e-3, atol=0)  # the padding rows carry mass when counted
+
+
 def test_fallbacks_run_eagerly():
     vlm = tiny()
     text, h = vlm.model.text, embeds(vlm, 35)
@@ -107,12 +168,14 @@ def test_fallbacks_run_eagerly():
         dec = padded(text, **kw)
         torch.testing.assert_close(dec.prefill(h), Decoder(text).prefill(h), rtol=1e-10, atol=1e-10)
         assert dec._pf is None
-    # Retrieval scoring on the first turn (decode_keep < 1) keeps host state per prefill: eager.
-    dec = padded(text)
-    dec.cache.add_span("visual", 2, 20)
-    assert dec.cache.begin_scoring(20) == 18
-    dec.prefill(h)
-    assert dec._pf is None
+    # FastV prunes inside the pass (host decisions): eager. So is scoring whose question rows start
+    # after this prefill (a later prefill would score them).
+    for fastv, q_from, T in ((True, 20, 35), (False, 20, 20)):
+        dec = padded(text)
+        dec.cache.add_span("visual", 2, 20)
+        assert (dec.cache.begin_fastv(q_from, 0.5) if fastv else dec.cache.begin_scoring(q_from)) == 18
+        dec.prefill(h[:, :T])
+        assert dec._pf is None
     # Later turns are eager.
     dec = padded(text)
     dec.prefill(h[:, :10])
@@ -133,10 +196,10 @@ def test_padded_prefill_validates_before_touching_state():
     assert (dec.length, dec.position) == (0, 0) and not dec.cache.k_stack.any()
 
 
-@pytest.mark.parametrize("original", [False, True])
-def test_a_chat_with_padded_first_turns_gives_the_same_tokens(original):
+@pytest.mark.parametrize("sparsity", [SparsityConfig(), SparsityConfig(prefill_keep=0.5, prefill_positions="original"),
+                                      SparsityConfig(prefill_keep=0.5, decode_keep=0.3)])
+def test_a_chat_with_padded_first_turns_gives_the_same_tokens(sparsity):
     vlm = tiny()
-    sparsity = SparsityConfig(prefill_keep=0.5, prefill_positions="original") if original else SparsityConfig()
     image = torch.randint(0, 256, (64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy()
     runs = []
     for pad in (False, True):
@@ -148,12 +211,14 @@ def test_a_chat_with_padded_first_turns_gives_the_same_tokens(original):
             if r == 0:
                 chat.add_image(image)
             "".join(chat.ask(f"question {r}"))
-            toks.append((list(chat.turns[-1][2]), chat.last_logits))
+            toks.append((list(chat.turns[-1][2]), chat.last_logits, chat.stats.decode_rows))
         runs.append((toks, chat.decoder.position))
         assert (chat.decoder._pf is not None) == pad
     (eager, p0), (pad, p1) = runs
-    assert [t for t, _ in eager] == [t for t, _ in pad] and p0 == p1
-    for (_, a), (_, b) in zip(eager, pad):
+    assert [t for t, _, _ in eager] == [t for t, _, _ in pad] and p0 == p1
+    assert [r for _, _, r in eager] == [r for _, _, r in pad]
+    assert all(r > 0 for _, _, r in pad) == (sparsity.decode_keep < 1)  # really decoded over packed rows
+    for (_, a, _), (_, b, _) in zip(eager, pad):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
 
 
@@ -192,7 +257,7 @@ def test_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
             assert torch.equal(y[:, :, :n], x[:, :, :n])
         # The graph's K/V serve the decode step (graph step vs eager step: test_decode_graph's tolerance).
         torch.testing.assert_close(graph.step(7), eager.step(7), rtol=1e-3, atol=1e-3)
-    assert captures == [32, 320] and sorted(graph._prefill_graphs) == [32, 320]
+    assert captures == [32, 320] and sorted(graph._prefill_graphs) == [(32, 0, 0), (320, 0, 0)]
 
 
 @gpu
@@ -224,3 +289,102 @@ def test_graph_prefill_then_greedy_decoding_matches_eager():
         logits = dec.prefill(h)
         outs.append(list(generate(dec, logits, SamplingParams(max_new_tokens=20), batch=8)))
     assert outs[0] == outs[1]
+
+
+def scored_case(dec, h, pos, spans):
+    """A first turn of h's rows with `spans` scored -> (logits, K/V of the real rows, scores)."""
+    dec.truncate(0)
+    n = h.shape[1]
+    begin_scored(dec, n, spans)
+    logits = dec.prefill(h, pos)
+    return logits, [x[:, :, :n] for x in dec.cache.k + dec.cache.v], dec.cache.scoring.scores
+
+
+# Two span layouts with the same question start (22) and retrievable count (18): one graph, other slots.
+SPANS_A = [("system", 0, 2, False), ("visual", 2, 12, True), ("text", 12, 14, False), ("visual", 14, 22, True),
+           ("question", 22, None, False)]
+SPANS_B = [("system", 0, 4, False), ("visual", 4, 22, True), ("question", 22, None, False)]
+SPANS_C = [("system", 0, 5, False), ("visual", 5, 250, True), ("question", 250, None, False)]
+
+
+@gpu
+@pytest.mark.parametrize("quant", QUANTS)
+def test_scored_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
+    """Scored first turns replayed from graphs against the same padded forward run eagerly: logits, K/V
+    and scores bit for bit, then the same selection. Two questions in a row through each scored graph
+    (other inputs, lengths, positions, retrievable slots), and an unscored prefill of the same bucket."""
+    vlm = tiny("float16", "cuda", text=SMALL_8B, **quant)
+    text = vlm.model.text
+    graph, eager = Decoder(text), padded(text, cuda_graph=False)
+    captures = count_captures(graph)
+    cases = [(25, 1, False, SPANS_A), (30, 2, True, SPANS_B), (300, 3, True, SPANS_C), (29, 4, False, None),
+             (290, 5, False, SPANS_C)]
+    for n, seed, explicit, spans in cases:
+        h, pos = embeds(vlm, n, seed), gapped(n, "cuda") if explicit else None
+        if spans is None:
+            for d in (graph, eager):
+                d.truncate(0)
+            assert torch.equal(graph.prefill(h, pos), eager.prefill(h, pos))
+            continue
+        (la, kva, sa), (lb, kvb, sb) = scored_case(eager, h, pos, spans), scored_case(graph, h, pos, spans)
+        assert torch.equal(lb, la), f"T={n}"
+        assert all(torch.equal(y, x) for x, y in zip(kva, kvb))
+        assert torch.equal(sb, sa) and sa.sum() > 0, f"T={n}"
+        assert torch.equal(graph.cache.scoring.idx, eager.cache.retrievable_slots(spans[-1][1]))
+        assert graph.cache.pack(0.25, n) == eager.cache.pack(0.25, n)
+        assert torch.equal(graph.cache.packed.idx, eager.cache.packed.idx)
+        torch.testing.assert_close(graph.step(7), eager.step(7), rtol=1e-3, atol=1e-3)
+    assert captures == [32, 320, 32]
+    assert sorted(graph._prefill_graphs) == [(32, 0, 0), (32, 22, 18), (320, 250, 245)]
+
+
+@gpu
+@pytest.mark.parametrize("quant", QUANTS)
+def test_scored_graph_prefill_is_as_accurate_as_the_eager_one(quant):
+    """Against a float64 CPU reference, the graph's scores (and logits) err at most twice as much as
+    the unpadded eager prefill's, plus 1e-3 of the largest score (1e-3 for the logits)."""
+    vlm = tiny("float16", "cuda", text=SMALL_8B, **quant)
+    text = vlm.model.text
+    ref = Decoder(copy.deepcopy(text).to("cpu", torch.float64))
+    graph, eager = Decoder(text), Decoder(text, cuda_graph=False)
+    for n, spans in ((25, SPANS_A), (300, SPANS_C)):
+        h = embeds(vlm, n)
+        want_l, _, want_s = scored_case(ref, h.cpu().double(), None, spans)
+        errs = []
+        for d in (eager, graph):
+            logits, _, scores = scored_case(d, h, None, spans)
+            errs.append(((logits.cpu().double() - want_l).abs().max().item(),
+                         (scores.cpu().double() - want_s).abs().max().item()))
+        (eager_l, eager_s), (graph_l, graph_s) = errs
+        assert graph_l <= 2 * eager_l + 1e-3, (n, graph_l, eager_l)
+        assert graph_s <= 2 * eager_s + 1e-3 * want_s.abs().max().item(), (n, graph_s, eager_s)
+        assert graph._prefill_graphs and eager._pf is None
+
+
+@gpu
+@pytest.mark.parametrize("quant", [{}, {"llm": "w4a16", "group_size": 32}])
+def test_a_sparse_chat_answers_as_with_the_eager_scored_prefill(quant):
+    """A whole SparseVILA session (decode_keep < 1) on the GPU, with graphs and eagerly (the padded
+    first prefill, eager decode steps): the same first-turn logits (bit for bit), selection and
+    answers, over two conversations (the second replays the first's scored graph with a new image)."""
+    vlm = tiny("float16", "cuda", **quant)
+    vlm.stop_ids = frozenset()
+    runs = []
+    for graph in (False, True):
+        chat = vlm.chat(sampling=SamplingParams(max_new_tokens=12), sparsity=SparsityConfig(decode_keep=0.3))
+        chat.decoder.cuda_graph, chat.decoder.pad_prefill = graph, True
+        out = []
+        for conv in range(2):
+            chat.clear()
+            chat.add_image(torch.randint(0, 256, (64, 64, 3), dtype=torch.uint8,
+                                         generator=torch.Generator().manual_seed(conv)).numpy())
+            "".join(chat.ask(f"what is in image {conv}?"))
+            out.append((list(chat.turns[-1][2]), chat.last_logits, chat.decoder.cache._storage.idx.clone()))
+            "".join(chat.ask("and then?"))  # a later turn: eager, scored as before
+            out.append((list(chat.turns[-1][2]), None, chat.decoder.cache._storage.idx.clone()))
+        runs.append(out)
+        assert chat.stats.decode_rows > 0
+    assert len(chat.decoder._prefill_graphs) == 1 and next(iter(chat.decoder._prefill_graphs))[2] > 0
+    for (ta, la, ia), (tb, lb, ib) in zip(*runs):
+        assert tb == ta and torch.equal(ib, ia)
+        assert la is None or torch.equal(lb, la)

@@ -94,6 +94,47 @@ def test_max_new_tokens_bounds_the_answer(vlm):
     assert isinstance(text, str)
 
 
+def test_answer_stopped_early_keeps_the_history_consistent(vlm):
+    """What the CLI's Ctrl-C does: the reader stops mid-answer (here inside a 16-token greedy batch).
+    The partial answer is the history: the next question sees a fresh prefill's logits."""
+    chat = vlm.chat(sampling=SamplingParams(max_new_tokens=40))
+    chat.add_image(DEMO_IMAGE)
+    images = torch.cat(chat.images)
+    stream = chat.ask("Describe it.")
+    for _ in range(5):
+        next(stream)
+    stream.close()
+    answer1 = list(chat.turns[0][2])
+    assert len(answer1) == 5 and chat.stats.finish == "interrupted" and chat.pending == answer1[-1:]
+    "".join(chat.ask("Go on.", SamplingParams(max_new_tokens=1)))  # only its prefill logits matter
+    logits, _ = scratch_logits(vlm, [("Describe it.", 1, answer1), ("Go on.", 0, None)], images)
+    torch.testing.assert_close(chat.last_logits, logits, rtol=0, atol=1e-12)
+
+
+def test_interrupt_inside_a_decode_step_keeps_the_history_consistent(vlm, monkeypatch):
+    """Ctrl-C most often lands inside the model's forward: a KeyboardInterrupt raised from the second
+    greedy batch leaves the first batch's tokens as the answer and the session usable."""
+    real, calls = Decoder.greedy, []
+
+    def interrupted(self, token, n, *args, **kw):
+        calls.append(n)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, token, n, *args, **kw)
+
+    monkeypatch.setattr(Decoder, "greedy", interrupted)
+    monkeypatch.setattr(vlm, "stop_ids", frozenset())  # this prompt's answer would stop after 12 tokens
+    chat = vlm.chat(sampling=SamplingParams(max_new_tokens=40))
+    with pytest.raises(KeyboardInterrupt):
+        "".join(chat.ask("Describe it."))
+    answer1 = list(chat.turns[0][2])
+    assert len(answer1) == 1 + calls[0] > 2 and chat.stats.finish == "interrupted"  # prefill's token + 1 batch
+    monkeypatch.undo()
+    "".join(chat.ask("Go on.", SamplingParams(max_new_tokens=1)))  # only its prefill logits matter
+    logits, _ = scratch_logits(vlm, [("Describe it.", 0, answer1), ("Go on.", 0, None)], None)
+    torch.testing.assert_close(chat.last_logits, logits, rtol=0, atol=1e-12)
+
+
 def prompt_tokens(vlm, question, image=False):
     """Tokens a first turn with this question occupies (the llama_3 system prompt is long)."""
     chat = vlm.chat(sampling=SamplingParams(max_new_tokens=1))

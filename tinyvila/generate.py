@@ -107,9 +107,15 @@ class Decoder:
     at the padded length (bit for bit on the GPU: same kernels, same shapes), and on CPU equal the
     unpadded prefill up to rounding. Against the unpadded eager prefill on the GPU they may differ in
     the last bits, because the GEMMs' M changes and cuBLAS / the W4 kernel may pick other tiles or
-    split-K. Other prefills (later turns, retrieval scoring or FastV active, a packed buffer, more than
-    PREFILL_GRAPH_MAX or `prefill_chunk` padded rows, or past the cache) run eagerly. `pad_prefill`
-    (tests) runs the padded forward eagerly where no graph is used.
+    split-K.
+
+    SparseVILA's scored first turn (retrieval scoring on, `KVCache.begin_scoring`) replays a graph
+    too, one per (bucket, first question row q_from, retrievable count N): its padding rows score
+    nothing (their LSE is +inf, from the device index `last`) and the scores / retrievable slots live
+    in buffers the graph keeps (`KVCache.use_scoring_buffers`); `pack` then runs eagerly after it.
+    Other prefills (later turns, FastV, scoring whose question rows are not all in this prefill, a
+    packed buffer, more than PREFILL_GRAPH_MAX or `prefill_chunk` padded rows, or past the cache)
+    run eagerly. `pad_prefill` (tests) runs the padded forward eagerly where no graph is used.
     """
 
     def __init__(self, text_model, max_seq_len: int | None = None, cuda_graph: bool | None = None,
@@ -130,9 +136,10 @@ class Decoder:
         self._count = torch.zeros(1, dtype=torch.long, device=w.device)
         self._graphs: dict[tuple, tuple] = {}
         self._pool = None
-        # First-turn prefill graphs: padded bucket -> (graph, logits); their static inputs (made on first use).
+        # First-turn prefill graphs: (padded bucket, q_from, N; 0, 0 unscored) -> (graph, logits,
+        # scoring buffers or None); their static inputs (made on first use).
         self.pad_prefill = False
-        self._prefill_graphs: dict[int, tuple] = {}
+        self._prefill_graphs: dict[tuple[int, int, int], tuple] = {}
         self._pf: _PrefillInputs | None = None
 
     @property
@@ -189,8 +196,11 @@ class Decoder:
         c = self.cache
         if not (self.cuda_graph or self.pad_prefill) or self.length != 0:
             return None
-        if c.scoring is not None or c.key_mask is not None or c.packed is not None:
-            return None  # retrieval scoring / FastV keep host state per prefill; packed: rope_write refuses
+        if c.key_mask is not None or c.packed is not None:
+            return None  # FastV's key mask is host state per prefill; packed: rope_write refuses
+        sc = c.scoring
+        if sc is not None and (sc.fastv is not None or sc.q_from >= T):
+            return None  # FastV prunes mid-pass; question rows outside this pass are scored eagerly
         Tp = prefill_bucket(T)
         return Tp if Tp <= min(PREFILL_GRAPH_MAX, self.prefill_chunk, self.max_len) else None
 
@@ -211,17 +221,40 @@ class Decoder:
             pf.pos[:T].copy_(positions)
             pf.pos[T:Tp].copy_(pf.slots[:Tp - T] + (positions[-1:].to(pf.pos.device) + 1))
         pf.last.fill_(T - 1)
-        if not self.cuda_graph:
-            return self._padded_forward(Tp)[0, -1]
-        entry = self._prefill_graphs.pop(Tp, None)  # re-inserted last: the dict's order is the LRU order
+        if self.cuda_graph:
+            logits = self._replay_prefill(Tp)
+        else:
+            if self.cache.scoring is not None:  # as a graph would, into other buffers than begin_scoring's
+                self.cache.use_scoring_buffers(*self._scoring_buffers())
+            logits = self._padded_forward(Tp)[0, -1]
+        self.cache.end_padded()
+        return logits
+
+    def _replay_prefill(self, Tp: int) -> torch.Tensor:
+        """The padded prefill (static inputs filled) replayed from its graph, captured on first use;
+        with scoring on, the graph's scoring buffers take the question's slots first."""
+        sc = self.cache.scoring
+        key = (Tp, 0, 0) if sc is None else (Tp, sc.q_from, sc.idx.numel())
+        entry = self._prefill_graphs.pop(key, None)  # re-inserted last: the dict's order is the LRU order
+        if entry is None and len(self._prefill_graphs) >= PREFILL_GRAPHS:
+            del self._prefill_graphs[next(iter(self._prefill_graphs))]
+        bufs = self._scoring_buffers() if entry is None else entry[2]
+        if bufs is not None:
+            self.cache.use_scoring_buffers(*bufs)
         if entry is None:
-            if len(self._prefill_graphs) >= PREFILL_GRAPHS:
-                del self._prefill_graphs[next(iter(self._prefill_graphs))]
-            entry = self._capture_prefill(Tp)
-        self._prefill_graphs[Tp] = entry
-        graph, logits = entry
+            entry = (*self._capture_prefill(Tp), bufs)
+        self._prefill_graphs[key] = entry
+        graph, logits, _ = entry
         graph.replay()
         return logits[0, -1].clone()  # the graph's output buffer is overwritten by the next replay
+
+    def _scoring_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """New (idx, scores) buffers shaped as the current scoring's (None without scoring), poisoned:
+        the padded pass must fill idx and zero the scores itself (`KVCache.use_scoring_buffers`)."""
+        sc = self.cache.scoring
+        if sc is None:
+            return None
+        return torch.full_like(sc.idx, -1), torch.full_like(sc.scores, float("nan"))
 
     def _prefill_inputs(self) -> _PrefillInputs:
         """The static inputs every prefill graph reads, sized for the largest bucket allowed (views of
@@ -236,17 +269,20 @@ class Decoder:
         return self._pf
 
     def _padded_forward(self, Tp: int) -> torch.Tensor:
-        """The forward a prefill graph captures, from the static inputs: logits (1, 1, V) of row `last`.
-        Device ops only; the cache's slot tensor is the static `slots` (its address is baked in)."""
+        """The forward a prefill graph captures, from the static inputs: logits (1, 1, V) of row `last`
+        (and, with scoring on, the retrieval scores of the real question rows). Device ops only; the
+        cache's slot tensor is the static `slots` (its address is baked in)."""
         pf = self._pf
         self.cache.use_slots(0, pf.slots[:Tp])
+        self.cache.pad_rows(pf.slots[:Tp], pf.last)  # scoring on: rows past `last` score nothing
         return self.model(pf.h[:, :Tp], self.cache, 0, positions=pf.pos[:Tp], rows=pf.last)
 
     def _capture_prefill(self, Tp: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The eager warm-up writes K/V at slots 0..Tp-1 of the empty cache, which the replay then rewrites
-        # with the same values. The graph shares the decode graphs' pool: replays are serial on one stream
-        # and every graph's state that outlives a replay (inputs, cache, step index) lives outside the
-        # pool; outputs are cloned (prefill) or consumed (decode) before another graph runs.
+        # with the same values (and scores, which the replay zeroes before scoring again). The graph shares
+        # the decode graphs' pool: replays are serial on one stream and every graph's state that outlives
+        # a replay (inputs, cache, step index, scoring buffers) lives outside the pool; outputs are cloned
+        # (prefill) or consumed (decode) before another graph runs.
         return self._capture_graph(lambda: self._padded_forward(Tp))
 
     @torch.inference_mode()

@@ -76,6 +76,8 @@ class _Scoring:
     host_idx: torch.Tensor         # (N,) the same slots on the CPU: pack() builds the rest without a sync
     scored: list                   # per layer: bool, its rows were scored at least once
     fastv: float | None = None     # FastV-style pruning: keep fraction, applied after layer K-1
+    pad: torch.Tensor | None = None  # (Tp - q_from,) bool, during a padded first-turn prefill: rows
+                                     # from q_from that are padding (they add nothing: `pad_rows`)
 
 
 @dataclass
@@ -251,11 +253,41 @@ class KVCache:
         r0 = max(0, sc.q_from - start)  # first question row in this chunk
         if r0 >= q.shape[2]:
             return
-        ops.retrieval_salience(q[:, :, r0:], k_all, sc.idx, lse[:, :, r0:], out=sc.scores[layer])
+        lse = lse[:, :, r0:]
+        if sc.pad is not None:  # padding rows take lse = +inf, so each adds exp(s - inf) = 0 exactly
+            lse = lse.masked_fill(sc.pad, float("inf"))
+        ops.retrieval_salience(q[:, :, r0:], k_all, sc.idx, lse, out=sc.scores[layer])
         sc.scored[layer] = True
         if sc.fastv is not None and layer == FASTV_LAYER - 1:  # decided before layer K runs
             self.key_mask = fastv_keep_mask(sc.scores, sc.idx, self.max_seq_len, sc.fastv)
             self.scoring = None
+
+    # -- scoring in a padded first-turn prefill (a CUDA graph; Decoder._prefill_padded) ---------
+    def use_scoring_buffers(self, idx: torch.Tensor, scores: torch.Tensor) -> None:
+        """Score the current question into buffers the caller keeps, idx (N,) int32 (filled here with
+        the retrievable slots) and scores (n_layers, B, Hkv, N) fp32 (zeroed by `pad_rows` inside the
+        pass), instead of begin_scoring's own: a CUDA-graph prefill bakes their addresses in."""
+        sc = self.scoring
+        if idx is not sc.idx:
+            idx.copy_(sc.idx)
+        sc.idx, sc.scores = idx, scores
+
+    def pad_rows(self, slots: torch.Tensor, last: torch.Tensor) -> None:
+        """The prefill about to run (slots (Tp,) = 0..Tp-1, from an empty cache) is padded past row
+        `last` ((1,) int64, a device tensor: the padding may change from replay to replay): with
+        scoring on, its rows after `last` score nothing, and the scores restart from zero (nothing is
+        scored before a first turn's prefill). Device ops only, so a CUDA graph captures it."""
+        sc = self.scoring
+        if sc is not None:
+            sc.scores.zero_()
+            sc.pad = slots[sc.q_from:] > last  # (Tp - q_from,)
+
+    def end_padded(self) -> None:
+        """After a padded prefill whose question rows (from q_from) were all real: every layer has
+        scored them (a graph replay does not run `_score`'s host bookkeeping); the padding mask goes."""
+        if self.scoring is not None:
+            self.scoring.pad = None
+            self.scoring.scored = [True] * self.n_layers
 
     # -- packed decode buffer ------------------------------------------------------------------
     def pack(self, keep: float, length: int, window: int = 0) -> int:
