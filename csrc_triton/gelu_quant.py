@@ -70,14 +70,15 @@ def gelu_quant(h: torch.Tensor, kind: str, meta: dict | None = None) -> tuple[to
 
 
 def gelu_ref(hf: torch.Tensor, kind: str) -> torch.Tensor:
-    """GELU_kind in plain PyTorch at the input's precision (fp32 for the kernels' semantics)."""
+    """GELU_kind in plain PyTorch at the input's precision (fp32 for the kernels' semantics); also the
+    unfused activation of the fp16 encoders (tinyvila.ops.gelu)."""
     if kind == "gelu":
         return F.gelu(hf)
     if kind == "gelu_tanh":
         return F.gelu(hf, approximate="tanh")
     if kind == "quick_gelu":
         return hf * torch.sigmoid(1.702 * hf)
-    raise ValueError(f"gelu_quant: unknown activation {kind!r}; known: {', '.join(KINDS)}")
+    raise ValueError(f"unknown activation {kind!r}; known: {', '.join(KINDS)}")
 
 
 def gelu_quant_ref(h: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -398,6 +398,14 @@ def _dot(a, b, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
+def _pair_sums(pairs, dtype):
+    """(BM, G, 64) int32 pairs of x (even k low, odd k high) -> fp32 sums over each group's even k and
+    odd k, (BM, G) each: the x-only parts of a group's zero-point terms."""
+    lo, hi = _split_pairs(pairs, dtype)
+    return tl.sum(lo.to(tl.float32), axis=2), tl.sum(hi.to(tl.float32), axis=2)
+
+
+@triton.jit
 def _zero_point_terms(x_ptr, s_ptr, z_ptr, stride_xm, M, rows, NG, g_lo, g_hi, dtype, U_INV: tl.constexpr,
                       M_ODD: tl.constexpr, S_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, GB: tl.constexpr):
     """The x-only terms of groups [g_lo, g_hi), G = 128: sum_g b[n, g] X[m, g] - s[n, g] / u * Xm[m, g],
@@ -413,9 +421,7 @@ def _zero_point_terms(x_ptr, s_ptr, z_ptr, stride_xm, M, rows, NG, g_lo, g_hi, d
         g_ok = gs < g_hi
         pairs = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + gs[None, :, None] * 64 + offs_i[None, None, :],
                         mask=(offs_m < M)[:, None, None] & g_ok[None, :, None], other=0)  # (BM, GB, 64)
-        lo, hi = _split_pairs(pairs, dtype)
-        x_even = tl.sum(lo.to(tl.float32), axis=2)  # (BM, GB)
-        x_odd = tl.sum(hi.to(tl.float32), axis=2)
+        x_even, x_odd = _pair_sums(pairs, dtype)  # (BM, GB)
         meta = rows[:, None] * NG + gs[None, :]  # (BN, GB)
         b = tl.load(z_ptr + meta, mask=g_ok[None, :], other=0.0)
         s = _load_scales(s_ptr, meta, g_ok[None, :], dtype, S_PAIRS, True)
@@ -436,9 +442,7 @@ def _step_zero_terms(pairs, z_ptr, idx, s8, dtype, U: tl.constexpr, M_ODD: tl.co
     few K steps cannot hide."""
     BN: tl.constexpr = idx.shape[0]
     J: tl.constexpr = 8 // BLOCK_M
-    lo, hi = _split_pairs(tl.reshape(pairs, (BLOCK_M, GPS, 64)), dtype)
-    x_even = tl.sum(lo.to(tl.float32), axis=2)  # (BM, GPS)
-    x_odd = tl.sum(hi.to(tl.float32), axis=2)
+    x_even, x_odd = _pair_sums(tl.reshape(pairs, (BLOCK_M, GPS, 64)), dtype)  # (BM, GPS)
     b = tl.load(z_ptr + idx[:, None] + tl.arange(0, GPS)[None, :])  # (BN, GPS)
     b8 = tl.reshape(tl.broadcast_to(b[:, None, :, None], (BN, J // GPS, GPS, BLOCK_M)), (BN, 8))
     xs = tl.trans(x_even + x_odd)  # (GPS, BM)

@@ -48,14 +48,11 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def gelu(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """The GELU variants of the supported encoders: "gelu" (erf), "gelu_tanh", "quick_gelu"."""
-    if kind == "gelu":
-        return F.gelu(x)
-    if kind == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if kind == "quick_gelu":
-        return x * torch.sigmoid(1.702 * x)
-    raise ValueError(f"unknown activation {kind!r}")
+    """The GELU variants of the supported encoders: "gelu" (erf), "gelu_tanh", "quick_gelu" (the same
+    PyTorch expressions as the fused GELU+quant kernel's reference, defined once there)."""
+    from csrc_triton.gelu_quant import gelu_ref
+
+    return gelu_ref(x, kind)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
