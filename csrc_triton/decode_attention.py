@@ -34,11 +34,10 @@ LOG2E = 1.4426950408889634
 CTAS_PER_SM = 4
 # Launch config by buffer length L_max (the only length known on the host: the real one is on the device):
 # (largest L_max, block_n, num_warps, num_stages, programs per SM), first row that covers L_max. From the
-# H200 sweep of session 4 (run S4-1, PDL on, graph-replayed): block 128 / 3 stages / one program per SM
-# took 1K 6.8 -> 5.7 us, 8K 16.4 -> 13.1, 32K 45.5 -> 36.7 against the older single default (block 64,
-# 2 stages, CTAS_PER_SM = 4 per SM), and lost at 128K (166 us), where block 64 / 4 stages / 2 per SM won
-# (126 us).
-CONFIG_BY_LENGTH = ((32768, 128, 4, 3, 1), (None, 64, 4, 4, 2))
+# H200 sweep of session 5 (run S5-B, PDL on, graph-replayed, whole tiles unmasked, splits in one wave):
+# block 128 / 3 stages / one program per SM: 1K 5.76 us, 8K 12.7, 32K 35.7; above 32K block 64 / 4
+# stages / one per SM: 128K 122.6 us (block 128: 124.2; two per SM: 126.1).
+CONFIG_BY_LENGTH = ((32768, 128, 4, 3, 1), (None, 64, 4, 4, 1))
 
 
 def default_config(max_len: int) -> tuple[int, int, int, int]:
@@ -87,6 +86,34 @@ def _merge_splits(o_part_ptr, lse_ptr, out_ptr, s_outb, s_outh, b, g, H, N_SPLIT
 
 
 @triton.jit
+def _load_tile(ptrs, d_ok, EVEN_D: tl.constexpr):
+    """A whole tile of keys: no mask at all when the head dim fills the block (the common D = 128)."""
+    if EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=d_ok, other=0.0)
+
+
+@triton.jit
+def _attend(q, kt, v, m_i, l_i, acc, scale_log2, offs_n, n_valid, UPCAST: tl.constexpr):
+    """One online-softmax step over a tile of keys; columns >= n_valid (a partial last tile) score -inf.
+    The running max is kept in scaled log2 units, so each score costs one FFMA before its exp2."""
+    if UPCAST:  # the CPU interpreter multiplies bf16 wrongly; it runs the dots in fp32 instead
+        kt = kt.to(tl.float32)
+    s = tl.dot(q, kt)  # (BLOCK_H, BLOCK_N) raw scores
+    if n_valid < kt.shape[1]:
+        s = tl.where(offs_n[None, :] < n_valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr, out_ptr, cnt_ptr,
     sqb, sqh, skb, skh, skl, svb, svh, svl, s_outb, s_outh,
@@ -124,26 +151,23 @@ def _decode_attention_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     k_base = k_ptr + b.to(tl.int64) * skb + g * skh
     v_base = v_ptr + b.to(tl.int64) * svb + g * svh
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + offs_n
-        n_ok = n < end
-        kt = tl.load(k_base + n[None, :] * skl + offs_d[:, None],
-                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
-        v = tl.load(v_base + n[:, None] * svl + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        s = tl.dot(q, kt) * scale_log2  # (BLOCK_H, BLOCK_N), in log2 units
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # Whole tiles first, with no key mask (and no head-dim mask when D == BLOCK_D): only the split that
+    # holds the last key can end in a partial tile, which the masked step after the loop takes.
+    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+    # Loop-invariant int32 offsets inside a tile; the tile's base is a scalar (uniform) pointer.
+    k_off = offs_n[None, :] * skl + offs_d[:, None]  # (BLOCK_D, BLOCK_N)
+    v_off = offs_n[:, None] * svl + offs_d[None, :]  # (BLOCK_N, BLOCK_D)
+    for n0 in range(start, full_end, BLOCK_N):
+        kt = _load_tile(k_base + n0 * skl + k_off, d_ok[:, None], D == BLOCK_D)
+        v = _load_tile(v_base + n0 * svl + v_off, d_ok[None, :], D == BLOCK_D)
+        m_i, l_i, acc = _attend(q, kt, v, m_i, l_i, acc, scale_log2, offs_n, BLOCK_N, UPCAST)
+    if full_end < end:
+        kp = k_base + full_end * skl + k_off
+        vp = v_base + full_end * svl + v_off
+        n_ok = full_end + offs_n < end
+        kt = tl.load(kp, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(vp, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i, l_i, acc = _attend(q, kt, v, m_i, l_i, acc, scale_log2, offs_n, end - full_end, UPCAST)
     # An empty split (start >= length) leaves l_i = 0: it stores lse = -inf and o = 0.
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
@@ -226,8 +250,9 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def default_splits(max_len: int, n_programs: int, device: torch.device, ctas_per_sm: int = CTAS_PER_SM) -> int:
     """Splits so that B*Hkv*splits programs fill every SM about `ctas_per_sm` times, each split
-    keeping >= MIN_SPLIT keys (at most 256 splits)."""
-    want = max(1, -(-ctas_per_sm * _sm_count(device) // max(n_programs, 1)))
+    keeping >= MIN_SPLIT keys (at most 256 splits). Rounded down: one program more than the SMs hold
+    at once would run in a second wave (8 KV heads x 17 splits on 132 SMs at one program per SM did)."""
+    want = max(1, ctas_per_sm * _sm_count(device) // max(n_programs, 1))
     return int(min(want, max(1, -(-max_len // MIN_SPLIT)), 256))
 
 

@@ -37,8 +37,8 @@ def parse_args(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--top", type=int, default=15, help="kernels listed in the profile")
     p.add_argument("--variants", default="",
-                   help="also time the graph step with programmatic dependent launch off/on, e.g. 'pdl=0,pdl=1' "
-                        "(TINYVILA_PDL, csrc_triton/pdl.py)")
+                   help="also time the graph step under settings, e.g. 'pdl=0,pdl=1' (programmatic dependent "
+                        "launch, csrc_triton/pdl.py) or 'lmhead=cublas,lmhead=triton' (ops.DENSE_GEMV)")
     return p.parse_args(argv)
 
 
@@ -81,10 +81,20 @@ def kernel_profile(text, args) -> list[tuple[str, float, int]]:
 
 
 def variants(text, args) -> dict[str, float]:
-    """Graph tok/s per 'pdl=P' setting (a fresh Decoder, so fresh graphs, for each); restores it afterwards."""
+    """Graph tok/s per 'pdl=P' or 'lmhead=cublas|triton' setting (a fresh Decoder, so fresh graphs, for
+    each); restores the setting afterwards."""
+    from tinyvila import ops
+
     out = {}
     for spec in args.variants.split(","):
-        with mock.patch.dict(os.environ, {"TINYVILA_PDL": spec.split("=")[1]}):
+        key, value = spec.split("=")
+        if key == "pdl":
+            patch = mock.patch.dict(os.environ, {"TINYVILA_PDL": value})
+        elif key == "lmhead" and value in ("cublas", "triton"):
+            patch = mock.patch.object(ops, "DENSE_GEMV", value == "triton")
+        else:
+            raise SystemExit(f"--variants: unknown setting {spec!r} (pdl=0|1, lmhead=cublas|triton)")
+        with patch:
             out[spec] = tok_per_s(text, args, True)
         print(f"  variant {spec}: graph {out[spec]:.1f} tok/s ({1000 / out[spec]:.3f} ms/token)", flush=True)
     return out

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tinyvila import ops
 from tinyvila.config import RopeScaling, TextConfig
@@ -183,7 +182,7 @@ class TextModel(nn.Module):
             x, residual = x[:, -1:], None if residual is None else residual[:, -1:]
         h, _ = self.norm.add_norm(x, residual)
         # Logits in the activation dtype like HF, then fp32 for sampling.
-        logits = F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
+        logits = ops.dense_linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)
         return logits.float()
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:

@@ -85,6 +85,21 @@ def test_sampled_lengths_default_splits():
     check(q, k, v, lens)
 
 
+@pytest.mark.parametrize("per_sm", [1, 2, 4])
+@pytest.mark.parametrize("n_programs", [1, 3, 8, 9])
+def test_default_splits_fit_one_wave(per_sm, n_programs):
+    """The split count never launches more programs than the SMs hold at once (a second wave of a
+    few programs would double the time of the ones in it)."""
+    from csrc_triton.decode_attention import _sm_count, default_splits
+
+    dev = torch.device(DEVICE)
+    for max_len in (128, 1000, 8192, 1 << 17):
+        splits = default_splits(max_len, n_programs, dev, per_sm)
+        assert splits >= 1
+        if splits > 1:
+            assert splits * n_programs <= per_sm * _sm_count(dev)
+
+
 def test_length_is_read_from_the_device_tensor():
     q, k, v, lens = make(1, 4, 2, 200, 32, torch.float16, [200])
     a = decode_attention(q, k, v, lens, n_splits=4)
