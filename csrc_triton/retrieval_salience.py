@@ -34,6 +34,12 @@ LOG2E = 1.4426950408889634
 # per SM: 84 registers x 256 threads, 74 KB of shared memory, for sm_90), and the most tiles each.
 PROGRAMS_PER_SM = 4
 MAX_TILES = 64
+# The dot's orientation (see _tile_mass) and the key tile it takes by default. KEY_ROWS: keys are the
+# rows of S^T = K Q^T, so summing over the question is in-thread (the layout that made the prefill
+# salience's column pass 2-2.7x faster); measured against the older S = Q K^T by the DECODE_SWEEP=retrieval
+# rows of scripts/benches/decode_attention.py.
+KEY_ROWS = True
+KEY_BLOCK = 64
 
 
 @triton.jit
@@ -53,20 +59,37 @@ def _row_block(q_ptr, lse_ptr, b, g, m0, T, sqb, sqh, sqt, slb, slh, slt, N_REP:
 
 
 @triton.jit
-def _key_tile(k_base, slot, ok, offs_d, d_ok, skl):
-    """Keys at cache slots `slot` (BLOCK_N,), transposed: (BLOCK_D, BLOCK_N); 0 where not `ok`."""
-    return tl.load(k_base + slot[None, :].to(tl.int64) * skl + offs_d[:, None],
-                   mask=ok[None, :] & d_ok[:, None], other=0.0)
+def _key_tile(k_base, slot, ok, offs_d, d_ok, skl, KEY_ROWS: tl.constexpr):
+    """Keys at cache slots `slot` (BLOCK_N,), 0 where not `ok`: (BLOCK_N, BLOCK_D) when KEY_ROWS, else
+    transposed (BLOCK_D, BLOCK_N)."""
+    if KEY_ROWS:
+        kt = tl.load(k_base + slot[:, None].to(tl.int64) * skl + offs_d[None, :],
+                     mask=ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        kt = tl.load(k_base + slot[None, :].to(tl.int64) * skl + offs_d[:, None],
+                     mask=ok[None, :] & d_ok[:, None], other=0.0)
+    return kt
 
 
 @triton.jit
-def _tile_mass(q, lse2, kt, scale_log2, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """sum over rows of exp2(scale_log2 * q kt - lse2): (BLOCK_M, D) x (D, BLOCK_N) -> (BLOCK_N,)."""
+def _tile_mass(q, lse2, kt, scale_log2, PRECISION: tl.constexpr, UPCAST: tl.constexpr, KEY_ROWS: tl.constexpr):
+    """sum over the query rows of exp2(scale_log2 * q k - lse2) for each key of the tile -> (BLOCK_N,).
+
+    KEY_ROWS: kt is (BLOCK_N, D) and the dot is S^T = K Q^T (BLOCK_N, BLOCK_M), so the sum over query rows
+    runs along each thread's own accumulator row (in-thread adds and a quad shuffle); otherwise kt is
+    (D, BLOCK_N), S = Q K^T (BLOCK_M, BLOCK_N) and the sum runs down the rows, across warps (through shared
+    memory, every tile)."""
     if UPCAST:  # the CPU interpreter multiplies bf16 wrongly; it runs the dot in fp32 instead
-        s = tl.dot(q.to(tl.float32), kt.to(tl.float32))
+        q, kt = q.to(tl.float32), kt.to(tl.float32)
     else:
-        s = tl.dot(q.to(kt.dtype), kt, input_precision=PRECISION, out_dtype=tl.float32)  # (BLOCK_M, BLOCK_N)
-    return tl.sum(tl.exp2(s * scale_log2 - lse2[:, None]), axis=0)
+        q = q.to(kt.dtype)
+    if KEY_ROWS:
+        s = tl.dot(kt, tl.trans(q), input_precision=PRECISION, out_dtype=tl.float32)  # (BLOCK_N, BLOCK_M)
+        mass = tl.sum(tl.exp2(s * scale_log2 - lse2[None, :]), axis=1)
+    else:
+        s = tl.dot(q, kt, input_precision=PRECISION, out_dtype=tl.float32)  # (BLOCK_M, BLOCK_N)
+        mass = tl.sum(tl.exp2(s * scale_log2 - lse2[:, None]), axis=0)
+    return mass
 
 
 @triton.jit
@@ -76,6 +99,7 @@ def _retrieval_salience_kernel(
     T, N, HKV, scale_log2, TILES, N_REP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    KEY_ROWS: tl.constexpr,
 ):
     bg = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -92,13 +116,14 @@ def _retrieval_salience_kernel(
     n0 = chunk * TILES * BLOCK_N
     offs = tl.arange(0, BLOCK_N)
     slot = tl.load(idx_ptr + n0 + offs, mask=n0 + offs < N, other=0)
-    kt_next = _key_tile(k_base, slot, n0 + offs < N, offs_d, d_ok, skl)
+    kt_next = _key_tile(k_base, slot, n0 + offs < N, offs_d, d_ok, skl, KEY_ROWS)
     slot_next = tl.load(idx_ptr + n0 + BLOCK_N + offs, mask=(n0 + BLOCK_N + offs < N) & (TILES > 1), other=0)
     for j in range(TILES):
         offs_n = n0 + j * BLOCK_N + offs
         n_ok = offs_n < N
-        kt = kt_next  # (BLOCK_D, BLOCK_N)
-        kt_next = _key_tile(k_base, slot_next, (offs_n + BLOCK_N < N) & (j + 1 < TILES), offs_d, d_ok, skl)
+        kt = kt_next  # (BLOCK_N, BLOCK_D) with KEY_ROWS, else (BLOCK_D, BLOCK_N)
+        kt_next = _key_tile(k_base, slot_next, (offs_n + BLOCK_N < N) & (j + 1 < TILES), offs_d, d_ok, skl,
+                            KEY_ROWS)
         slot_next = tl.load(idx_ptr + offs_n + 2 * BLOCK_N, mask=(offs_n + 2 * BLOCK_N < N) & (j + 2 < TILES),
                             other=0)
         ptrs = out_ptr + b * sob + g * soh + offs_n
@@ -107,12 +132,12 @@ def _retrieval_salience_kernel(
         else:
             acc = tl.zeros([BLOCK_N], tl.float32)
         if ONE_BLOCK:
-            acc += _tile_mass(q, lse2, kt, scale_log2, PRECISION, UPCAST)
+            acc += _tile_mass(q, lse2, kt, scale_log2, PRECISION, UPCAST, KEY_ROWS)
         else:
             for m0 in range(0, N_REP * T, BLOCK_M):
                 qm, lm = _row_block(q_ptr, lse_ptr, b, g, m0, T, sqb, sqh, sqt, slb, slh, slt, N_REP, D,
                                     BLOCK_M, BLOCK_D)
-                acc += _tile_mass(qm, lm, kt, scale_log2, PRECISION, UPCAST)
+                acc += _tile_mass(qm, lm, kt, scale_log2, PRECISION, UPCAST, KEY_ROWS)
         tl.store(ptrs, acc, mask=n_ok)
 
 
@@ -145,8 +170,8 @@ def _check(q, k, idx, lse, out):
 
 def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor,
                        scale: float | None = None, out: torch.Tensor | None = None,
-                       block_m: int | None = None, block_n: int = 32, tiles: int | None = None,
-                       num_warps: int = 8, num_stages: int = 1) -> torch.Tensor:
+                       block_m: int | None = None, block_n: int | None = None, tiles: int | None = None,
+                       num_warps: int = 8, num_stages: int = 1, key_rows: bool | None = None) -> torch.Tensor:
     """q (B, H, T, D), k (B, Hkv, S, D), idx (N,), lse (B, H, T) fp32 -> (B, Hkv, N) fp32 (added to `out`).
 
     block_m (default: all of a group's n_rep*T rows, up to 256), block_n, tiles (key tiles per
@@ -166,6 +191,8 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse:
     idx = idx.to(torch.int32)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     rows = (H // Hkv) * T
+    key_rows = KEY_ROWS if key_rows is None else key_rows
+    block_n = block_n or (KEY_BLOCK if key_rows else 32)
     block_m = block_m or min(256, max(16, triton.next_power_of_2(rows)))
     n_tiles = triton.cdiv(N, block_n)
     tiles = min(tiles or default_tiles(n_tiles, B * Hkv, q.device), n_tiles)
@@ -179,7 +206,7 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse:
         # fp32 caches (tests) get exact products; tf32 would blur the ranking for no gain here.
         PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
         UPCAST=os.environ.get("TRITON_INTERPRET", "0") == "1" and torch.bfloat16 in (q.dtype, k.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        KEY_ROWS=key_rows, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

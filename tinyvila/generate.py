@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import ops
 from .cuda_graph import capture
 from .errors import ContextLimitError
 from .text import KVCache
@@ -326,7 +327,7 @@ class Decoder:
                                 last_only=True, positions=st.pos)[0, -1]
         else:
             logits = self.model(self.model.embed(self._token), cache, st)[0, -1]  # (V,)
-        nxt = logits[:vocab_size].argmax().view(1)
+        nxt = ops.argmax(logits[:vocab_size])
         self._token.copy_(nxt.view(1, 1))
         self._out.index_copy_(0, self._count, nxt)
         self._count.add_(1)

@@ -161,6 +161,21 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax of a 1-D tensor (the first maximal index; NaN counts as maximal), as a (1,) long tensor,
+    in two parallel stages when the length splits into power-of-two chunks of 64..1024: the maximum of
+    each chunk (the first maximal index within it), then the first chunk holding the overall maximum.
+    PyTorch's one-stage argmax of the 128256 Llama-3 logits took 27.5 us of a 2.8 ms decode step on the
+    H200 (run S5-B). Device ops only (graph-capturable)."""
+    n = x.numel()
+    chunk = next((c for c in (1024, 512, 256, 128, 64) if n % c == 0 and n // c >= 8), None)
+    if x.dim() != 1 or chunk is None:
+        return torch.argmax(x).view(1)
+    vals, idx = x.view(-1, chunk).max(dim=1)
+    j = vals.argmax()
+    return (idx[j] + j * chunk).view(1)
+
+
 DENSE_GEMV = True  # the lm_head GEMV on CUDA (False: cuBLAS everywhere)
 DENSE_GEMV_MAX_M = 8
 

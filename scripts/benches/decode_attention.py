@@ -119,10 +119,13 @@ def sweep_rows(lengths=(1024, 8192, 32768, 131072)) -> list[dict]:
     return rows
 
 
-RETRIEVAL_SWEEP = [  # (block_m (None: all rows), block_n, tiles (None: from the SM count), num_warps, num_stages)
-    (None, 32, None, 8, 1), (None, 32, 4, 8, 1), (None, 32, 8, 8, 1), (None, 32, 16, 8, 1),
-    (None, 32, 32, 8, 1), (None, 64, None, 8, 1), (None, 64, 8, 8, 1), (None, 32, 8, 8, 2),
-    (None, 128, 2, 8, 1), (None, 32, None, 4, 1), (128, 64, 4, 8, 1), (64, 128, 1, 8, 1),
+RETRIEVAL_SWEEP = [  # (block_m (None: all rows), block_n, tiles (None: from the SM count), num_warps, num_stages,
+    # key_rows: S^T = K Q^T (True) or S = Q K^T (False), see csrc_triton/retrieval_salience._tile_mass)
+    (None, 32, None, 8, 1, False), (None, 32, 8, 8, 1, False), (None, 64, None, 8, 1, False),
+    (None, 64, None, 8, 1, True), (None, 64, 4, 8, 1, True), (None, 64, 8, 8, 1, True),
+    (None, 64, 16, 8, 1, True), (None, 128, None, 8, 1, True), (None, 128, 4, 8, 1, True),
+    (None, 64, None, 4, 1, True), (None, 128, None, 4, 1, True), (None, 64, None, 8, 2, True),
+    (128, 64, None, 4, 1, True), (None, 32, None, 4, 1, True),
 ]
 
 
@@ -145,16 +148,17 @@ def retrieval_sweep_rows(S=32768, T=64) -> list[dict]:
     idx = torch.arange(S, device="cuda", dtype=torch.int32)
     prefill = common.graph_ms(lambda q, k, v, lse: ops.attention_lse(q, k, v, S), sets)
     rows = []
-    for bm, bn, tiles, warps, stages in RETRIEVAL_SWEEP:
+    for bm, bn, tiles, warps, stages, key_rows in RETRIEVAL_SWEEP:
         fn = functools.partial(retrieval_salience, idx=idx, block_m=bm, block_n=bn, tiles=tiles,
-                               num_warps=warps, num_stages=stages)
+                               num_warps=warps, num_stages=stages, key_rows=key_rows)
         call = lambda q, k, v, lse, fn=fn: fn(q, k, lse=lse)  # noqa: E731
         try:
             eager, graph = common.bench(call, sets), common.graph_ms(call, sets)
         except Exception as e:  # a config that does not compile is a row, not a crash
-            print(f"config {bm, bn, tiles, warps, stages} failed: {type(e).__name__}: {e}")
+            print(f"config {bm, bn, tiles, warps, stages, key_rows} failed: {type(e).__name__}: {e}")
             eager = graph = None
-        rows.append({"case": "retrieval sweep", "L": S, "config": f"m{bm or 'all'}n{bn}t{tiles or 'auto'}w{warps}s{stages}",
+        name = f"m{bm or 'all'}n{bn}t{tiles or 'auto'}w{warps}s{stages}{'K' if key_rows else 'Q'}"
+        rows.append({"case": "retrieval sweep", "L": S, "config": name,
                      "us": 1000 * eager if eager else None, "graph_us": 1000 * graph if graph else None,
                      "prefill_graph_us": 1000 * prefill if prefill else None,
                      "graph_share": graph / prefill if graph and prefill else None})

@@ -2,16 +2,24 @@
 
     PYTHONPATH=. python scripts/bench_kernels.py --only prefill_salience [--quick]   (needs `flash-colreduce`)
 
+Environment (all optional): SALIENCE_SHAPES, a comma list of siglip1,siglip8,siglip64,4k,16k,64k
+(default all); SALIENCE_SWEEP_SHAPES, the shapes that also get the tile sweep (default all; "" none);
+SALIENCE_SWEEP, configs "R,S,W,P;R,S,W,P;..." to sweep instead of SWEEP; SALIENCE_FAST, the fast-exp
+modes swept ("0,1" default); SALIENCE_ENCODER=0 skips the W8A8 encoder rows. The sweep prints a row
+per config (standalone = both passes, fused = the column pass alone; their difference is pass 1).
+
 Shapes of issue 5: SigLIP (H=16, N=729, D=72) at 1/8/64 frames, long sequences (H=16, D=80) at
 N=4K/16K/64K (--quick: up to 4K, no sweep). Rows: naive (softmax(QK^T) materialised, then the mean;
 and flash_colreduce's naive_colreduce), flash-colreduce, ours standalone (LSE pass + column pass),
 ours fused (the salience layer's flash attention already gave the LSE: column pass only, the
-encoder's real cost), each at DEFAULT_TILES and at the best of a tile x fast-exp sweep; and the
+encoder's real cost), each at DEFAULT_TILES and at every config of a tile x fast-exp sweep; and the
 flash attention (+LSE) itself for scale. TFLOP/s counts the QK^T passes run (2 standalone, 1 fused).
 Last rows: salience's share of the W8A8 SigLIP-so400m encoder at 64 frames (synthetic weights).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -19,10 +27,13 @@ from benches import common
 from csrc_triton.prefill_salience import prefill_salience
 from tinyvila import ops
 
-SIGLIP = [(1, 16, 729, 72), (8, 16, 729, 72), (64, 16, 729, 72)]
-LONG = [(1, 16, 4096, 80), (1, 16, 16384, 80), (1, 16, 65536, 80)]
-# (resident rows, streamed rows, num_warps, num_stages); each also with fp16x2 exponentials.
-SWEEP = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)]
+SHAPES = {"siglip1": (1, 16, 729, 72), "siglip8": (8, 16, 729, 72), "siglip64": (64, 16, 729, 72),
+          "4k": (1, 16, 4096, 80), "16k": (1, 16, 16384, 80), "64k": (1, 16, 65536, 80)}
+QUICK = ["siglip1", "siglip8", "siglip64", "4k"]
+# (resident rows, streamed rows, num_warps, num_stages); each also with fp16x2 exponentials. Pass 1
+# and 2 keep an (R, S) fp32 accumulator besides the (R, S) scores: 128 x 128 needs 8 warps.
+SWEEP = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3),
+         (256, 64, 8, 3)]
 NAIVE_MAX_BYTES = 40 << 30  # the materialised fp16 matrix plus its softmax must fit comfortably
 
 
@@ -73,22 +84,32 @@ def _inputs(B, H, N, D, quick):
     return sets
 
 
+def _env_list(name: str, default: list[str]) -> list[str]:
+    value = os.environ.get(name)
+    return default if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _sweep_configs() -> list[tuple[tuple[int, int, int, int], bool]]:
+    """(tiles, fast) pairs: SALIENCE_SWEEP (or SWEEP) x SALIENCE_FAST."""
+    spec = os.environ.get("SALIENCE_SWEEP")
+    tiles = [tuple(int(x) for x in c.split(",")) for c in spec.split(";") if c.strip()] if spec else SWEEP
+    fasts = [f == "1" for f in _env_list("SALIENCE_FAST", ["0", "1"])]
+    return [(t, f) for t in tiles for f in fasts]
+
+
 def _sweep(inputs, iters) -> dict:
-    """Best (ms, config) of the tile x fast-exp sweep, standalone and fused."""
-    best = {}
+    """ms of every (tiles, fast) config, standalone and fused, keyed by a printable name."""
+    out = {}
     for fused in (False, True):
-        for tiles in SWEEP:
-            for fast in (False, True):
-                fn = (lambda q, k, lse, t=tiles, f=fast, u=fused:
-                      prefill_salience(q, k, lse=lse if u else None, tiles=t, fast_exp=f))
-                ms = _time(fn, inputs, iters)[0]
-                key = "fused" if fused else "standalone"
-                if ms is not None and ms < best.get(key, (float("inf"),))[0]:
-                    best[key] = (ms, f"{tiles}{' fast' if fast else ''}")
-    return best
+        for tiles, fast in _sweep_configs():
+            fn = (lambda q, k, lse, t=tiles, f=fast, u=fused:
+                  prefill_salience(q, k, lse=lse if u else None, tiles=t, fast_exp=f))
+            key = f"sweep {'fused' if fused else 'standalone'} {','.join(map(str, tiles))}{' fast' if fast else ''}"
+            out[key] = _time(fn, inputs, iters)[0]
+    return out
 
 
-def _shape_rows(B, H, N, D, fc, quick) -> list[dict]:
+def _shape_rows(B, H, N, D, fc, quick, sweep) -> list[dict]:
     shape = f"B{B} H{H} N{N} D{D}"
     flops1 = 2 * B * H * N * N * D  # one QK^T pass
     inputs = _inputs(B, H, N, D, quick)
@@ -104,9 +125,8 @@ def _shape_rows(B, H, N, D, fc, quick) -> list[dict]:
         err = (fn(*inputs[0]).double() - ref).abs().max().item() if ms is not None and small else None
         results[name] = (ms, mib, err)
     results["flash attention + LSE"] = (*_time(lambda q, k, lse: ops.attention_with_lse(q, k, k), inputs, iters), None)
-    best = {} if quick else _sweep(inputs, iters)
-    for key, (ms, cfg) in best.items():
-        results[f"ours {key} best {cfg}"] = (ms, None, None)
+    for key, ms in (_sweep(inputs, iters) if sweep and not quick else {}).items():
+        results[key] = (ms, None, None)
     naive_ms, fc_ms = results["naive torch"][0], results.get("flash-colreduce", (None,))[0]
     rows = []
     for name, (ms, mib, err) in results.items():
@@ -173,16 +193,18 @@ def run(args) -> list[dict]:
         fc = None
         print("flash-colreduce not installed: its rows are missing (pip install flash-colreduce)")
     quick = getattr(args, "quick", False)
+    names = _env_list("SALIENCE_SHAPES", QUICK if quick else list(SHAPES))
+    swept = set(_env_list("SALIENCE_SWEEP_SHAPES", list(SHAPES)))
     rows = []
-    for shape in SIGLIP + (LONG[:1] if quick else LONG):
-        rows += _shape_rows(*shape, fc, quick)
+    for name in names:
+        rows += _shape_rows(*SHAPES[name], fc, quick, name in swept)
         torch.cuda.empty_cache()
     mm = common.matmul_tflops(torch.float16)
     for r in rows:
         r["pct_mm"] = 100 * r["tflops"] / mm if r.get("tflops") else None
         r["pct_encoder"] = None
     try:
-        for r in _encoder_rows(quick):
+        for r in (_encoder_rows(quick) if os.environ.get("SALIENCE_ENCODER", "1") != "0" else []):
             rows.append({**r, "pct_mm": None, "pct_encoder": r.get("pct_encoder")})
     except Exception as e:  # noqa: BLE001 - the kernel rows above still count
         print(f"encoder rows failed: {type(e).__name__}: {e}")

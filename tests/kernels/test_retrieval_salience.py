@@ -48,14 +48,17 @@ def test_against_reference(dtype, n_rep, S, T, n_retr):
     prev = torch.rand(1, Hkv, n_retr, device=DEVICE) + 1
     got = retrieval_salience(q, k, idx, lse, out=prev.clone()) - prev
     check(got, q, k, idx, lse)
+    if n_rep == 4 and dtype != torch.float32:  # the older S = Q K^T orientation too
+        check(retrieval_salience(q, k, idx, lse, key_rows=False), q, k, idx, lse)
 
 
+@pytest.mark.parametrize("key_rows", [True, False])
 @pytest.mark.parametrize("block_m,block_n,tiles", [(16, 32, 3), (32, 16, 1), (None, 32, 4), (None, 16, 100)])
-def test_tile_configs(block_m, block_n, tiles):
+def test_tile_configs(block_m, block_n, tiles, key_rows):
     """Row blocks looped (rows > block_m) or loaded once; several key tiles per program, with a
-    partial last chunk (tiles past N must not be written)."""
+    partial last chunk (tiles past N must not be written); both dot orientations (S^T = K Q^T, S = Q K^T)."""
     q, k, idx, lse = make(1, 6, 2, 400, 9, 32, torch.float16, 301, seed=6)
-    kw = dict(block_m=block_m, block_n=block_n, tiles=tiles)
+    kw = dict(block_m=block_m, block_n=block_n, tiles=tiles, key_rows=key_rows)
     got = retrieval_salience(q, k, idx, lse, **kw)
     check(got, q, k, idx, lse)
     prev = torch.rand(1, 2, 301, device=DEVICE) + 1  # accumulating: an unwritten column keeps prev
@@ -86,7 +89,8 @@ def test_salience_mass():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need a GPU")
 @pytest.mark.parametrize("kw", [{}, dict(block_m=128, block_n=64, tiles=4, num_warps=4),
-                                dict(block_n=32, tiles=8), dict(block_n=128, tiles=1, num_stages=3)])
+                                dict(block_n=32, tiles=8, key_rows=False), dict(block_n=128, tiles=1, num_stages=3),
+                                dict(block_n=128, key_rows=True), dict(block_n=64, key_rows=False)])
 def test_llama3_8b_shapes(kw):
     q, k, idx, lse = make(1, 32, 8, 32768 + 64, 64, 128, torch.float16, 30000)
     check(retrieval_salience(q, k, idx, lse, **kw), q, k, idx, lse)
