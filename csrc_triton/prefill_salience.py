@@ -5,22 +5,13 @@
 q (B, H, T, D), k (B, H, N, D), fp16/bf16/fp32, any strides with unit stride along D (views of a
 fused qkv projection work as they are); rows m < M = n_query (all T, or the first few: CLIP's CLS /
 summary tokens); B frames independent. Result (B, N) fp32; extra memory O(B*H*(M+N)), never M x N.
-Pass 1 (`_row_lse_kernel`, a FlashAttention forward without V) gives each row's LSE (negated, log2
-units); it needs no running max: exponents are taken against the first key tile's maximum, and a
-block whose sum overflows (a later logit 128 log2 units above it) recomputes with the online softmax.
-Both passes run full tiles unmasked and the partial last tile masked, fold the scale into the one
-FFMA of each exponent, and keep an (R, S) fp32 sum so that the reduction happens once at the end:
-per score FFMA + MUFU + FADD, ~4.3 (pass 1) and ~4.6 (pass 2) SASS instructions in all at 128 x 64
-(sm_90a, D=80; was 8.6 and 5.8), against MUFU's 16 exponentials per clock and SM, the floor.
+Pass 1 (`_row_lse_kernel`, a FlashAttention forward without V) gives each row's natural-log LSE.
 Pass 2 (`_prefill_salience_kernel`) keeps a tile of keys resident and streams the query rows past
 it, computing S^T = K Q^T so the column sum is a cheap in-thread row sum (summing down the rows of
 Q K^T costs a cross-warp reduction per tile; that layout was 2-2.7x slower on the H200). Fused: the salience layer's
 attention already has the LSE (tinyvila.ops.attention_lse), so the encoder passes it and pays only
 pass 2, one QK^T. D not a power of two (SigLIP 72) = a 64 slice plus a masked 16 slice (2 dots).
-exp2 with log2(e) folded into the scale; `fast_exp`: fp16 exponentials (ex2.approx.f16x2; ptxas
-still issues one MUFU.EX2.F16 per value on sm_90) summed by a tensor-core dot with a ones matrix in
-fp32, which replaces the FADD by half an F2FP and half a PRMT; per-key salience within ~0.5% of fp32
-(tests/kernels/test_prefill_salience.py), values below 2^-24 of a row flushed to 0. Off by default.
+exp2 with log2(e) folded into the scale; `fast_exp` uses ex2.approx.f16x2 (2 per MUFU op, CUDA only).
 """
 
 from __future__ import annotations
@@ -32,55 +23,20 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-_LOG2E = tl.constexpr(LOG2E)  # what a @triton.jit body may read
-# FAST pass 1: fp16 exponents against (first tile's maximum + 6): dominant terms >= 2^-6, and no
-# fallback unless a later logit exceeds the first tile's maximum by 22 (log2 units; 15 nats).
-_FAST_MARGIN = tl.constexpr(6.0)
+LN2 = 0.6931471805599453
+_LOG2E, _LN2 = tl.constexpr(LOG2E), tl.constexpr(LN2)  # what a @triton.jit body may read
 FAST_EXP_DEFAULT = False  # fp16x2 exponentials for 16-bit inputs on CUDA (see docs/perf_notes.md)
 
 
 @triton.jit
-def _exp2(x, FAST: tl.constexpr, INTERP: tl.constexpr):
-    """exp2 of fp32 x: fp32 (FAST off), or fp16 (FAST: x rounded to fp16, then ex2.approx.f16x2, rel.
-    error 2^-9.9; the interpreter emulates it by the rounding alone). On sm_90 ptxas issues the f16x2
-    op as two MUFU.EX2.F16, so FAST does not halve the MUFU count; it saves the fp32 sums (below)."""
+def _exp2(x, FAST: tl.constexpr):
+    """exp2 of fp32 x <= 0; FAST: in fp16 pairs (MUFU ex2.f16x2, twice the fp32 rate, ~1e-3 rel.)."""
     if FAST:
-        if INTERP:
-            return tl.exp2(x.to(tl.float16).to(tl.float32)).to(tl.float16)
-        else:
-            return tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)],
-                                             dtype=tl.float16, is_pure=True, pack=2)
+        y = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)],
+                                      dtype=tl.float16, is_pure=True, pack=2)
+        return y.to(tl.float32)
     else:
         return tl.exp2(x)
-
-
-@triton.jit
-def _add_rows(acc, p, ones, FAST: tl.constexpr):
-    """Accumulate the row sums of p (R, S). fp32 p: into an (R, S) accumulator, one FADD per score
-    and no cross-thread reduction until the end. fp16 p (FAST): acc (R, 16) += p @ ones (S, 16) on the
-    tensor cores (every column of acc holds the row sum; fp32 accumulation)."""
-    if FAST:
-        return tl.dot(p, ones, acc=acc, out_dtype=tl.float32)
-    else:
-        return acc + p
-
-
-@triton.jit
-def _row_totals(acc, FAST: tl.constexpr):
-    """(R,) row sums from _add_rows' accumulator (FAST: its columns are equal copies: take one)."""
-    if FAST:
-        return tl.max(acc, axis=1)
-    else:
-        return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _acc_init(BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, FAST: tl.constexpr):
-    """The zero accumulator _add_rows adds into: (R, 16) for FAST, else (R, S)."""
-    if FAST:
-        return tl.zeros([BLOCK_R, 16], tl.float32)
-    else:
-        return tl.zeros([BLOCK_R, BLOCK_S], tl.float32)
 
 
 @triton.jit
@@ -104,26 +60,17 @@ def _load_resident(ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constexpr, D1:
 
 @triton.jit
 def _dot_streamed(a0, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr):
-    """(R, S) fp32 = resident rows . streamed rows `offs`, the streamed tile loaded transposed (D, S).
-    MASKED: rows with ok False read as 0 (the partial last tile); otherwise no row mask at all."""
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """(R, S) fp32 = resident rows . streamed rows `offs`, the streamed tile loaded transposed (D, S)."""
     d0 = tl.arange(0, D0)
-    if MASKED:
-        b0 = tl.load(ptr + offs[None, :] * stride + d0[:, None], mask=ok[None, :], other=0.0)
-    else:
-        b0 = tl.load(ptr + offs[None, :] * stride + d0[:, None])
+    b0 = tl.load(ptr + offs[None, :] * stride + d0[:, None], mask=ok[None, :], other=0.0)
     if UPCAST:
         b0 = b0.to(tl.float32)
     s = tl.dot(a0, b0, input_precision=PRECISION, out_dtype=tl.float32)
     if D1 > 0:
         d1 = D0 + tl.arange(0, D1)
-        if MASKED:
-            b1 = tl.load(ptr + offs[None, :] * stride + d1[:, None], mask=ok[None, :] & (d1[:, None] < D),
-                         other=0.0)
-        elif D0 + D1 > D:  # a static mask (SigLIP's 72 = 64 + 8 of 16): the same for every tile
-            b1 = tl.load(ptr + offs[None, :] * stride + d1[:, None], mask=d1[:, None] < D, other=0.0)
-        else:
-            b1 = tl.load(ptr + offs[None, :] * stride + d1[:, None])
+        b1 = tl.load(ptr + offs[None, :] * stride + d1[:, None], mask=ok[None, :] & (d1[:, None] < D),
+                     other=0.0)
         if UPCAST:
             b1 = b1.to(tl.float32)
         s = tl.dot(a1, b1, acc=s, input_precision=PRECISION, out_dtype=tl.float32)
@@ -131,40 +78,11 @@ def _dot_streamed(a0, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constex
 
 
 @triton.jit
-def _row_lse_online(q0, q1, k_ptr, skn, N, scale_log2, D: tl.constexpr, D0: tl.constexpr,
-                    D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
-    """Safe fallback of pass 1: (m, l) with log2-sum-exp2 = m + log2(l), the online softmax in fp32
-    (running max, rescaled sum), every tile masked. Runs only for rows whose logits exceed the first
-    tile's maximum by more than the fast path's range."""
-    m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    for n0 in range(0, N, BLOCK_S):
-        offs_n = n0 + tl.arange(0, BLOCK_S)
-        n_ok = offs_n < N
-        s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
-        s = tl.where(n_ok[None, :], s * scale_log2, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds at least one valid key
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
-        m_i = m_new
-    return m_i, l_i
-
-
-@triton.jit
 def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N, scale_log2,
                     D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr, FAST: tl.constexpr, INTERP: tl.constexpr, ALIGN: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Pass 1: nlse2[bh, m] = -log2 sum_n exp2(scale_log2 q.k) (negated log2 units: pass 2's exponent
-    is then one FFMA, s * scale_log2 + nlse2, without a separate negation) for BLOCK_R resident rows.
-
-    No running max: every exponent is taken against one reference per row, m_ref = the first key
-    tile's maximum (+ MARGIN with FAST), so a score costs FFMA + MUFU + FADD (the online softmax adds an
-    FMNMX, and the rescale). The true maximum is >= the first tile's, so the dominant terms are
-    >= 2^-MARGIN (no underflow); they overflow only if a later logit exceeds m_ref by 128 (fp32) or 16
-    (fp16 exps, i.e. 16 + MARGIN above the first tile's maximum): then the sum is inf or NaN, and the
-    block recomputes with the online softmax (_row_lse_online). Only the last tile is masked.
-    """
+                    UPCAST: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
+    """Pass 1: lse[bh, m] = ln sum_n exp(scale q.k) for BLOCK_R resident rows, online over key tiles."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     sqm, skn = sqm * ALIGN, skn * ALIGN  # strides arrive divided by ALIGN (see prefill_salience)
@@ -173,43 +91,26 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N
     offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_ok = offs_m < M
     q0, q1 = _load_resident(q_ptr, offs_m, m_ok, sqm, D, D0, D1, UPCAST)
-    ones = tl.full([BLOCK_S, 16], 1.0, tl.float16)  # FAST: row sums on the tensor cores
-    acc = _acc_init(BLOCK_R, BLOCK_S, FAST)
-    # First tile (masked: it may be the only, partial one): the reference maximum.
-    offs_n = tl.arange(0, BLOCK_S)
-    n_ok = offs_n < N
-    s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
-    s = tl.where(n_ok[None, :], s, -float("inf"))
-    m_ref = tl.max(s, axis=1) * scale_log2 + (_FAST_MARGIN if FAST else 0.0)  # max of raw logits, then scaled: scale_log2 > 0
-    acc = _add_rows(acc, _exp2(s * scale_log2 - m_ref[:, None], FAST, INTERP), ones, FAST)
-    n_full = N - N % BLOCK_S
-    for n0 in range(BLOCK_S, n_full, BLOCK_S):  # full tiles: no masks, one FFMA per exponent
+    m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    for n0 in range(0, N, BLOCK_S):
         offs_n = n0 + tl.arange(0, BLOCK_S)
-        s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, False)
-        acc = _add_rows(acc, _exp2(s * scale_log2 - m_ref[:, None], FAST, INTERP), ones, FAST)
-    if (n_full < N) & (n_full > 0):  # the partial last tile (not the first one)
-        offs_n = n_full + tl.arange(0, BLOCK_S)
         n_ok = offs_n < N
-        s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
+        s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST) * scale_log2
         s = tl.where(n_ok[None, :], s, -float("inf"))
-        acc = _add_rows(acc, _exp2(s * scale_log2 - m_ref[:, None], FAST, INTERP), ones, FAST)
-    l_i = _row_totals(acc, FAST)
-    if tl.sum((l_i * 0.0 != 0.0).to(tl.int32)) > 0:  # inf or NaN: a row overflowed the range above
-        m_ref, l_i = _row_lse_online(q0, q1, k_ptr, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST,
-                                     BLOCK_R, BLOCK_S)
-    tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, -(m_ref + tl.log2(l_i)), mask=m_ok)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds at least one valid key
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(_exp2(s - m_new[:, None], FAST), axis=1)
+        m_i = m_new
+    tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, (m_i + tl.log2(l_i)) * _LN2, mask=m_ok)
 
 
 @triton.jit
 def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb, skh, skn, slb, slh,
                              H, M, N, scale_log2, inv_count, D: tl.constexpr, D0: tl.constexpr,
                              D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                             FAST: tl.constexpr, INTERP: tl.constexpr, LSE_LOG2: tl.constexpr,
-                             ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q + nlse2[m]), BLOCK_R resident keys.
-    nlse2 = minus the LSE in log2 units (LSE_LOG2: pass 1's as stored; else a caller's natural-log LSE
-    times -log2 e, one FMUL per loaded value).
-    Full query tiles unmasked (one FFMA + MUFU + FADD per score), the partial last one masked."""
+                             FAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_S: tl.constexpr):
+    """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q - log2e lse[m]), BLOCK_R resident keys."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     sqm, skn = sqm * ALIGN, skn * ALIGN
@@ -219,26 +120,15 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
     offs_n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_ok = offs_n < N
     k0, k1 = _load_resident(k_ptr, offs_n, n_ok, skn, D, D0, D1, UPCAST)
-    ones = tl.full([BLOCK_S, 16], 1.0, tl.float16)
-    acc = _acc_init(BLOCK_R, BLOCK_S, FAST)
-    m_full = M - M % BLOCK_S
-    for m0 in range(0, m_full, BLOCK_S):
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for m0 in range(0, M, BLOCK_S):
         offs_m = m0 + tl.arange(0, BLOCK_S)
-        nlse2 = tl.load(lse_ptr + offs_m)
-        if not LSE_LOG2:
-            nlse2 = nlse2 * -_LOG2E
-        s = _dot_streamed(k0, k1, q_ptr, offs_m, n_ok, sqm, D, D0, D1, PRECISION, UPCAST, False)  # K Q^T
-        acc = _add_rows(acc, _exp2(s * scale_log2 + nlse2[None, :], FAST, INTERP), ones, FAST)
-    if m_full < M:
-        offs_m = m_full + tl.arange(0, BLOCK_S)
         m_ok = offs_m < M
-        # Rows past M get nlse2 = -inf, so exp2 gives exactly 0 and no extra select is needed.
-        nlse2 = tl.load(lse_ptr + offs_m, mask=m_ok, other=-float("inf") if LSE_LOG2 else float("inf"))
-        if not LSE_LOG2:
-            nlse2 = nlse2 * -_LOG2E
-        s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST, True)
-        acc = _add_rows(acc, _exp2(s * scale_log2 + nlse2[None, :], FAST, INTERP), ones, FAST)
-    tl.store(out_ptr + bh.to(tl.int64) * N + offs_n, _row_totals(acc, FAST) * inv_count, mask=n_ok)
+        # Rows past M get lse = +inf, so exp2 gives exactly 0 and no extra select is needed.
+        lse2 = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("inf")) * _LOG2E
+        s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST)  # (R, S) = K Q^T
+        acc += tl.sum(_exp2(s * scale_log2 - lse2[None, :], FAST), axis=1)
+    tl.store(out_ptr + bh.to(tl.int64) * N + offs_n, acc * inv_count, mask=n_ok)
 
 
 def _split_head_dim(D: int) -> tuple[int, int]:
@@ -271,8 +161,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, n_query: int | None, lse: torch.Ten
 
 # (resident rows, streamed rows, num_warps, num_stages) for both passes. The H200 sweep
 # (docs/perf_notes.md, 2026-11-29) found 128 resident x 64 streamed rows on one warpgroup the best
-# standalone config at every shape (1-64 SigLIP frames, N = 4K-64K), and the best or within 10% fused;
-# that was before the (R, S) accumulators (now 174-230 registers a thread: 2 programs per SM).
+# standalone config at every shape (1-64 SigLIP frames, N = 4K-64K), and the best or within 10% fused.
 DEFAULT_TILES = (128, 64, 4, 3)
 
 
@@ -295,8 +184,7 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     upcast = q.dtype == torch.bfloat16 and interpret
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # tf32 is ignored for 16-bit inputs
-    # FAST on the interpreter: the fp16 rounding of ex2.approx.f16x2 emulated (tests its precision).
-    fast = (FAST_EXP_DEFAULT if fast_exp is None else fast_exp) and q.dtype != torch.float32
+    fast = (FAST_EXP_DEFAULT if fast_exp is None else fast_exp) and q.dtype != torch.float32 and not interpret
     res, stream, warps, stages = tiles or DEFAULT_TILES
     streamed_m = min(stream, max(16, triton.next_power_of_2(M)))  # summary mode: 1..few rows (dot needs 16)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
@@ -305,20 +193,19 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     # tells the compiler, which then issues 16-byte (cp.async) loads instead of 2-byte ones.
     align = 8 if all(st % 8 == 0 for st in strides) else 1
     strides = tuple(st // align for st in strides)
-    meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, FAST=fast, INTERP=interpret, ALIGN=align,
-                num_warps=warps, num_stages=stages)
-    lse_log2 = lse is None  # pass 1 gives minus the LSE in log2 units; a caller's LSE is natural-log
+    meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, FAST=fast, ALIGN=align, num_warps=warps,
+                num_stages=stages)
     if lse is None:
         lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
-        rows = min(res, max(16, triton.next_power_of_2(M)))
-        _row_lse_kernel[(triton.cdiv(M, rows), B * H)](q, k, lse, *strides, H, M, N, scale_log2, BLOCK_R=rows,
-                                                       BLOCK_S=stream, **meta)
+        _row_lse_kernel[(triton.cdiv(M, min(res, max(16, triton.next_power_of_2(M)))), B * H)](
+            q, k, lse, *strides, H, M, N, scale_log2, BLOCK_R=min(res, max(16, triton.next_power_of_2(M))),
+            BLOCK_S=stream, **meta)
     elif lse.stride(2) != 1:
         lse = lse.contiguous()
     part = torch.empty(B, H, N, device=q.device, dtype=torch.float32)
     _prefill_salience_kernel[(triton.cdiv(N, res), B * H)](
         q, k, lse, part, *strides, lse.stride(0), lse.stride(1), H, M, N, scale_log2, 1.0 / (H * M),
-        LSE_LOG2=lse_log2, BLOCK_R=res, BLOCK_S=streamed_m, **meta)
+        BLOCK_R=res, BLOCK_S=streamed_m, **meta)
     return part.sum(1)  # (B, N): heads summed outside, so every store above is plain (no atomics)
 
 

@@ -34,12 +34,14 @@ LOG2E = 1.4426950408889634
 # per SM: 84 registers x 256 threads, 74 KB of shared memory, for sm_90), and the most tiles each.
 PROGRAMS_PER_SM = 4
 MAX_TILES = 64
-# The dot's orientation (see _tile_mass) and the key tile it takes by default. KEY_ROWS: keys are the
-# rows of S^T = K Q^T, so summing over the question is in-thread (the layout that made the prefill
-# salience's column pass 2-2.7x faster); measured against the older S = Q K^T by the DECODE_SWEEP=retrieval
-# rows of scripts/benches/decode_attention.py.
+# The dot's orientation (see _tile_mass) and its default tile. KEY_ROWS: keys are the rows of S^T = K Q^T,
+# so summing over the question is in-thread (the layout that made the prefill salience's column pass
+# 2-2.7x faster). H200 sweep (run S5-C, DECODE_SWEEP=retrieval of scripts/benches/decode_attention.py;
+# 64-token question, 32K keys, graph-replayed): S = Q K^T with 32-key tiles and 8 warps 78.8 us, S^T with
+# 64-key tiles and 4 warps 51.5 us (8 warps: 70.1; 128-key tiles: 64.6).
 KEY_ROWS = True
 KEY_BLOCK = 64
+KEY_WARPS = 4
 
 
 @triton.jit
@@ -171,14 +173,15 @@ def _check(q, k, idx, lse, out):
 def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor,
                        scale: float | None = None, out: torch.Tensor | None = None,
                        block_m: int | None = None, block_n: int | None = None, tiles: int | None = None,
-                       num_warps: int = 8, num_stages: int = 1, key_rows: bool | None = None) -> torch.Tensor:
+                       num_warps: int | None = None, num_stages: int = 1, key_rows: bool | None = None
+                       ) -> torch.Tensor:
     """q (B, H, T, D), k (B, Hkv, S, D), idx (N,), lse (B, H, T) fp32 -> (B, Hkv, N) fp32 (added to `out`).
 
     block_m (default: all of a group's n_rep*T rows, up to 256), block_n, tiles (key tiles per
     program; default from the SM count), num_warps and num_stages are tuning knobs swept by
-    scripts/benches/decode_attention.py (DECODE_SWEEP=retrieval). The defaults were chosen from an offline
-    sm_90 compile (registers, shared memory), not yet from that sweep; R8 measured them at 78.9 us
-    (graph) for a 64-token question over 32K keys (docs/benchmarks.md)."""
+    scripts/benches/decode_attention.py (DECODE_SWEEP=retrieval); key_rows picks the dot's orientation. The
+    defaults (KEY_ROWS, KEY_BLOCK, KEY_WARPS) come from that sweep on the H200 (run S5-C): 51.5 us (graph)
+    for a 64-token question over 32K keys (docs/benchmarks.md)."""
     _check(q, k, idx, lse, out)
     B, H, T, D = q.shape
     Hkv, N = k.shape[1], idx.numel()
@@ -193,6 +196,7 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse:
     rows = (H // Hkv) * T
     key_rows = KEY_ROWS if key_rows is None else key_rows
     block_n = block_n or (KEY_BLOCK if key_rows else 32)
+    num_warps = num_warps or (KEY_WARPS if key_rows else 8)
     block_m = block_m or min(256, max(16, triton.next_power_of_2(rows)))
     n_tiles = triton.cdiv(N, block_n)
     tiles = min(tiles or default_tiles(n_tiles, B * Hkv, q.device), n_tiles)
