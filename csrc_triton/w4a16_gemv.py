@@ -18,8 +18,10 @@ Two kernels share this math and the epilogue:
   multiply-add (~1 integer op per weight to unpack). A K step covers GPS groups (64 GPS contiguous bytes
   of each row). B is x in block-diagonal form: column jg BM + m holds row m of x for group jg and zeros
   elsewhere, so one dot yields each group's sum in its own column and the per-group scales are one (BN, 8)
-  multiply (_x_operand, _step_scales). x is loaded contiguously as int32 pairs (pipelined with cp.async like
-  the weights) and permuted in registers; the x-only terms (Xm, X) of all the program's groups are computed
+  multiply (_x_operand, _step_scales); or (XOP "shared") GPS dots against one B holding the step's groups of x
+  side by side, keeping each dot's own group column (_shared_x_dots: the same sums, a GPS times smaller B
+  that needs no shared-memory round trip). x is loaded contiguously as int32 pairs (pipelined with cp.async
+  like the weights) and permuted in registers; the x-only terms (Xm, X) of all the program's groups are computed
   once, in the first K step while the first tiles are in flight (_zero_point_terms). CHAINS > 1 splits a
   step into that many dots: independent mma accumulation chains instead of one.
 - "fma" (any G): the fp16 magic values (for either x dtype) widened to fp32 (cvt), fp32 FMAs against x,
@@ -319,14 +321,22 @@ def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
 # to any thread); the words tile is group-major, (GPS, BN, 16), so its rows are 64 bytes apart in shared
 # memory and the 8 rows a warp reads at once fall in distinct banks.
 @triton.jit
-def _mma_operand(words, dtype, UNPACK: tl.constexpr):
-    """(GPS, BN, 16) words (group jg of each row) -> A (BN, 128 GPS) magic values, k order 128 jg + p."""
+def _mma_operand(words, dtype, UNPACK: tl.constexpr, BY_SHIFT: tl.constexpr = False):
+    """(GPS, BN, 16) words (group jg of each row) -> A (BN, 128 GPS) magic values, k order 128 jg + p.
+    BY_SHIFT (the order of XOP "shared"): c0 and c1 trade places in p (p = 64 j1 + 32 j0 + 16 c0 + 8 j3 + 4 j2
+    + 2 c1 + e), so one mma.sync k16 step takes the pairs c = 0, 1 (lop3 of the word as loaded) and the other
+    c = 2, 3 (of the word shifted by 8), instead of each taking one pair of both: still register renames
+    only, and ptxas then assembles the operand quads with fewer moves (offline sm_90a SASS, gate_up tile:
+    87 instead of 131 IMAD per K step)."""
     GPS: tl.constexpr = words.shape[0]
     BN: tl.constexpr = words.shape[1]
     v0, v1, v2, v3, v4, v5, v6, v7 = _magic_planes(words, dtype, UNPACK)
     t = tl.join(tl.join(tl.join(v0, v4), tl.join(v1, v5)), tl.join(tl.join(v2, v6), tl.join(v3, v7)))
     t = tl.reshape(t, (GPS, BN, 2, 2, 2, 2, 2, 2, 2))  # [jg, n, j3, j2, j1, j0, e, c0, c1]
-    t = tl.permute(t, (1, 0, 4, 5, 8, 2, 3, 7, 6))  # [n, jg, j1, j0, c1, j3, j2, c0, e]
+    if BY_SHIFT:
+        t = tl.permute(t, (1, 0, 4, 5, 7, 2, 3, 8, 6))  # [n, jg, j1, j0, c0, j3, j2, c1, e]
+    else:
+        t = tl.permute(t, (1, 0, 4, 5, 8, 2, 3, 7, 6))  # [n, jg, j1, j0, c1, j3, j2, c0, e]
     return tl.reshape(t, (BN, 128 * GPS))
 
 
@@ -370,6 +380,66 @@ def _x_operand(pairs, dtype, BLOCK_M: tl.constexpr, GPS: tl.constexpr, COL0: tl.
     # (a K axis), not along the columns, so each thread of mma's operand layout needs its own column's x only.
     same = COL0 + tl.arange(0, GPS)[:, None, None, None] == tl.arange(0, J)[None, None, :, None]
     return tl.reshape(tl.where(same, y, 0.0), (GPS * 128, 8))
+
+
+# XOP "shared": GPS dots of (BN, 128) x (128, 8) per K step, all with one B = x of the step's groups side by
+# side (column jg BM + m: row m of x over group jg), instead of one dot against the block-diagonal B. Dot jg's
+# column block jg is group jg's sum (the other columns, W_jg x_j, are dropped by a select), so the result
+# is the block-diagonal dot's, column for column. B is 1024 values per step instead of 1024 GPS, needs no
+# zeros selected in, and Triton loads it from the cp.async'd x tile straight into mma's operand layout (4
+# LDS.128 + 16 PRMT per thread; sm_90 TTGIR: no layout conversion), where the block-diagonal B went
+# through shared memory again (2-byte stores, ldmatrix). A thread of mma's B layout holds 32 consecutive
+# x values of its column's group, so the x tile needs no shuffle at all.
+@triton.jit
+def _x_shared(pairs, dtype, BLOCK_M: tl.constexpr, GPS: tl.constexpr):
+    """x of GPS groups as (BM, 64 GPS) int32 pairs in K order -> B (128, 8) in _mma_operand's BY_SHIFT k order:
+    row p, column jg BM + m holds x[m] at the k of position p of group jg; columns >= GPS BM repeat the others
+    (finite; _shared_x_dots discards their sums)."""
+    lo, hi = _split_pairs(pairs, dtype)
+    x = tl.reshape(tl.join(lo, hi), (BLOCK_M, GPS, 2, 2, 2, 2, 2, 2, 2))  # [m, jg, j3, j2, j1, j0, e, c1, c0]
+    x = tl.permute(x, (4, 5, 8, 2, 3, 7, 6, 1, 0))  # [j1, j0, c0, j3, j2, c1, e, jg, m]: p, then columns
+    y = tl.reshape(x, (128, GPS * BLOCK_M))
+    if GPS * BLOCK_M < 8:
+        R: tl.constexpr = 8 // (GPS * BLOCK_M)
+        y = tl.reshape(tl.broadcast_to(y[:, None, :], (128, R, GPS * BLOCK_M)), (128, 8))
+    return y
+
+
+@triton.jit
+def _group_operand(a, jg: tl.constexpr, GPS: tl.constexpr):
+    """Group jg's columns (BN, 128) of a step's A (BN, 128 GPS) (k order 128 jg + p; jg is a register index of
+    mma's operand layout, so the splits only rename registers). GPS in {2, 4, 8}."""
+    BN: tl.constexpr = a.shape[0]
+    if GPS == 2:  # [n, b0, p] -> [n, p, b0]
+        t = tl.permute(tl.reshape(a, (BN, 2, 128)), (0, 2, 1))
+    elif GPS == 4:  # [n, b1, b0, p] -> [n, p, b0, b1]: tl.split takes the last axis, the top bit of jg first
+        t = tl.permute(tl.reshape(a, (BN, 2, 2, 128)), (0, 3, 2, 1))
+    else:
+        t = tl.permute(tl.reshape(a, (BN, 2, 2, 2, 128)), (0, 4, 3, 2, 1))
+    for level in tl.static_range(GPS.bit_length() - 1):
+        t0, t1 = tl.split(t)
+        if (jg >> (GPS.bit_length() - 2 - level)) & 1:
+            t = t1
+        else:
+            t = t0
+    return t
+
+
+@triton.jit
+def _shared_x_dots(a, xs, BLOCK_M: tl.constexpr, GPS: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """A (BN, 128 GPS) (_mma_operand, BY_SHIFT) and B (128, 8) (_x_shared) -> (BN, 8) fp32: column jg BM + m holds
+    sum_p A[n, 128 jg + p] B[p, jg BM + m], group jg's dot sum (as the block-diagonal dot's); columns >= GPS BM
+    hold zero."""
+    BN: tl.constexpr = a.shape[0]
+    col_group = tl.arange(0, 8)[None, :] // BLOCK_M
+    step = tl.zeros((BN, 8), dtype=tl.float32)
+    for jg in tl.static_range(GPS):
+        if GPS == 1:
+            ag = a
+        else:
+            ag = _group_operand(a, jg, GPS)
+        step = tl.where(col_group == jg, _dot(ag, xs, UPCAST_DOT), step)
+    return step
 
 
 @triton.jit
@@ -458,11 +528,16 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
               stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
               UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
-              CHAINS: tl.constexpr, CORR_GB: tl.constexpr, ZSTEP: tl.constexpr):
+              CHAINS: tl.constexpr, CORR_GB: tl.constexpr, ZSTEP: tl.constexpr, XOP: tl.constexpr,
+              ADDR: tl.constexpr):
     """Row block pid_n, K split pid_k of the mma kernel: y (or its split-K partial) for BLOCK_N rows.
     ZSTEP: the x-only (zero-point) terms accumulate per K step (_step_zero_terms) instead of in a prologue
     over all the tile's groups (_zero_point_terms): no round trip outside the pipelined loads (the qkv
-    shape's 4-step programs run 11.7 -> 10.4 us with it, session 4)."""
+    shape's 4-step programs run 11.7 -> 10.4 us with it, session 4). XOP: the x operand, "blockdiag"
+    (_x_operand) or "shared" (_shared_x_dots). ADDR 1: each step's addresses are the scalar base of its
+    groups plus loop-invariant offsets; ADDR 0: pointer tiles carried by the loop (+= each step), whose
+    software pipelining kept every pointer twice (a copy per step; gate_up tile: 190 -> 168 registers with
+    ADDR 1, offline sm_90a)."""
     dtype = y_ptr.dtype.element_ty
     U_INV: tl.constexpr = 8.0 if dtype == tl.bfloat16 else 64.0  # 1 / u of the magic values (_magic_planes)
     M_ODD: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0  # their m at odd k
@@ -472,13 +547,22 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
     g_hi = tl.minimum(g_lo + W_SPLIT // 16, NG)  # this program's groups [g_lo, g_hi), a multiple of GPS
     offs_m = tl.arange(0, BLOCK_M)
     GC: tl.constexpr = GPS // CHAINS  # groups per dot
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + g_lo * 64 + tl.arange(0, 64 * GC)[None, :]  # (BM, 64 GC)
     x_mask = (offs_m < M)[:, None]
-    w_ptrs = (qw_ptr + rows[None, :, None] * K8 + g_lo * 16 + 16 * tl.arange(0, GC)[:, None, None]
-              + tl.arange(0, 16)[None, None, :])  # (GC, BN, 16): group-major, see above
-    s_idx = rows * NG + g_lo
+    if ADDR == 0:
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + g_lo * 64 + tl.arange(0, 64 * GC)[None, :]  # (BM, 64 GC)
+        w_ptrs = (qw_ptr + rows[None, :, None] * K8 + g_lo * 16 + 16 * tl.arange(0, GC)[:, None, None]
+                  + tl.arange(0, 16)[None, None, :])  # (GC, BN, 16): group-major, see above
+        s_idx = rows * NG + g_lo
+    else:  # the same addresses, as loop-invariant offsets from each step's scalar base
+        x_offs = offs_m[:, None] * stride_xm + tl.arange(0, 64 * GC)[None, :]
+        w_offs = rows[None, :, None] * K8 + 16 * tl.arange(0, GC)[:, None, None] + tl.arange(0, 16)[None, None, :]
+        s_row = rows * NG
     acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
     for g in tl.range(g_lo, g_hi, GPS, num_stages=STAGES):
+        if ADDR == 1:
+            x_ptrs = (x_ptr + g * 64) + x_offs
+            w_ptrs = (qw_ptr + g * 16) + w_offs
+            s_idx = s_row + g
         if not ZSTEP:
             if g == g_lo:
                 # The x-only terms of all this program's groups, computed while the first tiles are in flight
@@ -487,15 +571,17 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
                                          M_ODD, S_PAIRS, BLOCK_M, CORR_GB)
                 acc += _pad_columns(corr * (1.0 / U_INV), BLOCK_M)
         if CHAINS == 1:
-            a = _mma_operand(tl.load(w_ptrs), dtype, UNPACK)  # (BN, 128 GPS)
+            a = _mma_operand(tl.load(w_ptrs), dtype, UNPACK, XOP == "shared")  # (BN, 128 GPS)
             pairs = tl.load(x_ptrs, mask=x_mask, other=0)
-            xt = _x_operand(pairs, dtype, BLOCK_M, GPS, 0)  # (128 GPS, 8)
+            if XOP == "shared":
+                dots = _shared_x_dots(a, _x_shared(pairs, dtype, BLOCK_M, GPS), BLOCK_M, GPS, UPCAST_DOT)
+            else:
+                dots = _dot(a, _x_operand(pairs, dtype, BLOCK_M, GPS, 0), UPCAST_DOT)  # B (128 GPS, 8)
             s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)
             if ZSTEP:
-                acc += s8 * _dot(a, xt, UPCAST_DOT) + _step_zero_terms(pairs, z_ptr, s_idx, s8, dtype, 1.0 / U_INV,
-                                                                       M_ODD, BLOCK_M, GPS)
+                acc += s8 * dots + _step_zero_terms(pairs, z_ptr, s_idx, s8, dtype, 1.0 / U_INV, M_ODD, BLOCK_M, GPS)
             else:
-                acc += s8 * _dot(a, xt, UPCAST_DOT)
+                acc += s8 * dots
         else:
             s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)  # (BN, 8)
             for c in tl.static_range(CHAINS):
@@ -504,9 +590,10 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
                 # Scaled before the sum: an add of two dots would be folded into one dot accumulating the
                 # other (Triton's dot-add combine), i.e. one dependent chain again.
                 acc += s8 * _dot(a, xt, UPCAST_DOT)
-        w_ptrs += 16 * GPS
-        x_ptrs += 64 * GPS
-        s_idx += GPS
+        if ADDR == 0:
+            w_ptrs += 16 * GPS
+            x_ptrs += 64 * GPS
+            s_idx += GPS
     # Fold the column blocks (groups; zero past GPS) into BLOCK_M columns.
     out = tl.sum(tl.reshape(acc, (BLOCK_N, 8 // BLOCK_M, BLOCK_M)), axis=1) * U_INV  # (BN, BM)
     _finish(tl.trans(out), offs_m, cols, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr,
@@ -519,7 +606,8 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
                            HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr, S_PAIRS: tl.constexpr,
                            FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
                            SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, CHAINS: tl.constexpr,
-                           CORR_GB: tl.constexpr, ZSTEP: tl.constexpr, PDL: tl.constexpr):
+                           CORR_GB: tl.constexpr, ZSTEP: tl.constexpr, XOP: tl.constexpr, ADDR: tl.constexpr,
+                           PDL: tl.constexpr):
     # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's
     # 64 GPS bytes are contiguous, so each step reads longer runs of every row, and the per-step costs
     # (pipeline barriers, B operand through shared memory) are paid once per GPS groups. The launcher
@@ -533,7 +621,7 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     pdl.enter(PDL)  # a decode-step kernel (csrc_triton/pdl.py): nothing is read before the previous one is done
     _mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr,
               M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, CHAINS, CORR_GB, ZSTEP)
+              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, CHAINS, CORR_GB, ZSTEP, XOP, ADDR)
 
 
 def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -571,13 +659,17 @@ def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 # block), ...}. "mma": "BLOCK_N" rows per program (a multiple of 16 num_warps: 16-row tiles per warp; default
 # 16 num_warps), "GPS" groups of 128 per K step (capped to 8 / BLOCK_M and to a power of two dividing K / 128),
 # "CHAINS" dots per step (default 1), "ZSTEP" (1: zero-point terms per K step, no prologue; CHAINS 1 only;
-# default 0). "fma": BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W rows x BLOCK_W words with 16-byte loads; each
+# default 0), "XOP" (the x operand: "blockdiag", the default, or "shared"; CHAINS 1 only), "ADDR" (0, the
+# default: pointer tiles carried by the loop; 1: addresses from loop-invariant offsets), "maxnreg" (ptxas's
+# register cap, Triton's launch option: <= 168 lets 3 programs of 4 warps share an SM, <= 128 four).
+# "fma": BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W rows x BLOCK_W words with 16-byte loads; each
 # thread then holds BLOCK_N BLOCK_W / (128 num_warps) rows of one 32-value chunk per tile). No autotuning
 # at call time: a decode step is captured in a CUDA graph.
 INTERPRET_CONFIG = {"kernel": "fma", "BLOCK_N": 16, "BLOCK_W": 16, "num_warps": 4, "STAGES": 1, "SPLIT_K": 1}
 INTERPRET_MMA_CONFIG = {"kernel": "mma", "num_warps": 4, "STAGES": 1, "SPLIT_K": 1, "GPS": 2}
-CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "CHAINS", "ZSTEP"),
+CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "CHAINS", "ZSTEP", "XOP", "ADDR", "maxnreg"),
                "fma": ("BLOCK_N", "BLOCK_W", "num_warps", "STAGES", "SPLIT_K")}
+XOPS = ("blockdiag", "shared")  # the x operand of the mma kernel: _x_operand, or _x_shared + _shared_x_dots
 N_SM = 132  # H200; the split rule only needs the order of magnitude
 
 
@@ -705,6 +797,14 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         cfg["ZSTEP"] = bool(cfg.get("ZSTEP", 0))
         if cfg["ZSTEP"] and cfg["CHAINS"] > 1:
             raise ValueError("ZSTEP takes CHAINS = 1")
+        cfg["ADDR"] = int(cfg.get("ADDR", 0))
+        if cfg["ADDR"] not in (0, 1):
+            raise ValueError(f"ADDR={cfg['ADDR']} must be 0 or 1")
+        cfg["XOP"] = cfg.get("XOP", "blockdiag")
+        if cfg["XOP"] not in XOPS:
+            raise ValueError(f"XOP={cfg['XOP']!r} must be one of {XOPS}")
+        if cfg["XOP"] == "shared" and cfg["CHAINS"] > 1:
+            raise ValueError("XOP 'shared' takes CHAINS = 1")
         bw = 16 * cfg["GPS"]  # one K step: GPS groups of 16 words
     else:
         bw = max(cfg["BLOCK_W"], G // 8)  # a tile holds whole groups
