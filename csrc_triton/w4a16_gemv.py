@@ -698,12 +698,15 @@ def _pairs_view(x: torch.Tensor) -> torch.Tensor:
 # prints this dict; session-3 run S3-5 with programmatic dependent launch on, per call replayed from a CUDA
 # graph, docs/perf_notes.md; 32/32 table checks passed). o and down moved to 8-warp 128-row programs; qkv
 # took the per-step zero-point terms (ZSTEP) in session 4's run S4-2 (32/32 checks passed).
-GEMV_TABLE: dict[tuple[int, int, int], dict] = {
-    (1, 4096, 4096): {"kernel": "mma", "BLOCK_N": 128, "num_warps": 8, "STAGES": 3, "SPLIT_K": 4, "GPS": 2},  # 9.15 us
-    (1, 4096, 14336): {"kernel": "mma", "BLOCK_N": 128, "num_warps": 8, "STAGES": 3, "SPLIT_K": 8, "GPS": 2},  # 17.8 us
+GEMV_TABLE: dict[tuple[int, int, int], dict] = {  # H200 sweep, session 5 (run S5-D), per call graph-replayed
+    (1, 4096, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 8,
+                      "ZSTEP": 1, "XOP": "shared", "ADDR": 1},  # 7.87 us (S4: 9.15)
+    (1, 4096, 14336): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 2, "GPS": 8,
+                       "ZSTEP": 1, "XOP": "shared", "ADDR": 1},  # 15.75 us (S4: 17.8)
     (1, 6144, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 8,
-                      "ZSTEP": 1},  # 10.4 us (session 4, run S4-2; 11.7 without ZSTEP)
-    (1, 28672, 4096): {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 4},  # 27.8 us
+                      "ZSTEP": 1, "XOP": "shared", "ADDR": 1},  # 8.24 us (S4: 10.4)
+    (1, 28672, 4096): {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 4,
+                       "ZSTEP": 1, "XOP": "shared", "ADDR": 1},  # 24.4 us (S4: 27.4)
 }
 
 
@@ -712,22 +715,23 @@ FORCE_FMA = os.environ.get("TINYVILA_W4_GEMV_KERNEL", "") == "fma"
 
 
 def gemv_config(M: int, N: int, K: int, G: int) -> dict:
-    """The GPU launch config of an (M, K) x (N, K)^T call: GEMV_TABLE's entry, else a rule from that sweep:
-    64-row programs of 4 warps, 4 groups per K step (GPS = 4 beat 8 on every layer, 4-warp programs beat 1-
-    and 2-warp ones), split-K doubling while the grid stays within 2 programs per SM and every split keeps
-    >= 2 K steps. At the Llama-3-8B shapes the rule (the launcher default of the S3-5 sweep) was 0-8% slower
-    than the table: 9.84 / 18.6 / 11.6 / 27.8 us for o, down, qkv, gate_up against 9.15 / 17.8 / 11.6 / 27.8."""
+    """The GPU launch config of an (M, K) x (N, K)^T call: GEMV_TABLE's entry, else a rule from that sweep
+    (run S5-D): 64-row programs of 4 warps, 8 groups per K step, per-step zero points, x as the shared mma
+    operand, scalar-base addressing (the winning form at every Llama-3-8B layer), split-K doubling while the
+    grid stays within one program per SM and every split keeps >= 4 K steps (down split 2: 15.75 us vs 18.1
+    at 4; o unsplit: 7.87 vs 8.55 at 2)."""
     key = (triton.next_power_of_2(M), N, K)
     if G == 128 and key in GEMV_TABLE and not (FORCE_FMA and GEMV_TABLE[key]["kernel"] == "mma"):
         return dict(GEMV_TABLE[key])
     if mma_ok(K, G) and not FORCE_FMA:
         warps, block_n, stages = 4, 64, 3
-        gps = groups_per_step(4, K // G)
+        gps = groups_per_step(8, K // G)
+        steps = K // G // gps
         row_blocks, split = triton.cdiv(N, block_n), 1
-        while row_blocks * split * 2 <= 2 * N_SM and K // G >= 2 * gps * 2 * split:
+        while row_blocks * split * 2 <= N_SM and steps >= 4 * 2 * split:
             split *= 2
         return {"kernel": "mma", "BLOCK_N": block_n, "num_warps": warps, "STAGES": stages, "SPLIT_K": split,
-                "GPS": 4}
+                "GPS": gps, "ZSTEP": 1, "XOP": "shared", "ADDR": 1}
     R = 4 if M <= 2 else (2 if M <= 4 else 1)  # fp32 rows per thread; v stays live across the M rows
     return {"kernel": "fma", "BLOCK_N": 4 * R, "BLOCK_W": 128, "num_warps": 4, "STAGES": 4, "SPLIT_K": 1}
 

@@ -249,11 +249,11 @@ def test_sweep_tiles_from_the_environment(monkeypatch):
     monkeypatch.setenv(bench.GEMV_TILES_ENV, "4,128,4,3,1;4,128,4,3,1,1,1,1,168;8,128,2,3,1,0,0,1")
     cfgs = bench.gemv_sweep_configs(28672, 4096)
     names = [bench.gemv_config_name(c) for c in cfgs]
-    assert names == ["mma w4 n128 g4 s3 k1", "mma w4 n128 g4 s3 k2", "mma w4 n128 g4 s3 k4",
-                     "mma w4 n128 g4 s3 k1 z xs a1 r168", "mma w4 n128 g4 s3 k2 z xs a1 r168",
+    assert names == ["mma w4 n128 g4 s3 k1 z xs a1", "mma w4 n128 g4 s3 k1", "mma w4 n128 g4 s3 k2",
+                     "mma w4 n128 g4 s3 k4", "mma w4 n128 g4 s3 k1 z xs a1 r168", "mma w4 n128 g4 s3 k2 z xs a1 r168",
                      "mma w4 n128 g4 s3 k4 z xs a1 r168", "mma w8 n128 g2 s3 k1 a1", "mma w8 n128 g2 s3 k2 a1",
                      "mma w8 n128 g2 s3 k4 a1"]  # the first: the table's config; k8: > 8 programs per SM
-    assert cfgs[3] == {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 4,
+    assert cfgs[4] == {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 4,
                        "CHAINS": 1, "ZSTEP": 1, "XOP": "shared", "ADDR": 1, "maxnreg": 168}
     monkeypatch.setenv(bench.GEMV_TILES_ENV, "4,128,4,3,1,0,0,0,0,1")
     with pytest.raises(ValueError, match="warps,rows"):
