@@ -126,20 +126,3 @@ def test_invalid_sampling_parameters_are_rejected():
     for bad in (dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(max_new_tokens=0), dict(top_k=-2)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
-
-
-@pytest.mark.parametrize("n", [1, 7, 64 * 8, 128256, 1000, 4096 + 64])
-def test_two_stage_argmax_matches_torch(n):
-    """ops.argmax (chunked, two stages) returns torch.argmax's index, ties and NaN included."""
-    from tinyvila import ops
-
-    g = torch.Generator().manual_seed(n)
-    x = torch.randn(n, generator=g)
-    assert ops.argmax(x).tolist() == [int(torch.argmax(x))]
-    if n > 3:
-        top = x.max()
-        x[n // 3] = top + 1
-        x[n - 1] = top + 1  # a later tie: the first maximal index wins
-        assert ops.argmax(x).tolist() == [n // 3] == [int(torch.argmax(x))]
-        x[n // 2] = float("nan")
-        assert ops.argmax(x).tolist() == [int(torch.argmax(x))]

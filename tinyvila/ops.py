@@ -162,18 +162,14 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax of a 1-D tensor (the first maximal index; NaN counts as maximal), as a (1,) long tensor,
-    in two parallel stages when the length splits into power-of-two chunks of 64..1024: the maximum of
-    each chunk (the first maximal index within it), then the first chunk holding the overall maximum.
-    PyTorch's one-stage argmax of the 128256 Llama-3 logits took 27.5 us of a 2.8 ms decode step on the
-    H200 (run S5-B). Device ops only (graph-capturable)."""
-    n = x.numel()
-    chunk = next((c for c in (1024, 512, 256, 128, 64) if n % c == 0 and n // c >= 8), None)
-    if x.dim() != 1 or chunk is None:
-        return torch.argmax(x).view(1)
-    vals, idx = x.view(-1, chunk).max(dim=1)
-    j = vals.argmax()
-    return (idx[j] + j * chunk).view(1)
+    """torch.argmax of a 1-D float tensor (the first maximal index; NaN counts as maximal) as a (1,) int64
+    tensor. On CUDA: csrc_triton/argmax (two launches, graph-capturable; PyTorch's one-stage argmax of the
+    128256 Llama-3 logits took 27.5 us of a ~2.6 ms decode step on the H200); elsewhere torch.argmax."""
+    if x.is_cuda and x.dim() == 1 and x.is_floating_point() and x.stride(0) == 1:
+        from csrc_triton.argmax import argmax as kernel
+
+        return kernel(x)
+    return torch.argmax(x).view(1)
 
 
 DENSE_GEMV = True  # the lm_head GEMV on CUDA (False: cuBLAS everywhere)
