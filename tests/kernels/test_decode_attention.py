@@ -142,3 +142,74 @@ def test_cuda_graph_replay_follows_the_length():
         graph.replay()
         torch.testing.assert_close(out.float(), decode_attention_ref(q.float(), k.float(), v.float(), lens),
                                    atol=2e-2, rtol=0)
+
+
+# -- decode_attention_rope: RoPE + cache write + attention of a decode step in one launch ----------------
+def _rope_case(H, Hkv, D, S, length, dtype, packed_len=None, seed=0):
+    """qkv of one new token, cos/sin at its position, a full cache whose slots >= the token's are NaN (never
+    to be read), and optionally a packed buffer (rows >= packed_len - 1 NaN) the step attends instead."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(1, 1, (H + 2 * Hkv) * D, generator=g).to(DEVICE, dtype)
+    ang = torch.rand(D // 2, generator=g) * 6.0
+    cos = torch.cat([ang.cos(), ang.cos()])[None].to(DEVICE, dtype)
+    sin = torch.cat([ang.sin(), ang.sin()])[None].to(DEVICE, dtype)
+    kc = torch.randn(1, Hkv, S, D, generator=g).to(DEVICE, dtype)
+    vc = torch.randn(1, Hkv, S, D, generator=g).to(DEVICE, dtype)
+    kc[:, :, length - 1:] = float("nan")
+    vc[:, :, length - 1:] = float("nan")
+    slot = torch.tensor([length - 1], device=DEVICE)
+    packed = None
+    n = length
+    if packed_len is not None:
+        k2 = torch.randn(1, Hkv, S, D, generator=g).to(DEVICE, dtype)
+        v2 = torch.randn(1, Hkv, S, D, generator=g).to(DEVICE, dtype)
+        k2[:, :, packed_len - 1:] = float("nan")
+        v2[:, :, packed_len - 1:] = float("nan")
+        packed = (k2, v2, torch.tensor([packed_len - 1], device=DEVICE))
+        n = packed_len
+    return qkv, cos, sin, (kc, vc, slot), packed, torch.tensor([n], dtype=torch.int32, device=DEVICE)
+
+
+def _clone(cache, packed):
+    return tuple(t.clone() for t in cache), None if packed is None else tuple(t.clone() for t in packed)
+
+
+@pytest.mark.parametrize("H,Hkv,D,S,length,packed_len,dtype", [
+    (8, 2, 64, 300, 1, None, torch.float16),      # the new token alone
+    (8, 2, 64, 300, 129, None, torch.float16),    # a partial tile holding only the new token
+    (6, 2, 80, 400, 257, None, torch.bfloat16),   # D not a power of two
+    (7, 1, 32, 300, 300, None, torch.float16),    # GQA 7, the last slot
+    (8, 2, 64, 400, 350, 77, torch.float16),      # packed buffer: attend over it, write both
+])
+def test_rope_step_matches_unfused(H, Hkv, D, S, length, packed_len, dtype):
+    """Caches bit for bit what rope_qkv writes; the output matches rope_qkv + decode_attention (the same
+    kernels unfused) to fp32 rounding and the fp64 reference within the usual floor."""
+    from csrc_triton.decode_attention import decode_attention_rope, decode_attention_rope_ref
+    from csrc_triton.rope_qkv import rope_qkv
+
+    qkv, cos, sin, cache, packed, lens = _rope_case(H, Hkv, D, S, length, dtype, packed_len)
+    for n_splits in (None, 1, 3):
+        c1, p1 = _clone(cache, packed)
+        got = decode_attention_rope(qkv, cos, sin, lens, c1, H, packed=p1, n_splits=n_splits, block_n=32)
+        c2, p2 = _clone(cache, packed)
+        q = rope_qkv(qkv, cos, sin, c2[0], c2[1], c2[2], H, Hkv, second=p2)
+        src = p2 if p2 is not None else c2
+        want = decode_attention(q[:, :, 0], src[0], src[1], lens, n_splits=n_splits, block_n=32)
+        for a, b in zip(c1[:2] + (p1[:2] if p1 else ()), c2[:2] + (p2[:2] if p2 else ())):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))  # stored token identical, rest untouched
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), want.float(), atol=FLOOR[dtype], rtol=0)
+        c3, p3 = _clone(cache, packed)
+        ref = decode_attention_rope_ref(qkv.double(), cos.double(), sin.double(), lens,
+                                        tuple(t.double() if t.is_floating_point() else t for t in c3), H,
+                                        packed=None if p3 is None else
+                                        tuple(t.double() if t.is_floating_point() else t for t in p3))
+        torch.testing.assert_close(got.double(), ref, atol=2 * FLOOR[dtype], rtol=0)
+
+
+def test_rope_step_bad_qkv_is_named():
+    from csrc_triton.decode_attention import decode_attention_rope
+
+    qkv, cos, sin, cache, packed, lens = _rope_case(8, 2, 64, 100, 10, torch.float16)
+    with pytest.raises(ValueError, match="decode_attention_rope"):
+        decode_attention_rope(qkv[:, :, :-64], cos, sin, lens, cache, 8)
