@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .rounding import round_to
 
 LOG2E = 1.4426950408889634
 # Programs per SM that the split count aims for: enough loads in flight to cover HBM latency.
@@ -115,34 +114,13 @@ def _attend(q, kt, v, m_i, l_i, acc, scale_log2, offs_n, n_valid, UPCAST: tl.con
 
 
 @triton.jit
-def _rope_rows(ptr, cos_row, sin_row, offs_d, ok, HALF: tl.constexpr, dtype: tl.constexpr):
-    """Rotate-half RoPE of head rows at ptr (R, D) (offs_d along D), rounded exactly as csrc_triton/rope_qkv
-    (ops.rope's three fp16 ops): out[d] = round(round(x[d] cos[d]) + round(sign x[partner] sin[d])), the
-    partner of d being d + D/2 (sign -1) below D/2 and d - D/2 (sign +1) above."""
-    low = offs_d < HALF
-    partner = tl.where(low, offs_d + HALF, offs_d - HALF)
-    x = tl.load(ptr + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
-    xp = tl.load(ptr + partner[None, :], mask=ok, other=0.0).to(tl.float32)
-    c = cos_row[None, :]
-    sn = sin_row[None, :]
-    rot = tl.where(low[None, :], -round_to(xp * sn, dtype), round_to(xp * sn, dtype))
-    return round_to(round_to(x * c, dtype) + rot, dtype).to(dtype)
-
-
-@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr, out_ptr, cnt_ptr,
     sqb, sqh, skb, skh, skl, svb, svh, svl, s_outb, s_outh,
-    scale_log2, HKV, H, N_SPLITS,
-    # ROPE: q_ptr is the fused projection qkv (B, 1, (H + 2 Hkv) D) (sqb its batch stride), rotated here
-    # with cos/sin (D,); the new token's rotated k and raw v go to kc/vc at slot_ptr[0] (and k2/v2 at
-    # row_ptr[0] when SECOND) and join the softmax from registers (see decode_attention_rope).
-    cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, k2_ptr, v2_ptr, row_ptr,
-    skcb, skch, skcs, svcb, svch, svcs, sk2b, sk2h, sk2s, sv2b, sv2h, sv2s,
-    N_REP: tl.constexpr, D: tl.constexpr,
+    scale_log2, HKV, H, N_SPLITS, N_REP: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
-    FUSED: tl.constexpr, UPCAST: tl.constexpr, ROPE: tl.constexpr, SECOND: tl.constexpr, PDL: tl.constexpr,
+    FUSED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # a decode-step kernel: may start early, reads nothing before the previous one is done
     bg = tl.program_id(0)
@@ -164,26 +142,8 @@ def _decode_attention_kernel(
     d_ok = offs_d < D
     heads = g * N_REP + offs_h
     # Rows past N_REP are padding so tl.dot sees M >= 16; they load zeros and are never stored.
-    if ROPE:
-        dtype = k_ptr.dtype.element_ty
-        cos_row = tl.load(cos_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        sin_row = tl.load(sin_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        row_ptr_q = q_ptr + b * sqb + heads[:, None] * D  # q head h at h * D of the token's qkv row
-        q = _rope_rows(row_ptr_q, cos_row, sin_row, offs_d, h_ok[:, None] & d_ok[None, :], D // 2, dtype)
-        kv_ptr = q_ptr + b * sqb + (H + g) * D + tl.zeros([1], tl.int32)[:, None]  # k head g: (1, D) row
-        k_new = _rope_rows(kv_ptr, cos_row, sin_row, offs_d, d_ok[None, :], D // 2, dtype)  # (1, BLOCK_D)
-        v_new = tl.load(kv_ptr + HKV * D + offs_d[None, :], mask=d_ok[None, :], other=0.0)  # (1, BLOCK_D)
-        if split == 0:  # one program per (b, g) stores the new token; no program of this launch reads it
-            slot = tl.load(slot_ptr).to(tl.int64)
-            tl.store(kc_ptr + b * skcb + g * skch + slot * skcs + offs_d[None, :], k_new, mask=d_ok[None, :])
-            tl.store(vc_ptr + b * svcb + g * svch + slot * svcs + offs_d[None, :], v_new, mask=d_ok[None, :])
-            if SECOND:
-                row = tl.load(row_ptr).to(tl.int64)
-                tl.store(k2_ptr + b * sk2b + g * sk2h + row * sk2s + offs_d[None, :], k_new, mask=d_ok[None, :])
-                tl.store(v2_ptr + b * sv2b + g * sv2h + row * sv2s + offs_d[None, :], v_new, mask=d_ok[None, :])
-    else:
-        q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + offs_d[None, :],
-                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_H, BLOCK_D)
+    q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_H, BLOCK_D)
     if UPCAST:  # the CPU interpreter multiplies bf16 wrongly; it runs the dots in fp32 instead
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -193,9 +153,6 @@ def _decode_attention_kernel(
     v_base = v_ptr + b.to(tl.int64) * svb + g * svh
     # Whole tiles first, with no key mask (and no head-dim mask when D == BLOCK_D): only the split that
     # holds the last key can end in a partial tile, which the masked step after the loop takes.
-    end_new = end  # ROPE: the new token (slot length - 1) is not in memory yet; it joins from registers
-    if ROPE:
-        end = tl.minimum(end, length - 1)
     full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
     # Loop-invariant int32 offsets inside a tile; the tile's base is a scalar (uniform) pointer.
     k_off = offs_n[None, :] * skl + offs_d[:, None]  # (BLOCK_D, BLOCK_N)
@@ -211,16 +168,6 @@ def _decode_attention_kernel(
         kt = tl.load(kp, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(vp, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         m_i, l_i, acc = _attend(q, kt, v, m_i, l_i, acc, scale_log2, offs_n, end - full_end, UPCAST)
-    if ROPE:
-        if (start <= length - 1) & (length - 1 < end_new):  # this split holds the new token
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1)  # (BLOCK_H,) raw score
-            m_new = tl.maximum(m_i, s_new * scale_log2)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s_new * scale_log2 - m_new)
-            l_i = l_i * alpha + p
-            # p rounded to the value dtype as the tiles' p @ v does, products and sums in fp32
-            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
-            m_i = m_new
     # An empty split (start >= length) leaves l_i = 0: it stores lse = -inf and o = 0.
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
@@ -337,40 +284,28 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     decode_attention.py, DECODE_SWEEP=decode, run S4-1 in docs/perf_notes.md).
     """
     _check(q, k, v, lengths, out)
-    return _launch(q, q.stride(0), q.stride(1), q.shape[1], k, v, lengths, scale, n_splits, block_n, out,
-                   num_warps, num_stages, fused, None, None)
-
-
-def _launch(q, sqb, sqh, H, k, v, lengths, scale, n_splits, block_n, out, num_warps, num_stages, fused,
-            rope, second):
-    """The one launcher of _decode_attention_kernel: q given directly (rope None) or as the fused projection
-    qkv with rope = (cos, sin, k_cache, v_cache, slot) and second = (k2, v2, row) or None."""
-    B, D = lengths.shape[0], k.shape[3]
+    B, H, D = q.shape
     Hkv, L_max = k.shape[1], k.shape[2]
-    out = torch.empty(B, H, D, device=k.device, dtype=k.dtype) if out is None else out
+    out = torch.empty_like(q) if out is None else out
     n_rep = H // Hkv
     d_block, d_warps, d_stages, per_sm = default_config(L_max)
     block_n, num_warps, num_stages = block_n or d_block, num_warps or d_warps, num_stages or d_stages
-    n_splits = n_splits or default_splits(L_max, B * Hkv, k.device, per_sm)
+    n_splits = n_splits or default_splits(L_max, B * Hkv, q.device, per_sm)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     # One fp32 workspace: partial outputs (B, H, n_splits, D) then their log-sum-exps (B, H, n_splits).
-    work = torch.empty(B * H * n_splits * (D + 1) if n_splits > 1 else 1, device=k.device, dtype=torch.float32)
+    work = torch.empty(B * H * n_splits * (D + 1) if n_splits > 1 else 1, device=q.device, dtype=torch.float32)
     o_part, lse = work[: B * H * n_splits * D], work[B * H * n_splits * D:]
-    cnt = _counters(k.device, B * Hkv) if fused and n_splits > 1 else lengths  # unused when not fused
+    cnt = _counters(q.device, B * Hkv) if fused and n_splits > 1 else lengths  # unused when not fused
     block_d = max(16, triton.next_power_of_2(D))
     block_r, block_s = triton.next_power_of_2(n_rep), triton.next_power_of_2(n_splits)
-    cos, sin, kc, vc, slot = rope if rope is not None else (k, k, k, v, lengths)  # unused without ROPE
-    k2, v2, row = second if second is not None else (kc, vc, slot)
     _decode_attention_kernel[(B * Hkv, n_splits)](
         q, k, v, lengths, o_part, lse, out, cnt,
-        sqb, sqh, k.stride(0), k.stride(1), k.stride(2),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), scale * LOG2E, Hkv, H, n_splits,
-        cos, sin, kc, vc, slot, k2, v2, row, *kc.stride()[:3], *vc.stride()[:3], *k2.stride()[:3],
-        *v2.stride()[:3],
         N_REP=n_rep, D=D, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_R=block_r, BLOCK_S=block_s, MERGE_S=min(block_s, max(1, MERGE_ELEMS // (block_r * block_d))),
-        FUSED=fused, UPCAST=_interpreting() and k.dtype == torch.bfloat16, ROPE=rope is not None,
-        SECOND=second is not None, num_warps=num_warps, num_stages=num_stages, **pdl.options(k.device),
+        FUSED=fused, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages, **pdl.options(q.device),
     )
     if n_splits > 1 and not fused:
         _decode_attention_reduce_kernel[(B * H,)](
@@ -378,55 +313,6 @@ def _launch(q, sqb, sqh, H, k, v, lengths, scale, n_splits, block_n, out, num_wa
             D=D, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
         )
     return out
-
-
-def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
-                          cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n_heads: int,
-                          packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                          scale: float | None = None, n_splits: int | None = None, block_n: int | None = None,
-                          num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """A decode step's RoPE, cache write and attention in one launch (csrc_triton/rope_qkv + decode_attention).
-
-    qkv (B, 1, (H + 2 Hkv) D) the fused projection of the new token; cos, sin (1, D) at its position;
-    cache = (k_cache, v_cache, slot): the full cache (B, Hkv, S, D) and the new token's slot (a (1,) device
-    integer); packed = (k2, v2, row): the packed decode buffer and the token's row in it, when one is active.
-    The token's rotated k and raw v are stored into the cache at `slot` (and the packed buffer at `row`),
-    bit for bit what rope_qkv stores; the attention runs over the first lengths[b] rows of the packed buffer
-    (else of the cache), the last of which is the new token, taken from registers (no program of the launch
-    reads the slots it writes). Returns (B, H, D). q is rotated with rope_qkv's roundings; the scores and the
-    softmax are decode_attention's except that the new token's score is an fp32 sum over D instead of the
-    tensor cores' (agreement to fp32 rounding, tests/kernels/test_decode_attention.py)."""
-    k_cache, v_cache, slot = cache
-    k, v, row = packed if packed is not None else (k_cache, v_cache, None)
-    B, T, W = qkv.shape
-    Hkv, D = k.shape[1], k.shape[3]
-    if T != 1 or W != (n_heads + 2 * Hkv) * D or qkv.stride(-1) != 1:
-        raise ValueError(f"decode_attention_rope: qkv must be (B, 1, {(n_heads + 2 * Hkv) * D}) with a contiguous "
-                         f"last dim, got {tuple(qkv.shape)}")
-    if cos.shape != (1, D) or sin.shape != (1, D) or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
-        raise ValueError(f"decode_attention_rope: cos, sin must be (1, {D}) {qkv.dtype}")
-    q_view = qkv[:, 0, : n_heads * D].view(B, n_heads, D)
-    _check(q_view, k, v, lengths, None)
-    for t in (k_cache, v_cache):
-        if t.shape[:2] != (B, Hkv) or t.shape[3] != D or t.dtype != qkv.dtype or t.stride(-1) != 1:
-            raise ValueError(f"decode_attention_rope: the cache must be ({B}, {Hkv}, S, {D}) {qkv.dtype}")
-    return _launch(qkv, qkv.stride(0), 0, n_heads, k, v, lengths, scale, n_splits, block_n, None, num_warps,
-                   num_stages, True, (cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot),
-                   None if packed is None else (k, v, row))
-
-
-def decode_attention_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
-                              cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n_heads: int,
-                              packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                              scale: float | None = None) -> torch.Tensor:
-    """The unfused reference: rope_qkv_ref (rotate, write the caches), then decode_attention_ref."""
-    from .rope_qkv import rope_qkv_ref
-
-    k_cache, v_cache, slot = cache
-    Hkv = k_cache.shape[1]
-    q = rope_qkv_ref(qkv, cos, sin, k_cache, v_cache, slot, n_heads, Hkv, second=packed)  # (B, H, 1, D)
-    k, v = (packed[0], packed[1]) if packed is not None else (k_cache, v_cache)
-    return decode_attention_ref(q[:, :, 0], k, v, lengths, scale)
 
 
 def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,

@@ -131,151 +131,6 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
     tl.store(out_ptr + bh.to(tl.int64) * N + offs_n, acc * inv_count, mask=n_ok)
 
 
-@triton.jit
-def _dot_lo(a0, ptr, offs, ok, stride, D0: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-            MASKED: tl.constexpr):
-    """The first (D0) slice of _dot_streamed as its own tl.dot: (R, S) fp32 = a0 . streamed rows.
-    MASKED: rows with ok False read 0 (the partial last tile); full tiles load unmasked."""
-    d0 = tl.arange(0, D0)
-    if MASKED:
-        b0 = tl.load(ptr + offs[None, :] * stride + d0[:, None], mask=ok[None, :], other=0.0)
-    else:
-        b0 = tl.load(ptr + offs[None, :] * stride + d0[:, None])
-    if UPCAST:
-        b0 = b0.to(tl.float32)
-    return tl.dot(a0, b0, input_precision=PRECISION, out_dtype=tl.float32)
-
-
-@triton.jit
-def _dot_hi(s, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-            PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr):
-    """s + the second (D1, masked past D) slice: the rest of _dot_streamed (s itself when D1 = 0)."""
-    if D1 > 0:
-        d1 = D0 + tl.arange(0, D1)
-        if MASKED:
-            b1 = tl.load(ptr + offs[None, :] * stride + d1[:, None], mask=ok[None, :] & (d1[:, None] < D),
-                         other=0.0)
-        elif D0 + D1 > D:  # SigLIP's 72 = 64 + 8 of 16: a static mask, the same for every tile
-            b1 = tl.load(ptr + offs[None, :] * stride + d1[:, None], mask=d1[:, None] < D, other=0.0)
-        else:
-            b1 = tl.load(ptr + offs[None, :] * stride + d1[:, None])
-        if UPCAST:
-            b1 = b1.to(tl.float32)
-        s = tl.dot(a1, b1, acc=s, input_precision=PRECISION, out_dtype=tl.float32)
-    return s
-
-
-@triton.jit
-def _resident_in_registers(a0, a1, ok, AREG: tl.constexpr):
-    """AREG: pass the resident slices through a select Triton cannot fold, so that wgmma reads them
-    from registers (an operand straight from tl.load goes to shared memory, and at 64 streamed rows
-    an m64n64k16 with both operands in shared memory needs all of its 128 B/clock)."""
-    if AREG:
-        a0 = tl.where(ok[:, None], a0, 0.0)
-        a1 = tl.where(ok[:, None], a1, 0.0)
-    return a0, a1
-
-
-@triton.jit
-def _lse_update(m_i, l_i, s, mx, scale_log2, FAST: tl.constexpr):
-    """One online-softmax step on raw logits s (R, S) with row maxima mx (R,) (scale_log2 > 0, so the
-    maximum of the raw logits scaled is the maximum of the scaled ones): per score FFMA + MUFU + FADD."""
-    m_new = tl.maximum(m_i, mx * scale_log2)
-    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(_exp2(s * scale_log2 - m_new[:, None], FAST), axis=1)
-    return m_new, l_i
-
-
-@triton.jit
-def _row_lse_pipe_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N, scale_log2,
-                         D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, PRECISION: tl.constexpr,
-                         UPCAST: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr, AREG: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Pass 1, software-pipelined (impl "pipe"): the same lse as _row_lse_kernel.
-
-    Iteration j issues the (asynchronous) wgmma of key tile j+1, then runs the exponentials of tile j
-    (already in registers), and only then reads tile j+1's scores (its row maxima), where Triton puts
-    the wgmma wait: the tensor cores work during the MUFU block instead of before it (FlashAttention-3's
-    intra-warpgroup overlap). The D0 slice's wait comes before the D1 dot (Triton chains them), so the
-    D0 dot (80% of D = 80) overlaps fully. Full tiles unmasked; the partial last tile masked, unpipelined.
-    """
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    sqm, skn = sqm * ALIGN, skn * ALIGN
-    q_ptr += b.to(tl.int64) * sqb * ALIGN + h.to(tl.int64) * sqh * ALIGN
-    k_ptr += b.to(tl.int64) * skb * ALIGN + h.to(tl.int64) * skh * ALIGN
-    offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    m_ok = offs_m < M
-    q0, q1 = _load_resident(q_ptr, offs_m, m_ok, sqm, D, D0, D1, UPCAST)
-    q0, q1 = _resident_in_registers(q0, q1, m_ok, AREG)
-    m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    n_full = N - N % BLOCK_S
-    if n_full > 0:
-        offs_n = tl.arange(0, BLOCK_S)
-        s = _dot_lo(q0, k_ptr, offs_n, m_ok, skn, D0, PRECISION, UPCAST, False)
-        s = _dot_hi(s, q1, k_ptr, offs_n, m_ok, skn, D, D0, D1, PRECISION, UPCAST, False)
-        mx = tl.max(s, axis=1)
-        for n0 in range(BLOCK_S, n_full, BLOCK_S):
-            offs_n = n0 + tl.arange(0, BLOCK_S)
-            s_next = _dot_lo(q0, k_ptr, offs_n, m_ok, skn, D0, PRECISION, UPCAST, False)  # issued, not awaited
-            m_i, l_i = _lse_update(m_i, l_i, s, mx, scale_log2, FAST)  # tile j while tile j+1 multiplies
-            s = _dot_hi(s_next, q1, k_ptr, offs_n, m_ok, skn, D, D0, D1, PRECISION, UPCAST, False)
-            mx = tl.max(s, axis=1)  # the first read of tile j+1: the wgmma wait lands here
-        m_i, l_i = _lse_update(m_i, l_i, s, mx, scale_log2, FAST)
-    if n_full < N:  # the partial last tile (or the only one)
-        offs_n = n_full + tl.arange(0, BLOCK_S)
-        n_ok = offs_n < N
-        s = _dot_lo(q0, k_ptr, offs_n, n_ok, skn, D0, PRECISION, UPCAST, True)
-        s = _dot_hi(s, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
-        s = tl.where(n_ok[None, :], s, -float("inf"))
-        m_i, l_i = _lse_update(m_i, l_i, s, tl.max(s, axis=1), scale_log2, FAST)
-    tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, (m_i + tl.log2(l_i)) * _LN2, mask=m_ok)
-
-
-@triton.jit
-def _prefill_salience_pipe_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb, skh, skn, slb, slh,
-                                  H, M, N, scale_log2, inv_count, D: tl.constexpr, D0: tl.constexpr,
-                                  D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                                  FAST: tl.constexpr, ALIGN: tl.constexpr, AREG: tl.constexpr,
-                                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Pass 2, software-pipelined like _row_lse_pipe_kernel: iteration j issues the wgmma of query tile
-    j+1, sums the exponentials of tile j, then forms tile j+1's exponents t = s * scale_log2 - lse2 (one
-    FFMA a score, where the wait lands). Rows past M get lse2 = +inf: exp2 gives exactly 0, no select."""
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    sqm, skn = sqm * ALIGN, skn * ALIGN
-    q_ptr += b.to(tl.int64) * sqb * ALIGN + h.to(tl.int64) * sqh * ALIGN
-    k_ptr += b.to(tl.int64) * skb * ALIGN + h.to(tl.int64) * skh * ALIGN
-    lse_ptr += b.to(tl.int64) * slb + h.to(tl.int64) * slh
-    offs_n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    n_ok = offs_n < N
-    k0, k1 = _load_resident(k_ptr, offs_n, n_ok, skn, D, D0, D1, UPCAST)
-    k0, k1 = _resident_in_registers(k0, k1, n_ok, AREG)
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    m_full = M - M % BLOCK_S
-    if m_full > 0:
-        offs_m = tl.arange(0, BLOCK_S)
-        s = _dot_lo(k0, q_ptr, offs_m, n_ok, sqm, D0, PRECISION, UPCAST, False)
-        s = _dot_hi(s, k1, q_ptr, offs_m, n_ok, sqm, D, D0, D1, PRECISION, UPCAST, False)
-        t = s * scale_log2 - (tl.load(lse_ptr + offs_m) * _LOG2E)[None, :]
-        for m0 in range(BLOCK_S, m_full, BLOCK_S):
-            offs_m = m0 + tl.arange(0, BLOCK_S)
-            lse2 = tl.load(lse_ptr + offs_m) * _LOG2E
-            s = _dot_lo(k0, q_ptr, offs_m, n_ok, sqm, D0, PRECISION, UPCAST, False)  # issued, not awaited
-            acc += tl.sum(_exp2(t, FAST), axis=1)  # tile j while tile j+1 multiplies
-            s = _dot_hi(s, k1, q_ptr, offs_m, n_ok, sqm, D, D0, D1, PRECISION, UPCAST, False)
-            t = s * scale_log2 - lse2[None, :]  # the first read of tile j+1: the wgmma wait lands here
-        acc += tl.sum(_exp2(t, FAST), axis=1)
-    if m_full < M:  # the partial last tile (or the only one)
-        offs_m = m_full + tl.arange(0, BLOCK_S)
-        m_ok = offs_m < M
-        lse2 = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("inf")) * _LOG2E
-        s = _dot_lo(k0, q_ptr, offs_m, m_ok, sqm, D0, PRECISION, UPCAST, True)
-        s = _dot_hi(s, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST, True)
-        acc += tl.sum(_exp2(s * scale_log2 - lse2[None, :], FAST), axis=1)
-    tl.store(out_ptr + bh.to(tl.int64) * N + offs_n, acc * inv_count, mask=n_ok)
-
-
 def _split_head_dim(D: int) -> tuple[int, int]:
     """D -> (D0, D1): D0 the largest power of two <= D (at least 16, tl.dot's minimum), D1 a power
     of two >= 16 covering the rest (0 when D0 covers D). 72 -> (64, 16), 80 -> (64, 16), 64 -> (64, 0)."""
@@ -308,22 +163,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, n_query: int | None, lse: torch.Ten
 # (docs/perf_notes.md, 2026-11-29) found 128 resident x 64 streamed rows on one warpgroup the best
 # standalone config at every shape (1-64 SigLIP frames, N = 4K-64K), and the best or within 10% fused.
 DEFAULT_TILES = (128, 64, 4, 3)
-# Kernel variants (impl=): "online" = _row_lse_kernel + _prefill_salience_kernel (committed, 83248a1);
-# "pipe" = the software-pipelined pair (_*_pipe_kernel: wgmma of tile j+1 in flight during tile j's
-# exponentials); "pipe_areg" = "pipe" with the resident operand in registers. DEFAULT_IMPL stays
-# "online" until an H200 run (scripts/benches/prefill_salience.py, SALIENCE_IMPLS) says otherwise.
-IMPLS = ("online", "pipe", "pipe_areg")
-DEFAULT_IMPL = "online"
-# Pipelined kernels hold two (R, S) score tiles; sm_90a, D=80, 128 x 64 on one warpgroup: pass 1 164
-# registers (3 programs per SM, 66 of 68 MUFU issued while the next tile's wgmma runs), pass 2 128
-# (4 per SM, but ptxas moves most MUFU below the wgmma wait: 14 of 64 overlap). Not yet measured.
-DEFAULT_TILES_PIPE = (128, 64, 4, 3)
 
 
 def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = None,
                      lse: torch.Tensor | None = None, scale: float | None = None,
-                     tiles: tuple[int, int, int, int] | None = None, fast_exp: bool | None = None,
-                     impl: str | None = None) -> torch.Tensor:
+                     tiles: tuple[int, int, int, int] | None = None, fast_exp: bool | None = None) -> torch.Tensor:
     """Mean attention each key receives: q (B, H, T, D), k (B, H, N, D) -> (B, N) fp32.
 
     n_query: average over the first n_query rows only (summary tokens); default all T rows.
@@ -331,12 +175,8 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     rows), when the caller's attention already computed it: then only pass 2 runs. scale: default
     D ** -0.5. tiles: (resident, streamed, num_warps, num_stages) instead of DEFAULT_TILES (sweeps).
     fast_exp: fp16x2 exponentials (CUDA, 16-bit inputs only); default FAST_EXP_DEFAULT.
-    impl: one of IMPLS (default DEFAULT_IMPL); tiles default per impl.
     """
     M = _check(q, k, n_query, lse)
-    impl = impl or DEFAULT_IMPL
-    if impl not in IMPLS:
-        raise ValueError(f"prefill_salience: impl must be one of {IMPLS}, got {impl!r}")
     B, H, _, D = q.shape
     N = k.shape[2]
     scale_log2 = (scale if scale is not None else D ** -0.5) * LOG2E
@@ -345,7 +185,7 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     upcast = q.dtype == torch.bfloat16 and interpret
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # tf32 is ignored for 16-bit inputs
     fast = (FAST_EXP_DEFAULT if fast_exp is None else fast_exp) and q.dtype != torch.float32 and not interpret
-    res, stream, warps, stages = tiles or (DEFAULT_TILES if impl == "online" else DEFAULT_TILES_PIPE)
+    res, stream, warps, stages = tiles or DEFAULT_TILES
     streamed_m = min(stream, max(16, triton.next_power_of_2(M)))  # summary mode: 1..few rows (dot needs 16)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     # Triton only learns that an int argument is a multiple of 16; SigLIP's strides (72, 729*72) are
@@ -355,20 +195,15 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     strides = tuple(st // align for st in strides)
     meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, FAST=fast, ALIGN=align, num_warps=warps,
                 num_stages=stages)
-    if impl == "online":
-        row_lse, column = _row_lse_kernel, _prefill_salience_kernel
-    else:
-        row_lse, column = _row_lse_pipe_kernel, _prefill_salience_pipe_kernel
-        meta["AREG"] = impl == "pipe_areg"
     if lse is None:
         lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
-        rows = min(res, max(16, triton.next_power_of_2(M)))
-        row_lse[(triton.cdiv(M, rows), B * H)](q, k, lse, *strides, H, M, N, scale_log2, BLOCK_R=rows,
-                                               BLOCK_S=stream, **meta)
+        _row_lse_kernel[(triton.cdiv(M, min(res, max(16, triton.next_power_of_2(M)))), B * H)](
+            q, k, lse, *strides, H, M, N, scale_log2, BLOCK_R=min(res, max(16, triton.next_power_of_2(M))),
+            BLOCK_S=stream, **meta)
     elif lse.stride(2) != 1:
         lse = lse.contiguous()
     part = torch.empty(B, H, N, device=q.device, dtype=torch.float32)
-    column[(triton.cdiv(N, res), B * H)](
+    _prefill_salience_kernel[(triton.cdiv(N, res), B * H)](
         q, k, lse, part, *strides, lse.stride(0), lse.stride(1), H, M, N, scale_log2, 1.0 / (H * M),
         BLOCK_R=res, BLOCK_S=streamed_m, **meta)
     return part.sum(1)  # (B, N): heads summed outside, so every store above is plain (no atomics)

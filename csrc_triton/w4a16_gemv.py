@@ -29,10 +29,9 @@ Two kernels share this math and the epilogue:
   ~4.2 SASS instructions per weight: the fallback for groups of 32 and 64.
 Split-K (SPLIT_K > 1; row blocks too few to fill the GPU): every program stores an fp32 partial; the
 last to arrive at its row block's counter sums the partials in split order (deterministic, whichever
-arrives last), adds the bias, stores y and resets the counter. Stream-K (mma, PROGRAMS > 0): a fixed
-number of programs split the call's (row tile, K step) units evenly, a cut tile summed the same way.
-No host sync, no autotuning, no per-call allocation (workspace and counters persist per device), so a
-call can be captured in a CUDA graph after one eager call of the same shape. One CUDA stream at a time per device (shared counters).
+arrives last), adds the bias, stores y and resets the counter. No host sync, no autotuning, no per-call
+allocation (workspace and counters persist per device), so a call can be captured in a CUDA graph after
+one eager call of the same shape. One CUDA stream at a time per device (shared counters).
 Configs: a fixed table (GEMV_TABLE, else a rule: gemv_config) from the H200 sweep (scripts/benches/w4a16.py,
 TINYVILA_W4_SWEEP=1).
 Limits: M <= 8 (larger M: w4a16_gemm), K % G == 0, N * K / 8 < 2^31.
@@ -525,26 +524,6 @@ def _step_zero_terms(pairs, z_ptr, idx, s8, dtype, U: tl.constexpr, M_ODD: tl.co
 
 
 @triton.jit
-def _step_sum(x_ptrs, w_ptrs, s_ptr, z_ptr, s_idx, x_mask, dtype, U_INV: tl.constexpr, M_ODD: tl.constexpr,
-              UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-              GPS: tl.constexpr, ZSTEP: tl.constexpr, XOP: tl.constexpr):
-    """One K step of GPS groups as one chain (CHAINS = 1): (BN, 8) fp32 in units of u, column jg BM + m =
-    s[n, g + jg] sum_p v x (plus, ZSTEP, the step's x-only terms). w_ptrs (GPS, BN, 16) words, x_ptrs
-    (BM, 64 GPS) int32 pairs of x, s_idx (BN,) index of the step's first group in scales and zeros."""
-    a = _mma_operand(tl.load(w_ptrs), dtype, UNPACK, XOP == "shared")  # (BN, 128 GPS)
-    pairs = tl.load(x_ptrs, mask=x_mask, other=0)
-    if XOP == "shared":
-        dots = _shared_x_dots(a, _x_shared(pairs, dtype, BLOCK_M, GPS), BLOCK_M, GPS, UPCAST_DOT)
-    else:
-        dots = _dot(a, _x_operand(pairs, dtype, BLOCK_M, GPS, 0), UPCAST_DOT)  # B (128 GPS, 8)
-    s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)
-    part = s8 * dots
-    if ZSTEP:
-        part += _step_zero_terms(pairs, z_ptr, s_idx, s8, dtype, 1.0 / U_INV, M_ODD, BLOCK_M, GPS)
-    return part
-
-
-@triton.jit
 def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm,
               stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
               UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -592,8 +571,17 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
                                          M_ODD, S_PAIRS, BLOCK_M, CORR_GB)
                 acc += _pad_columns(corr * (1.0 / U_INV), BLOCK_M)
         if CHAINS == 1:
-            acc += _step_sum(x_ptrs, w_ptrs, s_ptr, z_ptr, s_idx, x_mask, dtype, U_INV, M_ODD, UNPACK, S_PAIRS,
-                             UPCAST_DOT, BLOCK_M, GPS, ZSTEP, XOP)
+            a = _mma_operand(tl.load(w_ptrs), dtype, UNPACK, XOP == "shared")  # (BN, 128 GPS)
+            pairs = tl.load(x_ptrs, mask=x_mask, other=0)
+            if XOP == "shared":
+                dots = _shared_x_dots(a, _x_shared(pairs, dtype, BLOCK_M, GPS), BLOCK_M, GPS, UPCAST_DOT)
+            else:
+                dots = _dot(a, _x_operand(pairs, dtype, BLOCK_M, GPS, 0), UPCAST_DOT)  # B (128 GPS, 8)
+            s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)
+            if ZSTEP:
+                acc += s8 * dots + _step_zero_terms(pairs, z_ptr, s_idx, s8, dtype, 1.0 / U_INV, M_ODD, BLOCK_M, GPS)
+            else:
+                acc += s8 * dots
         else:
             s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)  # (BN, 8)
             for c in tl.static_range(CHAINS):
@@ -612,80 +600,6 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
             lock_ptr, SPLIT_K, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N)
 
 
-# Stream-K (PROGRAMS > 0): P programs share the U = tiles x S units (row tile, K step) of the whole call, program
-# p taking units [p U / P, (p + 1) U / P) (floors): every program gets the same work to within one step, where
-# one program per row tile (224 tiles of 128 rows for gate_up on 132 SMs x 2 slots) leaves some SMs with two
-# tiles and others with one. P >= tiles, so a program's <= S units touch at most two tiles: it accumulates
-# the first in acc_a, the next in acc_b (a select per step; the loads depend only on the unit's scalar base,
-# so the loop pipelines like _mma_tile's), then finishes each. A tile cut between programs is summed by the
-# split-K machinery (_finish): its contributors p_of(first unit) .. p_of(last unit) (p_of(u) = ((u + 1) P - 1)
-# // U, the program owning unit u) write partials in slots 0, 1, ... and the last to arrive adds them in slot
-# order (deterministic).
-@triton.jit
-def _stream_finish(acc, t, pid, n_progs, S, U, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr,
-                   U_INV: tl.constexpr, HAS_BIAS: tl.constexpr, FENCE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """acc (BN, 8): program pid's sums over its units of row tile t -> y (alone on the tile) or a partial."""
-    p_first = ((t * S + 1) * n_progs - 1) // U
-    p_last = ((t + 1) * S * n_progs - 1) // U
-    out = tl.trans(tl.sum(tl.reshape(acc, (BLOCK_N, 8 // BLOCK_M, BLOCK_M)), axis=1) * U_INV)  # (BM, BN)
-    offs_m = tl.arange(0, BLOCK_M)
-    cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    if p_first == p_last:
-        _store_y(y_ptr, bias_ptr, out, offs_m, cols, M, N, stride_ym, HAS_BIAS)
-    else:
-        _finish(out, offs_m, cols, t, pid - p_first, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr,
-                p_last - p_first + 1, HAS_BIAS, True, FENCE, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _mma_stream(pid, n_progs, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm,
-                stride_ym, K8, NG, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr,
-                S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                STAGES: tl.constexpr, GPS: tl.constexpr, XOP: tl.constexpr, EVEN_N: tl.constexpr):
-    """Program pid of n_progs of the stream-K form (see above; ZSTEP, CHAINS = 1). EVEN_N (N % BLOCK_N == 0):
-    a unit's addresses are one scalar base (its tile's first row and its groups) plus loop-invariant offsets;
-    else the rows past N wrap (as in _mma_tile) and the offsets are recomputed per step."""
-    dtype = y_ptr.dtype.element_ty
-    U_INV: tl.constexpr = 8.0 if dtype == tl.bfloat16 else 64.0  # 1 / u of the magic values (_magic_planes)
-    M_ODD: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0  # their m at odd k
-    S = NG // GPS  # K steps per row tile
-    U = tl.cdiv(N, BLOCK_N) * S
-    u0 = pid * U // n_progs
-    u1 = (pid + 1) * U // n_progs
-    t0 = u0 // S
-    ub = tl.minimum((t0 + 1) * S, u1)  # units [u0, ub) are tile t0's, [ub, u1) tile t0 + 1's
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    x_mask = (offs_m < M)[:, None]
-    x_offs = offs_m[:, None] * stride_xm + tl.arange(0, 64 * GPS)[None, :]  # (BM, 64 GPS)
-    word_offs = 16 * tl.arange(0, GPS)[:, None, None] + tl.arange(0, 16)[None, None, :]  # (GPS, 1, 16)
-    w_offs = offs_n[None, :, None] * K8 + word_offs  # (GPS, BN, 16): group-major, as in _mma_tile
-    acc_a = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
-    for u in tl.range(u0, u1, 1, num_stages=STAGES):
-        t = u // S
-        g = (u - t * S) * GPS  # the step's first group
-        x_ptrs = (x_ptr + g * 64) + x_offs
-        if EVEN_N:
-            w_ptrs = (qw_ptr + (t * BLOCK_N * K8 + g * 16)) + w_offs
-            s_idx = offs_n * NG + (t * BLOCK_N * NG + g)
-        else:
-            rows = (t * BLOCK_N + offs_n) % N  # rows past N wrap around (unmasked loads); the store drops them
-            w_ptrs = (qw_ptr + g * 16) + (rows[None, :, None] * K8 + word_offs)
-            s_idx = rows * NG + g
-        part = _step_sum(x_ptrs, w_ptrs, s_ptr, z_ptr, s_idx, x_mask, dtype, U_INV, M_ODD, UNPACK, S_PAIRS,
-                         UPCAST_DOT, BLOCK_M, GPS, True, XOP)
-        first = u < ub
-        acc_a += tl.where(first, part, 0.0)
-        acc_b += tl.where(first, 0.0, part)
-    _stream_finish(acc_a, t0, pid, n_progs, S, U, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, U_INV,
-                   HAS_BIAS, FENCE, BLOCK_M, BLOCK_N)
-    if u1 > ub:
-        _stream_finish(acc_b, t0 + 1, pid, n_progs, S, U, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr,
-                       U_INV, HAS_BIAS, FENCE, BLOCK_M, BLOCK_N)
-
-
 @triton.jit
 def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm,
                            stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr,
@@ -693,7 +607,7 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
                            FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
                            SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, CHAINS: tl.constexpr,
                            CORR_GB: tl.constexpr, ZSTEP: tl.constexpr, XOP: tl.constexpr, ADDR: tl.constexpr,
-                           STREAM: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr):
+                           PDL: tl.constexpr):
     # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's
     # 64 GPS bytes are contiguous, so each step reads longer runs of every row, and the per-step costs
     # (pipeline barriers, B operand through shared memory) are paid once per GPS groups. The launcher
@@ -704,16 +618,10 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     # One (row block, K split) tile per program (_mma_tile). A persistent form (fewer programs looping over
     # tiles in one flat, pipelined loop of K steps) was measured slower at every Llama-3-8B shape (session
     # 4, docs/perf_notes.md) and removed.
-    # STREAM: one flat range of (row tile, K step) units per program instead of one tile (_mma_stream).
     pdl.enter(PDL)  # a decode-step kernel (csrc_triton/pdl.py): nothing is read before the previous one is done
-    if STREAM:
-        _mma_stream(tl.program_id(0), tl.num_programs(0), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
-                    lock_ptr, M, N, stride_xm, stride_ym, K8, NG, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-                    UPCAST_DOT, BLOCK_N, STAGES, GPS, XOP, EVEN_N)
-    else:
-        _mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
-                  lock_ptr, M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-                  UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, CHAINS, CORR_GB, ZSTEP, XOP, ADDR)
+    _mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr,
+              M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
+              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, CHAINS, CORR_GB, ZSTEP, XOP, ADDR)
 
 
 def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -753,16 +661,13 @@ def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 # "CHAINS" dots per step (default 1), "ZSTEP" (1: zero-point terms per K step, no prologue; CHAINS 1 only;
 # default 0), "XOP" (the x operand: "blockdiag", the default, or "shared"; CHAINS 1 only), "ADDR" (0, the
 # default: pointer tiles carried by the loop; 1: addresses from loop-invariant offsets), "maxnreg" (ptxas's
-# register cap, Triton's launch option: <= 168 lets 3 programs of 4 warps share an SM, <= 128 four), "PROGRAMS"
-# (0, the default: one program per row tile and split; > 0: that many stream-K programs, _mma_stream; ZSTEP 1,
-# CHAINS 1, SPLIT_K 1 only).
+# register cap, Triton's launch option: <= 168 lets 3 programs of 4 warps share an SM, <= 128 four).
 # "fma": BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W rows x BLOCK_W words with 16-byte loads; each
 # thread then holds BLOCK_N BLOCK_W / (128 num_warps) rows of one 32-value chunk per tile). No autotuning
 # at call time: a decode step is captured in a CUDA graph.
 INTERPRET_CONFIG = {"kernel": "fma", "BLOCK_N": 16, "BLOCK_W": 16, "num_warps": 4, "STAGES": 1, "SPLIT_K": 1}
 INTERPRET_MMA_CONFIG = {"kernel": "mma", "num_warps": 4, "STAGES": 1, "SPLIT_K": 1, "GPS": 2}
-CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "CHAINS", "ZSTEP", "XOP", "ADDR", "maxnreg",
-                       "PROGRAMS"),
+CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "CHAINS", "ZSTEP", "XOP", "ADDR", "maxnreg"),
                "fma": ("BLOCK_N", "BLOCK_W", "num_warps", "STAGES", "SPLIT_K")}
 XOPS = ("blockdiag", "shared")  # the x operand of the mma kernel: _x_operand, or _x_shared + _shared_x_dots
 N_SM = 132  # H200; the split rule only needs the order of magnitude
@@ -904,9 +809,6 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
             raise ValueError(f"XOP={cfg['XOP']!r} must be one of {XOPS}")
         if cfg["XOP"] == "shared" and cfg["CHAINS"] > 1:
             raise ValueError("XOP 'shared' takes CHAINS = 1")
-        programs = int(cfg.pop("PROGRAMS", 0))
-        if programs and (not cfg["ZSTEP"] or cfg["CHAINS"] > 1 or cfg.get("SPLIT_K", 1) > 1):
-            raise ValueError("PROGRAMS (stream-K) takes ZSTEP = 1, CHAINS = 1 and SPLIT_K = 1")
         bw = 16 * cfg["GPS"]  # one K step: GPS groups of 16 words
     else:
         bw = max(cfg["BLOCK_W"], G // 8)  # a tile holds whole groups
@@ -919,8 +821,6 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
             raise ValueError(f"mma BLOCK_N={cfg['BLOCK_N']} must be a multiple of 16 num_warps (16-row tiles per warp)")
     block_n = cfg["BLOCK_N"]
     row_blocks = triton.cdiv(N, block_n)
-    if kernel == "mma" and programs:
-        return _launch_stream(x, qweight, scales, zeros, bias, out, cfg, programs, s_pairs, unpack, on_gpu)
     ws, locks = _split_buffers(x.device, split * M * N, row_blocks) if split > 1 else (out, out)  # (unused if 1)
     args = (x, qweight, scales.view(torch.int32) if s_pairs else scales, zeros, bias if bias is not None else scales,
             out, ws, locks, M, N, x.stride(0), out.stride(0), K8, K // G, w_split, split)
@@ -933,37 +833,11 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         # scales and zeros: BN GB values over 32 num_warps threads), so one or two round trips cover them.
         nw, bm = cfg["num_warps"], meta["BLOCK_M"]
         corr_gb = min(triton.next_power_of_2(w_split // 16), max(1, min(32 * nw // bm, 2048 * nw // block_n)))
-        _w4a16_gemv_mma_kernel[(row_blocks, split)](*args, **meta, UPCAST_DOT=not on_gpu, CORR_GB=corr_gb,
-                                                    STREAM=False, EVEN_N=False, **cfg)
+        _w4a16_gemv_mma_kernel[(row_blocks, split)](*args, **meta, UPCAST_DOT=not on_gpu, CORR_GB=corr_gb, **cfg)
     else:
         cfg["BLOCK_W"] = bw
         even = N % cfg["BLOCK_N"] == 0 and K8 % bw == 0  # no masks needed
         _w4a16_gemv_fma_kernel[(row_blocks, split)](*args, (G // 8).bit_length() - 1, **meta, EVEN=even, **cfg)
-    return out
-
-
-def _launch_stream(x, qweight, scales, zeros, bias, out, cfg: dict, programs: int, s_pairs: bool, unpack: int,
-                   on_gpu: bool) -> torch.Tensor:
-    """The mma kernel's stream-K form (_mma_stream): `programs` programs (clamped to [row tiles, units]) over
-    the call's (row tile, K step) units; a tile cut between programs goes through the split-K workspace, at
-    most `cmax` partials per tile."""
-    M, K = x.shape
-    N = qweight.shape[0]
-    tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    units = tiles * (K // 128 // cfg["GPS"])
-    programs = max(tiles, min(programs, units))
-    if programs * (units + 1) >= 2**31:
-        raise ValueError(f"{programs} programs x {units} units overflow the kernel's int32 unit arithmetic")
-    steps, per = units // tiles, units // programs  # a tile's units; the fewest units a program gets
-    cmax = triton.cdiv(steps - 1, per) + 1  # programs one tile's `steps` consecutive units can touch
-    ws, locks = _split_buffers(x.device, cmax * M * N, tiles)
-    x32 = _pairs_view(x)
-    _w4a16_gemv_mma_kernel[(programs,)](
-        x32, qweight, scales.view(torch.int32) if s_pairs else scales, zeros, bias if bias is not None else scales,
-        out, ws, locks, M, N, x32.stride(0), out.stride(0), K // 8, K // 128, K // 8, 1,
-        BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, UNPACK=unpack, S_PAIRS=s_pairs, FENCE=on_gpu,
-        SPLIT=True, UPCAST_DOT=not on_gpu, CORR_GB=1, STREAM=True, EVEN_N=N % cfg["BLOCK_N"] == 0,
-        **pdl.options(x.device), **{k: v for k, v in cfg.items() if k != "SPLIT_K"})
     return out
 
 

@@ -38,8 +38,7 @@ def parse_args(argv):
     p.add_argument("--top", type=int, default=15, help="kernels listed in the profile")
     p.add_argument("--variants", default="",
                    help="also time the graph step under settings, e.g. 'pdl=0,pdl=1' (programmatic dependent "
-                        "launch, csrc_triton/pdl.py) or 'lmhead=cublas,lmhead=triton' (ops.DENSE_GEMV) or 'rope=fused,rope=split' "
-                        "(kv_cache.FUSED_ROPE_STEP)")
+                        "launch, csrc_triton/pdl.py) or 'lmhead=cublas,lmhead=triton' (ops.DENSE_GEMV)")
     return p.parse_args(argv)
 
 
@@ -84,7 +83,7 @@ def kernel_profile(text, args) -> list[tuple[str, float, int]]:
 def variants(text, args) -> dict[str, float]:
     """Graph tok/s per 'pdl=P' or 'lmhead=cublas|triton' setting (a fresh Decoder, so fresh graphs, for
     each); restores the setting afterwards."""
-    from tinyvila import kv_cache, ops
+    from tinyvila import ops
 
     out = {}
     for spec in args.variants.split(","):
@@ -93,10 +92,8 @@ def variants(text, args) -> dict[str, float]:
             patch = mock.patch.dict(os.environ, {"TINYVILA_PDL": value})
         elif key == "lmhead" and value in ("cublas", "triton"):
             patch = mock.patch.object(ops, "DENSE_GEMV", value == "triton")
-        elif key == "rope" and value in ("fused", "split"):
-            patch = mock.patch.object(kv_cache, "FUSED_ROPE_STEP", value == "fused")
         else:
-            raise SystemExit(f"--variants: unknown setting {spec!r} (pdl=0|1, lmhead=cublas|triton, rope=fused|split)")
+            raise SystemExit(f"--variants: unknown setting {spec!r} (pdl=0|1, lmhead=cublas|triton)")
         with patch:
             out[spec] = tok_per_s(text, args, True)
         print(f"  variant {spec}: graph {out[spec]:.1f} tok/s ({1000 / out[spec]:.3f} ms/token)", flush=True)

@@ -24,9 +24,6 @@ from .errors import ContextLimitError
 from .sparsity import FASTV_LAYER, decode_select, fastv_keep_mask
 
 KINDS = ("system", "visual", "text", "question", "answer")
-# A decode step's RoPE + cache write + attention in one launch on CUDA (ops.rope_decode_attention); False:
-# rope_write then attend (two launches), e.g. to compare them (scripts/profile_decode.py --variants).
-FUSED_ROPE_STEP = True
 
 
 @dataclass
@@ -161,20 +158,6 @@ class KVCache:
         T = qkv.shape[1]
         self.check(start, T)
         return ops.rope_qkv(qkv, cos, sin, self.k[layer], self.v[layer], self.slots(start, T), n_heads, Hkv)
-
-    def rope_attend(self, layer: int, start: int | StepIndex, qkv: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, n_heads: int) -> torch.Tensor:
-        """`rope_write` then `attend`: the attention output (B, H, T, Dh) of the fused projection qkv. A decode
-        step (StepIndex) on CUDA runs both in one launch (ops.rope_decode_attention: the new token's k/v stored
-        and attended from registers); everything else takes the two calls."""
-        if isinstance(start, StepIndex) and FUSED_ROPE_STEP and qkv.is_cuda and qkv.dtype in (torch.float16,
-                                                                                               torch.bfloat16):
-            p = self.packed
-            packed = None if p is None else (p.k[layer], p.v[layer], start.row)
-            o = ops.rope_decode_attention(qkv, cos, sin, start.lengths, (self.k[layer], self.v[layer], start.slot),
-                                          n_heads, packed=packed)
-            return o[:, :, None]  # (B, H, 1, Dh)
-        return self.attend(layer, start, self.rope_write(layer, start, qkv, cos, sin, n_heads))
 
     def slots(self, start: int, T: int) -> torch.Tensor:
         """Slots start..start+T-1 as a (T,) int64 device tensor, made once per prefill (not once per

@@ -94,21 +94,6 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: t
     return rope_qkv_ref(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads, second=second)
 
 
-def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: torch.Tensor,
-                          cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n_heads: int,
-                          packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """A decode step's rope_qkv (rotate, store k/v at the cache's `slot` and the packed buffer's `row`) and
-    decode_attention (over the packed buffer when given, else the cache) -> (B, H, D). One Triton launch on
-    CUDA fp16/bf16 (csrc_triton/decode_attention.decode_attention_rope); elsewhere the two references."""
-    if _fused_kernels(qkv):
-        from csrc_triton.decode_attention import decode_attention_rope
-
-        return decode_attention_rope(qkv, cos, sin, lengths, cache, n_heads, packed=packed)
-    from csrc_triton.decode_attention import decode_attention_rope_ref
-
-    return decode_attention_rope_ref(qkv, cos, sin, lengths, cache, n_heads, packed=packed)
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
               q_start: int = 0) -> torch.Tensor:
     """Softmax attention with GQA, (B, H, T, D) x (B, Hkv, S, D) -> (B, H, T, D).

@@ -94,9 +94,10 @@ class Attention(nn.Module):
         """x: (B, T, d) at cache slots start..start+T-1 (or a decode step's StepIndex); cos, sin:
         (T, Dh) -> (B, T, d)."""
         B, T, _ = x.shape
-        # RoPE on q and k, k and v stored at their slots, then dense, scored (SparseVILA question) or
-        # packed-decode attention; a decode step on CUDA does all of it in one kernel.
-        o = cache.rope_attend(self.layer, start, self.wqkv(x), cos, sin, self.n_heads)  # (B, H, T, D)
+        # RoPE on q and k, k and v stored at their slots: one fused kernel on CUDA.
+        q = cache.rope_write(self.layer, start, self.wqkv(x), cos, sin, self.n_heads)  # (B, H, T, D)
+        # Dense, scored (SparseVILA question) or packed-decode attention.
+        o = cache.attend(self.layer, start, q)  # (B, H, T, D)
         return self.wo(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 

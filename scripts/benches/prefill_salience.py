@@ -5,8 +5,7 @@
 Environment (all optional): SALIENCE_SHAPES, a comma list of siglip1,siglip8,siglip64,4k,16k,64k
 (default all); SALIENCE_SWEEP_SHAPES, the shapes that also get the tile sweep (default all; "" none);
 SALIENCE_SWEEP, configs "R,S,W,P;R,S,W,P;..." to sweep instead of SWEEP; SALIENCE_FAST, the fast-exp
-modes swept ("0,1" default); SALIENCE_IMPLS, the kernel variants (prefill_salience.IMPLS, default all),
-each with its own rows and sweep; SALIENCE_ENCODER=0 skips the W8A8 encoder rows. The sweep prints a row
+modes swept ("0,1" default); SALIENCE_ENCODER=0 skips the W8A8 encoder rows. The sweep prints a row
 per config (standalone = both passes, fused = the column pass alone; their difference is pass 1).
 
 Shapes of issue 5: SigLIP (H=16, N=729, D=72) at 1/8/64 frames, long sequences (H=16, D=80) at
@@ -25,7 +24,7 @@ import os
 import torch
 
 from benches import common
-from csrc_triton.prefill_salience import IMPLS, prefill_salience
+from csrc_triton.prefill_salience import prefill_salience
 from tinyvila import ops
 
 SHAPES = {"siglip1": (1, 16, 729, 72), "siglip8": (8, 16, 729, 72), "siglip64": (64, 16, 729, 72),
@@ -35,10 +34,6 @@ QUICK = ["siglip1", "siglip8", "siglip64", "4k"]
 # and 2 keep an (R, S) fp32 accumulator besides the (R, S) scores: 128 x 128 needs 8 warps.
 SWEEP = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3),
          (256, 64, 8, 3)]
-# The pipelined variants hold two score tiles (sm_90a registers at D=80 in the comments): one warpgroup
-# on 128 rows takes 128-254 registers, two warpgroups 96-115; 64 x 128 puts N=128 on each wgmma.
-SWEEP_PIPE = [(128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 128, 4, 3),
-              (128, 128, 8, 3), (128, 128, 8, 2)]
 NAIVE_MAX_BYTES = 40 << 30  # the materialised fp16 matrix plus its softmax must fit comfortably
 
 
@@ -72,14 +67,9 @@ def _methods(fc):
     if fc is not None:
         out += [("naive_colreduce", lambda q, k, lse: fc.naive_colreduce(q, k, "mean").float().mean(1)),
                 ("flash-colreduce", lambda q, k, lse: fc.flash_colreduce(q, k, "mean").float().mean(1))]
-    for impl in _impls():
-        out += [(f"ours standalone {impl}", lambda q, k, lse, i=impl: prefill_salience(q, k, impl=i)),
-                (f"ours fused {impl} (lse given)", lambda q, k, lse, i=impl: prefill_salience(q, k, lse=lse, impl=i))]
+    out += [("ours standalone", lambda q, k, lse: prefill_salience(q, k)),
+            ("ours fused (lse given)", lambda q, k, lse: prefill_salience(q, k, lse=lse))]
     return out
-
-
-def _impls() -> list[str]:
-    return [i for i in _env_list("SALIENCE_IMPLS", list(IMPLS)) if i in IMPLS]
 
 
 def _inputs(B, H, N, D, quick):
@@ -99,26 +89,23 @@ def _env_list(name: str, default: list[str]) -> list[str]:
     return default if value is None else [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _sweep_configs(impl: str) -> list[tuple[tuple[int, int, int, int], bool]]:
-    """(tiles, fast) pairs: SALIENCE_SWEEP (or SWEEP / SWEEP_PIPE by impl) x SALIENCE_FAST."""
+def _sweep_configs() -> list[tuple[tuple[int, int, int, int], bool]]:
+    """(tiles, fast) pairs: SALIENCE_SWEEP (or SWEEP) x SALIENCE_FAST."""
     spec = os.environ.get("SALIENCE_SWEEP")
-    tiles = ([tuple(int(x) for x in c.split(",")) for c in spec.split(";") if c.strip()] if spec
-             else SWEEP if impl == "online" else SWEEP_PIPE)
+    tiles = [tuple(int(x) for x in c.split(",")) for c in spec.split(";") if c.strip()] if spec else SWEEP
     fasts = [f == "1" for f in _env_list("SALIENCE_FAST", ["0", "1"])]
     return [(t, f) for t in tiles for f in fasts]
 
 
 def _sweep(inputs, iters) -> dict:
-    """ms of every (impl, tiles, fast) config, standalone and fused, keyed by a printable name."""
+    """ms of every (tiles, fast) config, standalone and fused, keyed by a printable name."""
     out = {}
-    for impl in _impls():
-        for fused in (False, True):
-            for tiles, fast in _sweep_configs(impl):
-                fn = (lambda q, k, lse, t=tiles, f=fast, u=fused, i=impl:
-                      prefill_salience(q, k, lse=lse if u else None, tiles=t, fast_exp=f, impl=i))
-                key = (f"sweep {impl} {'fused' if fused else 'standalone'} {','.join(map(str, tiles))}"
-                       f"{' fast' if fast else ''}")
-                out[key] = _time(fn, inputs, iters)[0]
+    for fused in (False, True):
+        for tiles, fast in _sweep_configs():
+            fn = (lambda q, k, lse, t=tiles, f=fast, u=fused:
+                  prefill_salience(q, k, lse=lse if u else None, tiles=t, fast_exp=f))
+            key = f"sweep {'fused' if fused else 'standalone'} {','.join(map(str, tiles))}{' fast' if fast else ''}"
+            out[key] = _time(fn, inputs, iters)[0]
     return out
 
 
@@ -127,7 +114,7 @@ def _shape_rows(B, H, N, D, fc, quick, sweep) -> list[dict]:
     flops1 = 2 * B * H * N * N * D  # one QK^T pass
     inputs = _inputs(B, H, N, D, quick)
     iters = 5 if quick or N >= 65536 else (10 if N >= 16384 else 30)
-    ref = prefill_salience(*inputs[0][:2], impl="online").double()
+    ref = prefill_salience(*inputs[0][:2]).double()
     small = B * H * N * N * 4 <= NAIVE_MAX_BYTES  # an fp32 reference fits
     results = {}
     for name, fn in _methods(fc):

@@ -236,25 +236,20 @@ GEMV_SWEEP_TILES = [(2, 32, 8, 3, 1), (2, 64, 4, 3, 1), (2, 64, 4, 3, 2), (4, 64
                     (4, 64, 8, 3, 1, 1, 1, 1), (4, 64, 4, 3, 1, 0, 1, 1), (4, 128, 4, 3, 1, 0, 1, 1),
                     (8, 128, 2, 3, 1, 0, 1, 1), (8, 128, 4, 3, 1, 0, 1, 1), (4, 128, 4, 3, 1, 1, 1, 1, 168)]
 GEMV_SWEEP_SPLITS = (1, 2, 4, 8)
-# TINYVILA_W4_SWEEP_TILES="w,n,g,s,c[,z[,x[,a[,r[,p]]]]];..." replaces GEMV_SWEEP_TILES for one run: the same
-# tuple order, optionally followed by ZSTEP (z, 0/1), XOP (x, 0: "blockdiag", 1: "shared"), ADDR (a, 0/1),
-# maxnreg (r; 0: no cap) and stream-K programs per SM (p; 0: one program per tile and split, else PROGRAMS =
-# p x the GPU's SM count, split-K not swept; needs z = 1), each 0 (the launcher's default) when left out.
+# TINYVILA_W4_SWEEP_TILES="w,n,g,s,c[,z[,x[,a[,r]]]];..." replaces GEMV_SWEEP_TILES for one run: the same
+# tuple order, optionally followed by ZSTEP (z, 0/1), XOP (x, 0: "blockdiag", 1: "shared"), ADDR (a, 0/1) and
+# maxnreg (r; 0: no cap), each 0 (the launcher's default) when left out.
 GEMV_TILES_ENV = "TINYVILA_W4_SWEEP_TILES"
 
 
 def gemv_sweep_tiles() -> list[tuple[int, ...]]:
-    """GEMV_SWEEP_TILES, or the tiles named in $TINYVILA_W4_SWEEP_TILES, as 10-tuples (w, n, g, s, c, z, x, a, r, p)."""
+    """GEMV_SWEEP_TILES, or the tiles named in $TINYVILA_W4_SWEEP_TILES, as 9-tuples (w, n, g, s, c, z, x, a, r)."""
     spec = os.environ.get(GEMV_TILES_ENV, "").strip()
     tiles = GEMV_SWEEP_TILES if not spec else [tuple(int(v) for v in t.split(",")) for t in spec.split(";") if t.strip()]
-    if any(not 5 <= len(t) <= 10 for t in tiles):
-        raise ValueError(f"{GEMV_TILES_ENV} wants 'warps,rows,gps,stages,chains[,zstep[,xop[,addr[,maxnreg[,progs]]]]]' "
+    if any(not 5 <= len(t) <= 9 for t in tiles):
+        raise ValueError(f"{GEMV_TILES_ENV} wants 'warps,rows,gps,stages,chains[,zstep[,xop[,addr[,maxnreg]]]]' "
                          f"tiles separated by ';', got {spec!r}")
-    return [tuple(t) + (0,) * (10 - len(t)) for t in tiles]
-
-
-def _sm_count() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else N_SM
+    return [tuple(t) + (0,) * (9 - len(t)) for t in tiles]
 
 
 def gemv_sweep_configs(N: int, K: int, M: int = 1) -> list[dict]:
@@ -265,14 +260,13 @@ def gemv_sweep_configs(N: int, K: int, M: int = 1) -> list[dict]:
 
     groups = K // GROUP
     out = [gemv_config(M, N, K, GROUP)]
-    for warps, bn, gps, stages, chains, zstep, xop, addr, maxnreg, progs in gemv_sweep_tiles():
-        for split in GEMV_SWEEP_SPLITS if not progs else (1,):  # stream-K balances the work itself
+    for warps, bn, gps, stages, chains, zstep, xop, addr, maxnreg in gemv_sweep_tiles():
+        for split in GEMV_SWEEP_SPLITS:
             if groups // split >= 2 * gps and (split == 1 or -(-N // bn) * split <= 8 * N_SM):
                 cfg = {"kernel": "mma", "BLOCK_N": bn, "num_warps": warps, "STAGES": stages, "SPLIT_K": split,
                        "GPS": gps, "CHAINS": chains}
                 cfg.update({"ZSTEP": 1} if zstep else {}, **({"XOP": "shared"} if xop else {}),
-                           **({"ADDR": 1} if addr else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
-                           **({"PROGRAMS": progs * _sm_count()} if progs else {}))
+                           **({"ADDR": 1} if addr else {}), **({"maxnreg": maxnreg} if maxnreg else {}))
                 out.append(cfg)
     defaults = {"CHAINS": 1, "XOP": "blockdiag", "ADDR": 0}  # the launcher's defaults
     unique = {tuple(sorted({**defaults, **c}.items())): c for c in out}
@@ -284,7 +278,6 @@ def gemv_config_name(cfg: dict) -> str:
         chains = f" c{cfg['CHAINS']}" if cfg.get("CHAINS", 1) > 1 else ""
         extra = (" z" if cfg.get("ZSTEP") else "") + (" xs" if cfg.get("XOP") == "shared" else "")
         extra += (" a1" if cfg.get("ADDR") else "") + (f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
-        extra += f" p{cfg['PROGRAMS']}" if cfg.get("PROGRAMS") else ""
         return (f"mma w{cfg['num_warps']} n{cfg.get('BLOCK_N', 16 * cfg['num_warps'])} g{cfg.get('GPS', 1)} "
                 f"s{cfg['STAGES']}{chains} k{cfg['SPLIT_K']}{extra}")
     return f"fma n{cfg['BLOCK_N']} b{cfg['BLOCK_W']} w{cfg['num_warps']} s{cfg['STAGES']} k{cfg['SPLIT_K']}"

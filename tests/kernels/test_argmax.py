@@ -40,8 +40,8 @@ def test_all_minus_infinity_and_out_buffer():
 
 @pytest.mark.parametrize("bad", ["2d", "strided", "int", "empty"])
 def test_bad_arguments_are_named(bad):
-    x = {"2d": torch.zeros(2, 3), "strided": torch.zeros(10)[::2], "int": torch.zeros(4, dtype=torch.int32),
-         "empty": torch.zeros(0)}[bad].to(DEVICE)
+    x = {"2d": torch.zeros(2, 3, device=DEVICE), "strided": torch.zeros(10, device=DEVICE)[::2],
+         "int": torch.zeros(4, dtype=torch.int32, device=DEVICE), "empty": torch.zeros(0, device=DEVICE)}[bad]
     with pytest.raises(ValueError, match="argmax"):
         argmax(x)
 

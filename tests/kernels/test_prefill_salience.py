@@ -107,45 +107,6 @@ def test_fast_exp(shape, dtype, poisoned):
     _assert_within(prefill_salience(q, k, n_query=n_query, fast_exp=True), q, k, n_query)
 
 
-PIPE_IMPLS = ["pipe", "pipe_areg"]
-
-
-@pytest.mark.parametrize("impl", PIPE_IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_pipelined_variants(shape, dtype, impl, poisoned):
-    """The software-pipelined kernels: every mode, odd N, D in {64, 72, 80}, at their default tiles."""
-    B, H, N, D, n_query = shape
-    q, k = _inputs(B, H, N, D, dtype, seed=N + D)
-    out = prefill_salience(q, k, n_query=n_query, impl=impl)
-    _assert_within(out, q, k, n_query)
-    torch.testing.assert_close(out.sum(-1), torch.ones(B, device=DEVICE), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("impl", PIPE_IMPLS)
-@pytest.mark.parametrize("tiles", [(64, 64, 4, 3), (64, 128, 4, 3), (32, 16, 4, 3), (16, 16, 4, 2)],
-                         ids=lambda t: "r{}s{}w{}p{}".format(*t))
-def test_pipelined_tile_edges(tiles, impl, poisoned):
-    """Tile counts around the pipeline's edges: no full tile (N < S), exactly one, one plus a partial
-    tile, several full tiles with and without a partial one; all rows and summary rows; lse given."""
-    S = tiles[1]
-    for N in sorted({max(1, S // 2 + 1), S, S + 3, 3 * S, 3 * S + 5}):
-        q, k = _inputs(1, 2, N, 80, torch.float16, seed=N)
-        _assert_within(prefill_salience(q, k, tiles=tiles, impl=impl), q, k, None)
-        nq = min(N, 3)
-        _assert_within(prefill_salience(q, k, n_query=nq, tiles=tiles, impl=impl), q, k, nq)
-        s = q.float() @ k.float().transpose(-1, -2) * 80 ** -0.5
-        _assert_within(prefill_salience(q, k, lse=torch.logsumexp(s, dim=-1), tiles=tiles, impl=impl), q, k, None)
-
-
-def test_pipelined_equals_online():
-    """Same sums in a different order: the variants agree far inside the tolerance."""
-    q, k = _inputs(2, 2, 300, 72, torch.float32, seed=9)
-    online = prefill_salience(q, k, impl="online")
-    for impl in PIPE_IMPLS:
-        torch.testing.assert_close(prefill_salience(q, k, impl=impl), online, rtol=1e-5, atol=1e-8)
-
-
 def test_reused_lse_runs_only_the_column_pass(poisoned):
     """With the attention's own (natural-log) LSE the kernel gives the same salience."""
     q, k = _inputs(2, 3, 197, 72, torch.float16, seed=1)
@@ -192,7 +153,5 @@ def test_bad_input_is_named():
         prefill_salience(q, k.float())
     with pytest.raises(ValueError, match="lse must be float32"):
         prefill_salience(q, k, lse=torch.zeros(1, 2, 19, device=DEVICE))
-    with pytest.raises(ValueError, match="impl must be"):
-        prefill_salience(q, k, impl="nope")
     with pytest.raises(ValueError, match="unit stride"):
         prefill_salience(q.transpose(2, 3), k.transpose(2, 3))

@@ -121,26 +121,6 @@ def test_mma_step_zero_terms(M, N, K, gps, split, dtype, xop, unpack):
     assert_w4_close(run(a, config=cfg, unpack=unpack), a)
 
 
-@pytest.mark.parametrize("unpack", UNPACKS)
-@pytest.mark.parametrize("M,N,K,gps,warps,block_n,programs,xop,dtype", [
-    (1, 100, 1024, 4, 1, 16, 13, "shared", torch.float16),  # odd N (rows wrap); 14 units over 13 programs
-    (3, 64, 1024, 2, 1, 16, 7, "shared", torch.bfloat16),  # even N (scalar-base addresses); 16 units over 7
-    (8, 48, 640, 8, 1, 16, 5, "shared", torch.float16),  # BM = 8: GPS 1, 5 steps per tile, 3 units each (tile 1 cut 3 ways)
-    (5, 70, 768, 2, 1, 32, 4, "blockdiag", torch.bfloat16),  # 2 row tiles per warp, blockdiag B; tiles cut 2 ways
-    (2, 37, 1024, 8, 1, 16, 100, "shared", torch.float16),  # more programs than units: one unit each
-    (1, 100, 512, 4, 1, 16, 2, "shared", torch.bfloat16),  # fewer programs than tiles: raised to one per tile
-])
-def test_mma_stream_k(M, N, K, gps, warps, block_n, programs, xop, dtype, unpack):
-    """PROGRAMS (stream-K): programs take equal runs of (row tile, K step) units; a tile cut between 2-3 programs
-    is summed through the split-K workspace, a tile a program holds alone is stored directly."""
-    a = make(M, N, K, 128, dtype, seed=N + K + programs, bias=True, device=DEVICE)
-    cfg = {"kernel": "mma", "BLOCK_N": block_n, "num_warps": warps, "STAGES": 1, "GPS": gps, "ZSTEP": 1,
-           "XOP": xop, "PROGRAMS": programs}
-    y = run(a, config=cfg, unpack=unpack)
-    assert_w4_close(y, a)
-    assert torch.equal(run(a, config=cfg, unpack=unpack), y)  # the counters were left at zero; same sums
-
-
 def test_groups_per_step():
     assert [groups_per_step(8, n) for n in (32, 112, 38, 5)] == [8, 8, 2, 1]
     assert groups_per_step(6, 32) == 4  # rounded down to a power of two
@@ -275,10 +255,7 @@ def test_sweep_tiles_from_the_environment(monkeypatch):
                      "mma w8 n128 g2 s3 k4 a1"]  # the first: the table's config; k8: > 8 programs per SM
     assert cfgs[4] == {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 4,
                        "CHAINS": 1, "ZSTEP": 1, "XOP": "shared", "ADDR": 1, "maxnreg": 168}
-    monkeypatch.setenv(bench.GEMV_TILES_ENV, "4,128,4,3,1,1,1,1,0,2")
-    cfgs = bench.gemv_sweep_configs(28672, 4096)
-    assert [bench.gemv_config_name(c) for c in cfgs[1:]] == [f"mma w4 n128 g4 s3 k1 z xs a1 p{2 * bench._sm_count()}"]
-    monkeypatch.setenv(bench.GEMV_TILES_ENV, "4,128,4,3,1,0,0,0,0,1,0")
+    monkeypatch.setenv(bench.GEMV_TILES_ENV, "4,128,4,3,1,0,0,0,0,1")
     with pytest.raises(ValueError, match="warps,rows"):
         bench.gemv_sweep_tiles()
 
@@ -290,22 +267,6 @@ def test_every_sweep_config():
     a = make(1, 4096, 4096, 128, torch.float16, seed=1, device=DEVICE)
     for cfg in _sweep_configs():
         assert_w4_close(run(a, config=cfg), a)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
-@pytest.mark.parametrize("block_n,gps,per_sm,M,dtype", [(128, 4, 2, 1, torch.float16), (128, 4, 3, 2, torch.bfloat16),
-                                                         (64, 8, 2, 8, torch.float16), (64, 8, 1, 1, torch.bfloat16)])
-@pytest.mark.parametrize("K,N", LLAMA3_8B)
-def test_llama3_8b_shapes_stream_k(K, N, block_n, gps, per_sm, M, dtype):
-    """Stream-K (PROGRAMS = 1-3 per SM) at every Llama-3-8B shape, PTX unpacking; the second call must give
-    the same bits (arrival counters reset, partials summed in slot order)."""
-    a = make(M, N, K, 128, dtype, seed=K + N + M + 2, device=DEVICE)
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = {"kernel": "mma", "BLOCK_N": block_n, "num_warps": 4, "STAGES": 3, "GPS": gps, "ZSTEP": 1, "XOP": "shared",
-           "ADDR": 1, "PROGRAMS": per_sm * n_sm}
-    y = run(a, config=cfg)
-    assert_w4_close(y, a)
-    assert torch.equal(run(a, config=cfg), y)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU only")
@@ -361,5 +322,3 @@ def test_bad_inputs_are_clear_errors():
         w4a16_gemv(c["x"], c["qweight"], c["scales"], c["zeros"], config={**MMA, "GPS": 4, "CHAINS": 2, "XOP": "shared"})
     with pytest.raises(ValueError, match="ADDR"):
         w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "ADDR": 2})
-    with pytest.raises(ValueError, match="stream-K"):
-        w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "PROGRAMS": 4})  # ZSTEP 0
