@@ -11,6 +11,8 @@ Epilogue in fp32: acc -> fp32, * a_scale, * b_scale, + bias, + residual (the ref
 rounding to the out dtype. Operands come through TMA descriptors on sm_90+ when every row stride is
 16-byte aligned (TMA zero-fills out-of-range tiles), else through pointers (clamped rows, a peeled K
 tail). K is a compile-time constant: full K tiles run unmasked. Any M, N, K; contiguous inner dims.
+A persistent variant (`_w8a8_gemm_persistent_kernel`, config PERSISTENT) loops each program over tiles
+with a sub-tiled epilogue and TMA stores; selectable only (benchmarks), not a default until measured.
 """
 
 from __future__ import annotations
@@ -78,6 +80,120 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr,
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], out.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+# ---- Persistent variant (selected by config["PERSISTENT"]; not the default until measured) ----
+# One program per SM (or PROGRAMS_PER_SM), each looping over output tiles in the same grouped order
+# as above, so the pipeline prologue and launch cost are paid once per SM, not once per tile, and the
+# epilogue of tile i (TMA stores are asynchronous) overlaps the loads of tile i + 1. The epilogue runs
+# per (BLOCK_M, BLOCK_N / EPI_SPLIT) sub-tile: fewer live fp32 registers and a smaller store buffer in
+# shared memory (more of it left for pipeline stages).
+
+
+@triton.jit
+def _tile_coords(tile, n_pid_m, n_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row-tiles share each column tile of b while it is in L2."""
+    group = tile // (GROUP_M * n_pid_n)
+    first_m = group * GROUP_M
+    size_m = min(n_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % (GROUP_M * n_pid_n)) % size_m
+    pid_n = (tile % (GROUP_M * n_pid_n)) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mainloop(a_ptr, b_ptr, off_m, off_n, M, N, stride_am, stride_bn, K: tl.constexpr, TMA: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int32 (BLOCK_M, BLOCK_N) = a[off_m:, :K] @ b[off_n:, :K]^T. TMA: descriptors, edges zero-filled;
+    else pointers with clamped rows (garbage rows are dropped by the masked store) and a peeled K tail."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if TMA:
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_ptr.load([off_m, k * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+            b = b_ptr.load([off_n, k * BLOCK_K])  # (BLOCK_N, BLOCK_K), K-major as wgmma wants
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+    else:
+        rk = tl.arange(0, BLOCK_K)
+        rm = tl.minimum(off_m + tl.arange(0, BLOCK_M), M - 1)
+        rn = tl.minimum(off_n + tl.arange(0, BLOCK_N), N - 1)
+        a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]  # (BLOCK_M, BLOCK_K)
+        b_ptrs = b_ptr + rn[None, :] * stride_bn + rk[:, None]  # (BLOCK_K, BLOCK_N): b^T tile
+        for _ in range(0, K // BLOCK_K):
+            acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, out_dtype=tl.int32)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if K % BLOCK_K != 0:
+            a = tl.load(a_ptrs, mask=rk[None, :] < K % BLOCK_K, other=0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < K % BLOCK_K, other=0)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    return acc
+
+
+@triton.jit
+def _epilogue_store(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, stride_rm,
+                    stride_cm, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
+                    SUB_M: tl.constexpr, SUB_N: tl.constexpr):
+    """Scale one (SUB_M, SUB_N) int32 sub-tile (fp32, the reference's order), add bias and residual,
+    round once and store it. TMA: res/c are descriptors (the store clips the M/N edges)."""
+    rm = off_m + tl.arange(0, SUB_M)
+    rn = off_n + tl.arange(0, SUB_N)
+    a_s = tl.load(a_scale_ptr + rm, mask=rm < M, other=0.0)
+    b_s = tl.load(b_scale_ptr + rn, mask=rn < N, other=0.0)
+    out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if TMA:
+        if HAS_RES:
+            out += res_ptr.load([off_m, off_n]).to(tl.float32)
+        c_ptr.store([off_m, off_n], out.to(c_ptr.dtype))
+    else:
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if HAS_RES:
+            out += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], out.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_gemm_persistent_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, M, N,
+                                 stride_am, stride_bn, stride_rm, stride_cm, K: tl.constexpr,
+                                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                                 FLATTEN: tl.constexpr):
+    """Tiles pid, pid + NUM_PROGRAMS, ... of the (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)) output grid.
+    EPI_SPLIT (1, 2 or 4) sub-tiles along N in the epilogue. FLATTEN: Triton's loop-nest flattening (one
+    software pipeline across tiles: the next tile's loads issue during this tile's epilogue). No warp
+    specialization: Triton 3.6 ignores `warp_specialize` on sm_90 (the compiled TTGIR is identical)."""
+    n_pid_m = tl.cdiv(M, BLOCK_M)
+    n_pid_n = tl.cdiv(N, BLOCK_N)
+    SUB_N: tl.constexpr = BLOCK_N // EPI_SPLIT
+    for tile in tl.range(tl.program_id(0), n_pid_m * n_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile, n_pid_m, n_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = _mainloop(a_ptr, b_ptr, off_m, off_n, M, N, stride_am, stride_bn, K, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+        # Split the accumulator along N into EPI_SPLIT column blocks: (BM, 2, BN/2) -> two (BM, BN/2).
+        if EPI_SPLIT == 1:
+            _epilogue_store(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, stride_rm,
+                            stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
+        elif EPI_SPLIT == 2:
+            acc0, acc1 = acc.reshape(BLOCK_M, 2, SUB_N).permute(0, 2, 1).split()
+            _epilogue_store(acc0, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, stride_rm,
+                            stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
+            _epilogue_store(acc1, off_m, off_n + SUB_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr,
+                            stride_rm, stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
+        else:  # 4: split the halves again
+            h0, h1 = acc.reshape(BLOCK_M, 2, 2 * SUB_N).permute(0, 2, 1).split()
+            acc0, acc1 = h0.reshape(BLOCK_M, 2, SUB_N).permute(0, 2, 1).split()
+            acc2, acc3 = h1.reshape(BLOCK_M, 2, SUB_N).permute(0, 2, 1).split()
+            _epilogue_store(acc0, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, stride_rm,
+                            stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
+            _epilogue_store(acc1, off_m, off_n + SUB_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr,
+                            stride_rm, stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
+            _epilogue_store(acc2, off_m, off_n + 2 * SUB_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr,
+                            stride_rm, stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
+            _epilogue_store(acc3, off_m, off_n + 3 * SUB_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr,
+                            stride_rm, stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
+
+
 @functools.lru_cache(maxsize=None)
 def _device_caps(index: int) -> tuple[int, int, int]:
     """(SM count, opt-in shared memory per block in bytes, compute capability major) of a GPU."""
@@ -121,7 +237,8 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
     (+ residual (M, N) in `out_dtype`).
 
     `config` overrides the tile choice (benchmarks sweep it): the keys of `_config`, plus "TMA"
-    (bool; default: on where `_tma_ok`).
+    (bool; default: on where `_tma_ok`); "PERSISTENT": True selects the persistent kernel (keys of
+    `persistent_config`).
     """
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"w8a8_gemm: a and b must be int8, got {a.dtype} and {b.dtype}")
@@ -149,6 +266,9 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
     cfg = dict(config or _config(M, N, K, a.device))
     tma = cfg.pop("TMA", None)
     tma = _tma_ok(a, b) if tma is None else tma
+    if cfg.pop("PERSISTENT", False):
+        _launch_persistent(a, b, a_scale, b_scale, bias, residual, c, tma, cfg)
+        return c
     a_arg, b_arg = a, b
     if tma:
         a_arg = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
@@ -161,6 +281,60 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
         HAS_RES=residual is not None, TMA=tma, **cfg)
     return c
 
+
+def _aligned(*ts: torch.Tensor | None) -> bool:
+    """Every tensor's base and row stride 16-byte aligned (what a TMA descriptor needs)."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts if t is not None)
+
+
+def _launch_persistent(a, b, a_scale, b_scale, bias, residual, c, tma: bool, cfg: dict) -> None:
+    """Launch `_w8a8_gemm_persistent_kernel` on min(tiles, programs) programs. TMA covers a, b, the
+    residual and c together (c and the residual need N % 8 == 0 in fp16); otherwise all go through
+    pointers. cfg: BLOCK_M/N/K, GROUP_M, num_warps, num_stages, EPI_SPLIT, FLATTEN and
+    PROGRAMS_PER_SM (CUDA: that many programs per SM) or NUM_PROGRAMS (an explicit count)."""
+    (M, K), N = a.shape, b.shape[0]
+    cfg = dict(cfg)
+    tma = tma and _aligned(a, b, c, residual)
+    bm, bn, bk, sub_n = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["BLOCK_N"] // cfg["EPI_SPLIT"]
+    res = residual if residual is not None else c
+    a_arg, b_arg, r_arg, c_arg = a, b, res, c
+    if tma:
+        a_arg = TensorDescriptor.from_tensor(a, [bm, bk])
+        b_arg = TensorDescriptor.from_tensor(b, [bn, bk])
+        r_arg = TensorDescriptor.from_tensor(res, [bm, sub_n])
+        c_arg = TensorDescriptor.from_tensor(c, [bm, sub_n])
+    if "NUM_PROGRAMS" not in cfg:
+        n_sm = _device_caps(a.device.index if a.device.index is not None else torch.cuda.current_device())[0]
+        cfg["NUM_PROGRAMS"] = n_sm * cfg.pop("PROGRAMS_PER_SM", 1)  # constexpr: one compile per GPU
+    cfg.pop("PROGRAMS_PER_SM", None)
+    grid = (min(cfg["NUM_PROGRAMS"], triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+    _w8a8_gemm_persistent_kernel[grid](
+        a_arg, b_arg, a_scale.contiguous(), b_scale.contiguous(), bias if bias is not None else b_scale, r_arg,
+        c_arg, M, N, a.stride(0), b.stride(0), res.stride(0), c.stride(0), K=K, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, TMA=tma, **cfg)
+
+
+# Persistent-kernel configs the H200 sweep tries (scripts/benches/w8a8.py; none is a default yet):
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, EPI_SPLIT, FLATTEN). Shared memory: stages *
+# (BM + BN) * BK int8 operand bytes + a BM x BN/EPI_SPLIT fp16 store buffer (+ the residual's); all
+# compile for sm_90a to IGMMA + UTMALDG/UTMASTG without spills (docs/perf_notes.md, offline table).
+_PERSISTENT_TILES = (
+    (128, 256, 128, 8, 3, 2, False),
+    (128, 256, 128, 8, 4, 4, False),
+    (128, 256, 64, 8, 6, 2, False),
+    (128, 128, 128, 4, 4, 1, False),
+    (128, 128, 128, 8, 5, 2, False),
+    (256, 128, 128, 8, 3, 2, False),
+    (128, 256, 128, 8, 3, 2, True),
+    (128, 128, 128, 8, 5, 2, True),
+)
+
+
+def persistent_config(t: tuple, programs_per_sm: int = 1) -> dict:
+    """A `w8a8_gemm` config dict from a `_PERSISTENT_TILES` row."""
+    bm, bn, bk, warps, stages, split, flatten = t
+    return dict(PERSISTENT=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
+                EPI_SPLIT=split, FLATTEN=flatten, PROGRAMS_PER_SM=programs_per_sm)
 
 def w8a8_gemm_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,

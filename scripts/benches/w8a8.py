@@ -5,6 +5,14 @@
     TINYVILA_W8A8_IMAGES=1,8,64                    image counts of encoder/layer/gemm
     TINYVILA_W8A8_SWEEP=1,8 ... also sweeps the GEMM tile configs (TMA and pointer operands) at
     those image counts; TINYVILA_W8A8_ROW_SWEEP=8,64 the launch shapes of the int8-producing row kernels
+    TINYVILA_W8A8_VARIANTS=1   times every persistent-kernel config (`_PERSISTENT_TILES`) beside the
+    default at each GEMM shape, then (with "encoder") runs the encoder with, per layer shape, the
+    variant fastest at the largest image count of TINYVILA_W8A8_ENCODER_IMAGES (default: IMAGES)
+    put in place of the default tiles. One-command form (~2 min on the H200):
+    PYTHONPATH=. TINYVILA_W8A8_PARTS=gemm,encoder TINYVILA_W8A8_VARIANTS=1 TINYVILA_W8A8_ENCODER_IMAGES=8 \
+        python scripts/bench_kernels.py --only w8a8
+    Offline (no GPU): PYTHONPATH=.:scripts python scripts/benches/w8a8.py --offline compiles the default
+    and persistent configs for sm_90a and prints a SASS table (IGMMA/UTMALDG/UTMASTG, registers, spills).
 
 GEMM rows: the Triton w8a8_gemm (int8 x int8 -> int32, fused scale/bias epilogue, fp16 out) in TOPS
 against the measured int8 ceiling (torch._int_mm at 8192^3), beside torch._int_mm alone (a lower
@@ -89,10 +97,39 @@ def _sweep(sets, ops: float, label: str) -> list[dict]:
     return rows
 
 
-def _gemm_rows(images: list[int], ceil_i8: float, ceil_f16: float, sweep: list[int]) -> list[dict]:
+def _variant_rows(sets, ops: float, ceil_i8: float, label: str, t_default: float | None) -> tuple[list[dict], dict]:
+    """Every persistent-kernel config at one GEMM shape: rows (ms, TOPS, % of the int8 ceiling, vs the
+    default kernel) and {"cfg", "ms"} of the fastest (empty when none ran)."""
+    from csrc_triton.w8a8_gemm import _PERSISTENT_TILES, persistent_config, w8a8_gemm
+
+    rows, best = [], {}
+    for t in _PERSISTENT_TILES:
+        cfg = persistent_config(t)
+        name = "persist {}x{}x{} w{} s{} epi{}{}".format(*t[:6], " flat" if t[6] else "")
+        row = {"case": f"variant {label} {name}"}
+        try:
+            ms = common.graph_ms(lambda a, b, sa, sb, bias, *_, cfg=cfg: w8a8_gemm(a, b, sa, sb, bias, config=cfg), sets)
+        except Exception as e:  # a config that does not compile or fit is a row, not a crash
+            row["note"] = f"{type(e).__name__}: {e}"[:80]
+            rows.append(_progress(row))
+            continue
+        if ms is None:
+            continue
+        row.update(triton_ms=ms, triton_tops=ops / ms, pct_int8_ceil=100 * ops / ms / ceil_i8,
+                   x_default=t_default / ms if t_default else None)
+        rows.append(_progress(row))
+        if not best or ms < best["ms"]:
+            best = {"cfg": cfg, "ms": ms, "name": name}
+    return rows, best
+
+
+def _gemm_rows(images: list[int], ceil_i8: float, ceil_f16: float, sweep: list[int],
+               variants: bool = False) -> tuple[list[dict], dict]:
+    """GEMM rows at each image count and layer shape; with `variants`, the persistent configs too, and
+    {(M, N, K): config} of the variants faster than the default kernel."""
     from csrc_triton.w8a8_gemm import _config, w8a8_gemm
 
-    rows = []
+    rows, faster = [], {}
     for n_img in images:
         M = TOKENS * n_img
         for K, N, name in SHAPES:
@@ -111,10 +148,18 @@ def _gemm_rows(images: list[int], ceil_i8: float, ceil_f16: float, sweep: list[i
                          "int_mm_tops": ops / t_intmm, "int_mm+epi_ms": t_intmm_epi, "fp16_ms": t_f16,
                          "fp16_tflops": ops / t_f16, "speedup_vs_fp16": t_f16 / t_tri,
                          "note": "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages}".format(**cfg)}))
+            if variants:
+                v_rows, best = _variant_rows(sets, ops, ceil_i8, f"{name} M={M}", t_tri)
+                rows += v_rows
+                if best and t_tri and best["ms"] < t_tri:
+                    faster[(M, N, K)] = best["cfg"]
+                    rows.append(_progress({"case": f"variant {name} M={M} BEST = {best['name']}",
+                                           "triton_ms": best["ms"], "triton_tops": ops / best["ms"],
+                                           "x_default": t_tri / best["ms"]}))
             if n_img in sweep:
                 rows += _sweep(sets, ops, f"{name} M={M}")
             del sets
-    return rows
+    return rows, faster
 
 
 # (rows per program, num_warps, SPLIT) of the row kernels: one warp per row (no cross-warp reductions)
@@ -200,11 +245,33 @@ def _graphed(fn):
     return GraphCache(fn)
 
 
+class _ConfigOverride:
+    """Call fn with `w8a8_gemm`'s tile choice replaced, for GEMMs of the (N, K) in `table`, by the
+    table's config (a benchmark-only swap: the library default stays as it is)."""
+
+    def __init__(self, fn, table: dict):
+        self.fn, self.table = fn, table
+
+    def __call__(self, *args):
+        import csrc_triton.w8a8_gemm as wg
+
+        default = wg._config
+        wg._config = lambda M, N, K, dev: dict(self.table[(N, K)]) if (N, K) in self.table else default(M, N, K, dev)
+        try:
+            return self.fn(*args)
+        finally:
+            wg._config = default
+
+    def clear(self):
+        self.fn.clear()
+
+
 @torch.no_grad()
-def _encoder_rows(images: list[int], iters: int) -> list[dict]:
+def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) -> list[dict]:
     """Whole-encoder medians (ms), one row per model and image count: fp16 and HF eager and CUDA-graph
-    replayed, W8A8 graph-replayed with its speedup over fp16 (graph) and HF (eager, graph); then the
-    W8A8 features' cosine vs fp16's."""
+    replayed, W8A8 graph-replayed with its speedup over fp16 (graph) and HF (eager, graph); with
+    `variant` ({(N, K): config}) also W8A8 with those GEMM configs in place; then the W8A8 features'
+    cosine vs fp16's (and the variant's vs the default W8A8's)."""
     dense, q = _encoders()
     hf, S = _hf_siglip(), q.cfg.image_size
     runs = {"fp16 eager": dense, "fp16 graph": _graphed(dense._forward)}
@@ -212,6 +279,7 @@ def _encoder_rows(images: list[int], iters: int) -> list[dict]:
         runs["hf_sdpa_fp16 eager"] = lambda px: hf(pixel_values=px).last_hidden_state
         runs["hf_sdpa_fp16 graph"] = _graphed(runs["hf_sdpa_fp16 eager"])
     w8a8 = _graphed(q._forward)
+    w8a8_v = _ConfigOverride(_graphed(q._forward), variant) if variant else None
     rows = []
     for n_img in images:
         sets = [(torch.randn(n_img, 3, S, S, device="cuda", dtype=torch.float16),) for _ in range(2)]
@@ -226,8 +294,16 @@ def _encoder_rows(images: list[int], iters: int) -> list[dict]:
                          ("x_hf_graph", "hf_sdpa_fp16 graph")):
             row[key] = base[ref] / t if t and base.get(ref) else None  # W8A8's speedup over it
         rows.append(_progress(row))
+        if w8a8_v is not None:
+            vrow = {"case": f"encoder x{n_img} w8a8 variant graph", "note": _variant_note(variant)}
+            vrow["ms"] = tv = _time_or_note(vrow, w8a8_v, sets, iters)
+            for key, ref in (("x_fp16_graph", "fp16 graph"), ("x_hf", "hf_sdpa_fp16 eager"),
+                             ("x_hf_graph", "hf_sdpa_fp16 graph")):
+                vrow[key] = base[ref] / tv if tv and base.get(ref) else None
+            vrow["x_w8a8_default"] = t / tv if t and tv else None
+            rows.append(_progress(vrow))
         del sets
-        for fn in (*runs.values(), w8a8):
+        for fn in (*runs.values(), w8a8, *([w8a8_v] if w8a8_v else [])):
             if hasattr(fn, "clear"):
                 fn.clear()  # free this batch size's graph pool before the next, larger one
         torch.cuda.empty_cache()
@@ -235,7 +311,16 @@ def _encoder_rows(images: list[int], iters: int) -> list[dict]:
     px = torch.randn(2, 3, S, S, device="cuda", dtype=torch.float16)
     cos = F.cosine_similarity(q(px).float().flatten(1), dense(px).float().flatten(1), dim=-1).min().item()
     rows.append({"case": "encoder w8a8 vs fp16 features (synthetic weights)", "cos": cos})
+    if variant:
+        # Integer sums are exact: the variant may differ from the default only by epilogue FMA contraction.
+        diff = (_ConfigOverride(q, variant)(px).float() - q(px).float()).abs().max().item()
+        rows.append({"case": "encoder w8a8 variant vs default max abs diff", "cos": diff})
     return rows
+
+
+def _variant_note(variant: dict) -> str:
+    return "; ".join(f"N{n} K{k}: {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} s{c['num_stages']} epi{c['EPI_SPLIT']}"
+                     f"{' flat' if c['FLATTEN'] else ''}" for (n, k), c in sorted(variant.items()))
 
 
 def _time_or_note(row: dict, fn, sets: list, iters: int) -> float | None:
@@ -338,19 +423,91 @@ def run(args) -> list[dict]:
     parts = os.environ.get("TINYVILA_W8A8_PARTS", "encoder,layer,gemm,rows").split(",")
     images = _env_ints("TINYVILA_W8A8_IMAGES", "1,8" if quick else "1,8,64")
     sweep, row_sweep = _env_ints("TINYVILA_W8A8_SWEEP"), _env_ints("TINYVILA_W8A8_ROW_SWEEP")
-    rows = []
+    variants = os.environ.get("TINYVILA_W8A8_VARIANTS", "0") not in ("", "0")
+    enc_images = _env_ints("TINYVILA_W8A8_ENCODER_IMAGES") or images
+    rows, best = [], {}
     if "gemm" in parts:
         ceil_i8, ceil_f16 = int8_tops_ceiling(), common.matmul_tflops(torch.float16)
         rows += [{"case": "ceiling int8 torch._int_mm 8192^3 (TOPS)", "triton_tops": ceil_i8},
                  {"case": "ceiling fp16 matmul 8192^3 (TFLOP/s)", "fp16_tflops": ceil_f16}]
-    # Encoders first: the headline numbers survive a run cut short by a time limit.
+    if "gemm" in parts and variants:  # the variants pick the encoder's GEMM configs: GEMMs first
+        gemm_rows, faster = _gemm_rows(images, ceil_i8, ceil_f16, sweep, variants=True)
+        rows += gemm_rows
+        m_enc = TOKENS * max(enc_images)
+        best = {(N, K): cfg for (M, N, K), cfg in faster.items() if M == m_enc}
+    # Otherwise encoders first: the headline numbers survive a run cut short by a time limit.
     if "encoder" in parts:
-        rows += _encoder_rows(images, iters=10 if quick else 20)
+        rows += _encoder_rows(enc_images, iters=10 if quick else 20, variant=best)
     if "layer" in parts:
         rows += _layer_rows(images)
-    if "gemm" in parts:
-        rows += _gemm_rows(images, ceil_i8, ceil_f16, sweep)
+    if "gemm" in parts and not variants:
+        rows += _gemm_rows(images, ceil_i8, ceil_f16, sweep)[0]
     if "rows" in parts:
         rows += _quant_rows([n for n in images if n > 1] or [8], row_sweep)
     keys = list(dict.fromkeys(k for r in rows for k in r))  # one table: every row gets every column
     return [{k: r.get(k) for k in keys} for r in rows]
+
+
+def _compile_sm90(t: tuple, K: int, persistent: bool):
+    """Compile one config of the TMA path for sm_90a without a GPU (fp16 out, bias and residual)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import csrc_triton.w8a8_gemm as wg
+
+    bm, bn, bk, warps, stages = t[:5]
+    sub = bn // t[5] if persistent else bn
+    out = f"tensordesc<fp16[{bm}, {sub}]>" if persistent else "*fp16"  # c and residual
+    sig = {"a_ptr": f"tensordesc<i8[{bm}, {bk}]>", "b_ptr": f"tensordesc<i8[{bn}, {bk}]>", "a_scale_ptr": "*fp32",
+           "b_scale_ptr": "*fp32", "bias_ptr": "*fp16", "res_ptr": out, "c_ptr": out, "M": "i32", "N": "i32",
+           "stride_am": "i32", "stride_bn": "i32", "stride_rm": "i32", "stride_cm": "i32"}
+    consts = dict(K=K, HAS_BIAS=True, HAS_RES=True, TMA=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+    if persistent:
+        consts.update(EPI_SPLIT=t[5], NUM_PROGRAMS=132, FLATTEN=t[6])
+    sig.update({k: "constexpr" for k in consts})
+    aligned = [i for i, (k, v) in enumerate(sig.items()) if v.startswith("*") or k.startswith("stride")]
+    src = ASTSource(wg._w8a8_gemm_persistent_kernel if persistent else wg._w8a8_gemm_kernel, sig, consts,
+                    {(i,): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def offline_table(K: int = 1152) -> list[dict]:
+    """SASS evidence per config (sm_90a, no GPU needed): int8 wgmma (IGMMA) in the main loop, TMA loads
+    (UTMALDG) and stores (UTMASTG), registers, local memory (spills), shared memory, and the `pendings` of
+    the wgmma wait in the K loop (0: each K step's wgmma completes before the next is issued)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    from csrc_triton.w8a8_gemm import _PERSISTENT_TILES, _TILES
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    rows = []
+    for persistent, tiles in ((False, _TILES), (True, _PERSISTENT_TILES)):
+        for t in tiles:
+            k = _compile_sm90(t, K, persistent)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([bin_dir / "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
+                res = subprocess.run([bin_dir / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+            rows.append({"config": ("persist " if persistent else "default ") + "x".join(map(str, t)),
+                         "regs": int(re.search(r"REG:(\d+)", res).group(1)),
+                         "local_B": int(re.search(r"LOCAL:(\d+)", res).group(1)), "smem_B": k.metadata.shared,
+                         "IGMMA": sass.count("IGMMA"), "UTMALDG": sass.count("UTMALDG"),
+                         "UTMASTG": sass.count("UTMASTG"), "STG": len(re.findall(r"\bSTG\.", sass)),
+                         "wgmma_wait_pendings": ",".join(re.findall(r"warp_group_dot_wait.*?pendings = (\d+)",
+                                                                    k.asm["ttgir"]))})
+    return rows
+
+
+if __name__ == "__main__" and "--offline" in sys.argv:
+    for K in (1152, 4304):
+        table = offline_table(K)
+        print(f"\nK={K}\n| " + " | ".join(table[0]) + " |\n|" + "---|" * len(table[0]))
+        for r in table:
+            print("| " + " | ".join(str(v) for v in r.values()) + " |")

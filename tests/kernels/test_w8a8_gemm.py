@@ -3,6 +3,8 @@
 On CPU the kernel runs under TRITON_INTERPRET=1 at small widths (decode M=1, odd sizes, M=729*k);
 on CUDA the same cases run plus SigLIP-so400m shapes (729 x {1, 8, 64} tokens, 1152 <-> 3456/4304),
 and every tile config of the sweep, TMA and pointer operands, must give bit-identical outputs.
+The persistent variant (config PERSISTENT) runs here too: under the interpreter with small tiles,
+3 programs looping over several tiles, TMA descriptors (a, b, residual, c) and the pointer fallback.
 """
 
 import os
@@ -13,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from csrc_triton.w8a8_gemm import _TILES, w8a8_gemm, w8a8_gemm_ref  # noqa: E402
+from csrc_triton.w8a8_gemm import _PERSISTENT_TILES, _TILES, persistent_config, w8a8_gemm, w8a8_gemm_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -125,3 +127,52 @@ def test_every_config_bit_identical(M, N, K):
             assert torch.equal(out, want), cfg
         torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3, msg=str(cfg))
         assert (out == want).float().mean().item() >= 0.99, cfg
+
+
+def _persistent_configs():
+    """Persistent-kernel configs: small tiles and 3 programs (several tiles each) under the interpreter,
+    every split of the epilogue and both operand paths; the sweep's configs on the GPU."""
+    if not ON_GPU:
+        return [dict(PERSISTENT=True, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1,
+                     EPI_SPLIT=split, FLATTEN=False, NUM_PROGRAMS=3, TMA=tma) for split in (1, 2, 4) for tma in (True, False)]
+    return [persistent_config(t) for t in _PERSISTENT_TILES] + [dict(persistent_config(_PERSISTENT_TILES[0]), TMA=False)]
+
+
+PERSISTENT_SHAPES = [(70, 48, 96), (5, 123, 217), (1, 40, 72), (93, 72, 160)] + (
+    [(729, 1152, 4304), (8 * 729, 3456, 1152), (8 * 729, 4304, 1152), (3, 1152, 1152)] if ON_GPU else [])
+
+
+@pytest.mark.parametrize("M,N,K", PERSISTENT_SHAPES)
+@pytest.mark.parametrize("dtype,with_bias,with_res", [(torch.float16, True, True), (torch.bfloat16, True, False),
+                                                      (torch.float16, False, False), (torch.bfloat16, False, True)])
+def test_persistent_matches_reference(M, N, K, dtype, with_bias, with_res):
+    """Odd M/N/K (ragged tiles, pointer path where rows are not 16-byte aligned), bias, residual, fp16 and
+    bf16 out: fp16 bit-identical to the reference under the interpreter (same fp32 epilogue order), on the
+    GPU >= 99% bit-identical (FMA contraction); both within the tolerance rule against the fp64 oracle.
+    bf16 is held to the tolerance rule only: the interpreter rounds fp32 -> bf16 by truncation."""
+    a, b, a_s, b_s, bias = make(M, N, K, seed=7 * M + N + K, with_bias=with_bias, dtype=dtype)
+    res = (torch.randn(M, N) * 2).to(DEVICE, dtype) if with_res else None
+    want = w8a8_gemm_ref(a, b, a_s, b_s, bias, out_dtype=dtype, residual=res)
+    oracle_out = oracle(a, b, a_s, b_s, bias) + (res.double() if with_res else 0)
+    ref_err = (want.double() - oracle_out).abs().max().item()
+    for cfg in _persistent_configs():
+        out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)  # poisoned: unwritten fails
+        out.copy_(w8a8_gemm(a, b, a_s, b_s, bias, out_dtype=dtype, residual=res, config=cfg))
+        if not ON_GPU and dtype == torch.float16:
+            assert torch.equal(out, want), cfg
+        err = (out.double() - oracle_out).abs().max().item()
+        assert err <= 2 * ref_err + FLOOR[dtype] * oracle_out.abs().max().item(), (cfg, err, ref_err)
+        if dtype == torch.float16 or ON_GPU:
+            assert (out == want).float().mean().item() >= 0.99, cfg
+
+
+def test_persistent_covers_every_tile():
+    """More tiles than programs: each program must loop (a program that handled one tile only would
+    leave poisoned NaN tiles), and the grouped order must cover every (pid_m, pid_n) exactly once."""
+    M, N, K = 130, 100, 64  # 5 x 4 tiles of 32 over 3 programs, ragged M and N edges
+    a, b, a_s, b_s, bias = make(M, N, K, seed=8)
+    cfg = dict(_persistent_configs()[0], NUM_PROGRAMS=3) if not ON_GPU else dict(persistent_config(_PERSISTENT_TILES[3]))
+    out = torch.full((M, N), float("nan"), dtype=torch.float16, device=DEVICE)
+    out.copy_(w8a8_gemm(a, b, a_s, b_s, bias, config=cfg))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, w8a8_gemm_ref(a, b, a_s, b_s, bias), rtol=2e-3, atol=2e-3)
