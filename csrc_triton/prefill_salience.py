@@ -12,6 +12,18 @@ Q K^T costs a cross-warp reduction per tile; that layout was 2-2.7x slower on th
 attention already has the LSE (tinyvila.ops.attention_lse), so the encoder passes it and pays only
 pass 2, one QK^T. D not a power of two (SigLIP 72) = a 64 slice plus a masked 16 slice (2 dots).
 exp2 with log2(e) folded into the scale; `fast_exp` uses ex2.approx.f16x2 (2 per MUFU op, CUDA only).
+
+`exp_poly` (a variant, off by default; issue 5): the first POLY of every tile's BLOCK_S columns take
+2^x on the FMA pipe instead of MUFU (MUFU.EX2 runs 16 per clock and SM, FFMA 128), FlashAttention-4's
+trick: j = rn(x) by the 1.5 * 2^23 rounding trick (no FRND: conversions run at MUFU's rate),
+f = x - j in [-0.5, 0.5], 2^f by a degree-DEG relative-minimax polynomial (Horner FFMAs, p(0) = 1
+exactly), then j added to the exponent field (one integer shift-add). x is clamped at -127 first, so
+masked scores (-inf) give exactly +0 and x in (-127, -126.5) gives a denormal below 2^-126. Max
+relative error of 2^x in fp32 (dense grid, FMA Horner): DEG 5 1.8e-7 (MUFU.EX2: ~2^-22), 4 2.9e-6,
+3 1.2e-4. The column split is static: in the MMA accumulator layout a column's 8-block is fixed by
+the register index, so `cols < POLY` (POLY a multiple of 8) folds at compile time and no select or
+second exponential is emitted per element. The variant also runs full tiles unmasked (only the last,
+partial tile masked) and folds pass 1's scale into the exponent's FFMA (max of the raw logits first).
 """
 
 from __future__ import annotations
@@ -39,6 +51,64 @@ def _exp2(x, FAST: tl.constexpr):
         return tl.exp2(x)
 
 
+_ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + _ROUND holds rn(x) in its low mantissa bits
+# Relative-minimax 2^f on [-0.5, 0.5] with p(0) = 1 (Lawson fit, coefficients rounded to fp32), from
+# f^1 up; each degree's error is in the module docstring. POLY_COEFFS is the host's copy (tests).
+POLY_COEFFS = {
+    3: (0.6931995153427124, 0.242211252450943, 0.055417872965335846),
+    4: (0.6931242942810059, 0.2402404099702835, 0.05590590089559555, 0.009585633873939514),
+    5: (0.6931470632553101, 0.24022242426872253, 0.05550582334399223, 0.009671516716480255,
+        0.0013308824272826314),
+}
+_P3_1, _P3_2, _P3_3 = (tl.constexpr(c) for c in POLY_COEFFS[3])  # what a @triton.jit body may read
+_P4_1, _P4_2, _P4_3, _P4_4 = (tl.constexpr(c) for c in POLY_COEFFS[4])
+_P5_1, _P5_2, _P5_3, _P5_4, _P5_5 = (tl.constexpr(c) for c in POLY_COEFFS[5])
+POLY_DEG_DEFAULT = 5
+
+
+@triton.jit
+def _horner(f, DEG: tl.constexpr):
+    """p(f) = 1 + f (c1 + f (c2 + ...)) ~ 2^f for |f| <= 0.5: DEG FFMAs."""
+    if DEG == 3:
+        p = f * _P3_3 + _P3_2
+        p = p * f + _P3_1
+    elif DEG == 4:
+        p = f * _P4_4 + _P4_3
+        p = p * f + _P4_2
+        p = p * f + _P4_1
+    else:
+        p = f * _P5_5 + _P5_4
+        p = p * f + _P5_3
+        p = p * f + _P5_2
+        p = p * f + _P5_1
+    return p * f + 1.0
+
+
+@triton.jit
+def _exp2_poly(x, DEG: tl.constexpr):
+    """2^x for fp32 x <= 127 without MUFU: FMNMX, 3 FADD, DEG FFMA, one shift-add (FMA/ALU pipes)."""
+    x = tl.maximum(x, -127.0)  # below: j >= -127, so the exponent field never wraps; -inf -> exactly 0
+    r = x + _ROUND  # round to nearest: bits(r) = bits(_ROUND) + j, j = rn(x)
+    f = x - (r - _ROUND)  # exact: |f| <= 0.5 and x, j share the fractional grid
+    p = _horner(f, DEG)  # 2^f in [0.707, 1.415], p(0) = 1 exactly
+    # bits(r) << 23 = j << 23 (mod 2^32: _ROUND's own bits shift out), i.e. j added to p's exponent.
+    e = r.to(tl.int32, bitcast=True) << 23
+    return (p.to(tl.int32, bitcast=True) + e).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2_split(x, POLY: tl.constexpr, BLOCK_S: tl.constexpr, DEG: tl.constexpr):
+    """exp2 of an (R, BLOCK_S) tile: columns < POLY by _exp2_poly, the rest by MUFU. The select is
+    per register, known at compile time (see the module docstring), so each element runs one path."""
+    if POLY == 0:
+        return tl.exp2(x)
+    elif POLY >= BLOCK_S:
+        return _exp2_poly(x, DEG)
+    else:
+        cols = tl.arange(0, BLOCK_S)[None, :]
+        return tl.where(cols < POLY, _exp2_poly(x, DEG), tl.exp2(x))
+
+
 @triton.jit
 def _load_resident(ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                    UPCAST: tl.constexpr):
@@ -60,17 +130,24 @@ def _load_resident(ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constexpr, D1:
 
 @triton.jit
 def _dot_streamed(a0, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """(R, S) fp32 = resident rows . streamed rows `offs`, the streamed tile loaded transposed (D, S)."""
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr):
+    """(R, S) fp32 = resident rows . streamed rows `offs`, the streamed tile loaded transposed (D, S).
+    MASKED: rows with ok False read as 0 (a partial tile); otherwise no row mask at all (full tiles)."""
     d0 = tl.arange(0, D0)
-    b0 = tl.load(ptr + offs[None, :] * stride + d0[:, None], mask=ok[None, :], other=0.0)
+    if MASKED:
+        b0 = tl.load(ptr + offs[None, :] * stride + d0[:, None], mask=ok[None, :], other=0.0)
+    else:
+        b0 = tl.load(ptr + offs[None, :] * stride + d0[:, None])
     if UPCAST:
         b0 = b0.to(tl.float32)
     s = tl.dot(a0, b0, input_precision=PRECISION, out_dtype=tl.float32)
     if D1 > 0:
         d1 = D0 + tl.arange(0, D1)
-        b1 = tl.load(ptr + offs[None, :] * stride + d1[:, None], mask=ok[None, :] & (d1[:, None] < D),
-                     other=0.0)
+        if MASKED:
+            b1 = tl.load(ptr + offs[None, :] * stride + d1[:, None], mask=ok[None, :] & (d1[:, None] < D),
+                         other=0.0)
+        else:  # SigLIP's 72 = 64 + 8 of 16: a static mask, the same for every tile
+            b1 = tl.load(ptr + offs[None, :] * stride + d1[:, None], mask=d1[:, None] < D, other=0.0)
         if UPCAST:
             b1 = b1.to(tl.float32)
         s = tl.dot(a1, b1, acc=s, input_precision=PRECISION, out_dtype=tl.float32)
@@ -78,11 +155,21 @@ def _dot_streamed(a0, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constex
 
 
 @triton.jit
+def _lse_update(s, m_i, l_i, scale_log2, POLY: tl.constexpr, BLOCK_S: tl.constexpr, DEG: tl.constexpr):
+    """One online-softmax step over raw logits s (R, S) (-inf where masked), in log2 units: the max is
+    taken on the raw logits (scale_log2 > 0), so each exponent is one FFMA, s * scale_log2 - m."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)  # finite: every tile holds a valid key
+    p = _exp2_split(s * scale_log2 - m_new[:, None], POLY, BLOCK_S, DEG)
+    return m_new, l_i * tl.exp2(m_i - m_new) + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N, scale_log2,
                     D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
-    """Pass 1: lse[bh, m] = ln sum_n exp(scale q.k) for BLOCK_R resident rows, online over key tiles."""
+                    BLOCK_S: tl.constexpr, DIET: tl.constexpr, POLY: tl.constexpr, DEG: tl.constexpr):
+    """Pass 1: lse[bh, m] = ln sum_n exp(scale q.k) for BLOCK_R resident rows, online over key tiles.
+    DIET (the exp_poly variant): full tiles unmasked, POLY columns of each tile on the FMA pipe."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     sqm, skn = sqm * ALIGN, skn * ALIGN  # strides arrive divided by ALIGN (see prefill_salience)
@@ -93,14 +180,27 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N
     q0, q1 = _load_resident(q_ptr, offs_m, m_ok, sqm, D, D0, D1, UPCAST)
     m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
-    for n0 in range(0, N, BLOCK_S):
-        offs_n = n0 + tl.arange(0, BLOCK_S)
-        n_ok = offs_n < N
-        s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST) * scale_log2
-        s = tl.where(n_ok[None, :], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds at least one valid key
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(_exp2(s - m_new[:, None], FAST), axis=1)
-        m_i = m_new
+    if DIET:
+        n_full = N - N % BLOCK_S
+        for n0 in range(0, n_full, BLOCK_S):
+            offs_n = n0 + tl.arange(0, BLOCK_S)
+            s = _dot_streamed(q0, q1, k_ptr, offs_n, m_ok, skn, D, D0, D1, PRECISION, UPCAST, False)
+            m_i, l_i = _lse_update(s, m_i, l_i, scale_log2, POLY, BLOCK_S, DEG)
+        if n_full < N:
+            offs_n = n_full + tl.arange(0, BLOCK_S)
+            n_ok = offs_n < N
+            s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
+            s = tl.where(n_ok[None, :], s, -float("inf"))
+            m_i, l_i = _lse_update(s, m_i, l_i, scale_log2, POLY, BLOCK_S, DEG)
+    else:
+        for n0 in range(0, N, BLOCK_S):
+            offs_n = n0 + tl.arange(0, BLOCK_S)
+            n_ok = offs_n < N
+            s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True) * scale_log2
+            s = tl.where(n_ok[None, :], s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds at least one valid key
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(_exp2(s - m_new[:, None], FAST), axis=1)
+            m_i = m_new
     tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, (m_i + tl.log2(l_i)) * _LN2, mask=m_ok)
 
 
@@ -109,8 +209,9 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
                              H, M, N, scale_log2, inv_count, D: tl.constexpr, D0: tl.constexpr,
                              D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                              FAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_S: tl.constexpr):
-    """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q - log2e lse[m]), BLOCK_R resident keys."""
+                             BLOCK_S: tl.constexpr, DIET: tl.constexpr, POLY: tl.constexpr, DEG: tl.constexpr):
+    """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q - log2e lse[m]), BLOCK_R resident keys.
+    DIET (the exp_poly variant): full tiles unmasked, POLY columns of each tile on the FMA pipe."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     sqm, skn = sqm * ALIGN, skn * ALIGN
@@ -121,13 +222,27 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
     n_ok = offs_n < N
     k0, k1 = _load_resident(k_ptr, offs_n, n_ok, skn, D, D0, D1, UPCAST)
     acc = tl.zeros([BLOCK_R], tl.float32)
-    for m0 in range(0, M, BLOCK_S):
-        offs_m = m0 + tl.arange(0, BLOCK_S)
-        m_ok = offs_m < M
-        # Rows past M get lse = +inf, so exp2 gives exactly 0 and no extra select is needed.
-        lse2 = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("inf")) * _LOG2E
-        s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST)  # (R, S) = K Q^T
-        acc += tl.sum(_exp2(s * scale_log2 - lse2[None, :], FAST), axis=1)
+    if DIET:
+        m_full = M - M % BLOCK_S
+        for m0 in range(0, m_full, BLOCK_S):
+            offs_m = m0 + tl.arange(0, BLOCK_S)
+            lse2 = tl.load(lse_ptr + offs_m) * _LOG2E
+            s = _dot_streamed(k0, k1, q_ptr, offs_m, n_ok, sqm, D, D0, D1, PRECISION, UPCAST, False)
+            acc += tl.sum(_exp2_split(s * scale_log2 - lse2[None, :], POLY, BLOCK_S, DEG), axis=1)
+        if m_full < M:
+            offs_m = m_full + tl.arange(0, BLOCK_S)
+            m_ok = offs_m < M
+            lse2 = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("inf")) * _LOG2E  # past M: exp2 -> 0
+            s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST, True)
+            acc += tl.sum(_exp2_split(s * scale_log2 - lse2[None, :], POLY, BLOCK_S, DEG), axis=1)
+    else:
+        for m0 in range(0, M, BLOCK_S):
+            offs_m = m0 + tl.arange(0, BLOCK_S)
+            m_ok = offs_m < M
+            # Rows past M get lse = +inf, so exp2 gives exactly 0 and no extra select is needed.
+            lse2 = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("inf")) * _LOG2E
+            s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST, True)  # K Q^T
+            acc += tl.sum(_exp2(s * scale_log2 - lse2[None, :], FAST), axis=1)
     tl.store(out_ptr + bh.to(tl.int64) * N + offs_n, acc * inv_count, mask=n_ok)
 
 
@@ -159,15 +274,26 @@ def _check(q: torch.Tensor, k: torch.Tensor, n_query: int | None, lse: torch.Ten
     return M
 
 
+def poly_columns(exp_poly: float | None, block_s: int) -> int:
+    """Columns of a BLOCK_S-wide tile that take the polynomial exp2: exp_poly * BLOCK_S rounded to a
+    multiple of 8 (one column block of the MMA accumulator layout, see the module docstring)."""
+    return 0 if not exp_poly else min(block_s, 8 * round(exp_poly * block_s / 8))
+
+
 # (resident rows, streamed rows, num_warps, num_stages) for both passes. The H200 sweep
 # (docs/perf_notes.md, 2026-11-29) found 128 resident x 64 streamed rows on one warpgroup the best
 # standalone config at every shape (1-64 SigLIP frames, N = 4K-64K), and the best or within 10% fused.
 DEFAULT_TILES = (128, 64, 4, 3)
+# Register caps of the exp_poly variant at DEFAULT_TILES (pass 1, pass 2): the default kernels' own
+# counts (sm_90a), so 4 programs still share an SM. Uncapped, ptxas gives the variant 102-128
+# (unmasked loop + peeled tail); capped, offline sm_90a shows no spills at any fraction. None: uncapped.
+POLY_MAXNREG: tuple[int, int] | None = (96, 115)
 
 
 def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = None,
                      lse: torch.Tensor | None = None, scale: float | None = None,
-                     tiles: tuple[int, int, int, int] | None = None, fast_exp: bool | None = None) -> torch.Tensor:
+                     tiles: tuple[int, int, int, int] | None = None, fast_exp: bool | None = None,
+                     exp_poly: float | None = None, poly_deg: int = POLY_DEG_DEFAULT) -> torch.Tensor:
     """Mean attention each key receives: q (B, H, T, D), k (B, H, N, D) -> (B, N) fp32.
 
     n_query: average over the first n_query rows only (summary tokens); default all T rows.
@@ -175,6 +301,9 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     rows), when the caller's attention already computed it: then only pass 2 runs. scale: default
     D ** -0.5. tiles: (resident, streamed, num_warps, num_stages) instead of DEFAULT_TILES (sweeps).
     fast_exp: fp16x2 exponentials (CUDA, 16-bit inputs only); default FAST_EXP_DEFAULT.
+    exp_poly: the FMA-pipe variant (module docstring): that fraction of each streamed tile's columns
+    (rounded to a multiple of 8) takes the degree-`poly_deg` polynomial exp2; 0.0 = the variant's
+    unmasked full tiles with every exp2 on MUFU; None (default) = the default kernels. Excludes fast_exp.
     """
     M = _check(q, k, n_query, lse)
     B, H, _, D = q.shape
@@ -193,19 +322,23 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     # tells the compiler, which then issues 16-byte (cp.async) loads instead of 2-byte ones.
     align = 8 if all(st % 8 == 0 for st in strides) else 1
     strides = tuple(st // align for st in strides)
+    if exp_poly is not None and (fast or not 0.0 <= exp_poly <= 1.0 or poly_deg not in POLY_COEFFS):
+        raise ValueError(f"prefill_salience: exp_poly must be in [0, 1] without fast_exp and poly_deg in "
+                         f"{sorted(POLY_COEFFS)}; got {exp_poly}, fast_exp={fast}, poly_deg={poly_deg}")
     meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, FAST=fast, ALIGN=align, num_warps=warps,
-                num_stages=stages)
+                num_stages=stages, DIET=exp_poly is not None, DEG=poly_deg)
+    cap = (POLY_MAXNREG if exp_poly is not None and (res, stream, warps, stages) == DEFAULT_TILES else None) or (None, None)
     if lse is None:
         lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
         _row_lse_kernel[(triton.cdiv(M, min(res, max(16, triton.next_power_of_2(M)))), B * H)](
             q, k, lse, *strides, H, M, N, scale_log2, BLOCK_R=min(res, max(16, triton.next_power_of_2(M))),
-            BLOCK_S=stream, **meta)
+            BLOCK_S=stream, POLY=poly_columns(exp_poly, stream), maxnreg=cap[0], **meta)
     elif lse.stride(2) != 1:
         lse = lse.contiguous()
     part = torch.empty(B, H, N, device=q.device, dtype=torch.float32)
     _prefill_salience_kernel[(triton.cdiv(N, res), B * H)](
         q, k, lse, part, *strides, lse.stride(0), lse.stride(1), H, M, N, scale_log2, 1.0 / (H * M),
-        BLOCK_R=res, BLOCK_S=streamed_m, **meta)
+        BLOCK_R=res, BLOCK_S=streamed_m, POLY=poly_columns(exp_poly, streamed_m), maxnreg=cap[1], **meta)
     return part.sum(1)  # (B, N): heads summed outside, so every store above is plain (no atomics)
 
 

@@ -7,6 +7,16 @@ Environment (all optional): SALIENCE_SHAPES, a comma list of siglip1,siglip8,sig
 SALIENCE_SWEEP, configs "R,S,W,P;R,S,W,P;..." to sweep instead of SWEEP; SALIENCE_FAST, the fast-exp
 modes swept ("0,1" default); SALIENCE_ENCODER=0 skips the W8A8 encoder rows. The sweep prints a row
 per config (standalone = both passes, fused = the column pass alone; their difference is pass 1).
+SALIENCE_POLY, a comma list of exp_poly fractions, each optionally ":DEG" (e.g. "0,0.125,0.25:4"):
+adds standalone and fused rows of the FMA-pipe exp2 variant beside the default's (0 = the variant's
+unmasked tiles with every exp2 on MUFU); max_err of those rows is against the default kernel;
+SALIENCE_POLY_MAXNREG=0 lifts the variant's register caps (POLY_MAXNREG). The
+issue-5 comparison in one command (~90 s):
+    SALIENCE_SHAPES=16k,4k,siglip1,siglip64 SALIENCE_SWEEP_SHAPES= SALIENCE_ENCODER=0 \
+    SALIENCE_POLY=0,0.125,0.25,0.375,0.5 PYTHONPATH=. python scripts/bench_kernels.py --only prefill_salience
+Offline (no GPU): `PYTHONPATH=.:scripts python scripts/benches/prefill_salience.py --offline [D]` compiles
+both passes for sm_90a at DEFAULT_TILES and prints, per score in the main loop, SASS / MUFU / FMA-pipe /
+ALU instructions, registers, spills, and the issue/pipe bound, for the default and each poly fraction.
 
 Shapes of issue 5: SigLIP (H=16, N=729, D=72) at 1/8/64 frames, long sequences (H=16, D=80) at
 N=4K/16K/64K (--quick: up to 4K, no sweep). Rows: naive (softmax(QK^T) materialised, then the mean;
@@ -20,11 +30,17 @@ Last rows: salience's share of the W8A8 SigLIP-so400m encoder at 64 frames (synt
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
 
 import torch
 
 from benches import common
-from csrc_triton.prefill_salience import prefill_salience
+import csrc_triton.prefill_salience as kernel_module
+from csrc_triton.prefill_salience import POLY_DEG_DEFAULT, prefill_salience
 from tinyvila import ops
 
 SHAPES = {"siglip1": (1, 16, 729, 72), "siglip8": (8, 16, 729, 72), "siglip64": (64, 16, 729, 72),
@@ -62,6 +78,15 @@ def _time(fn, inputs, iters):
         return None, None
 
 
+def _poly_variants() -> list[tuple[float, int]]:
+    """(exp_poly, degree) pairs from SALIENCE_POLY ("F" or "F:DEG"; default none)."""
+    out = []
+    for item in _env_list("SALIENCE_POLY", []):
+        frac, _, deg = item.partition(":")
+        out.append((float(frac), int(deg) if deg else POLY_DEG_DEFAULT))
+    return out
+
+
 def _methods(fc):
     out = [("naive torch", lambda q, k, lse: naive(q, k))]
     if fc is not None:
@@ -69,6 +94,11 @@ def _methods(fc):
                 ("flash-colreduce", lambda q, k, lse: fc.flash_colreduce(q, k, "mean").float().mean(1))]
     out += [("ours standalone", lambda q, k, lse: prefill_salience(q, k)),
             ("ours fused (lse given)", lambda q, k, lse: prefill_salience(q, k, lse=lse))]
+    for f, d in _poly_variants():
+        tag = f"poly {f:g}" + ("" if d == POLY_DEG_DEFAULT else f" deg{d}")
+        out += [(f"ours standalone {tag}", lambda q, k, lse, f=f, d=d: prefill_salience(q, k, exp_poly=f, poly_deg=d)),
+                (f"ours fused {tag}", lambda q, k, lse, f=f, d=d: prefill_salience(q, k, lse=lse, exp_poly=f,
+                                                                                   poly_deg=d))]
     return out
 
 
@@ -193,6 +223,8 @@ def run(args) -> list[dict]:
         fc = None
         print("flash-colreduce not installed: its rows are missing (pip install flash-colreduce)")
     quick = getattr(args, "quick", False)
+    if os.environ.get("SALIENCE_POLY_MAXNREG") == "0":
+        kernel_module.POLY_MAXNREG = None
     names = _env_list("SALIENCE_SHAPES", QUICK if quick else list(SHAPES))
     swept = set(_env_list("SALIENCE_SWEEP_SHAPES", list(SHAPES)))
     rows = []
@@ -209,3 +241,81 @@ def run(args) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - the kernel rows above still count
         print(f"encoder rows failed: {type(e).__name__}: {e}")
     return rows
+
+
+FMA_PIPE = ("FFMA", "FADD", "FMUL", "IMAD")
+ALU_PIPE = ("FMNMX", "FSEL", "FSETP", "LOP3", "IADD3", "SHF", "LEA", "ISETP", "SEL", "PRMT", "IMNMX")
+
+
+def _compile_sm90(which: int, D: int, extra: dict, maxnreg: int | None):
+    """One pass compiled for sm_90a with the 16K launch's specialisations (16-divisible ints, ALIGN 8)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    km = kernel_module
+    fn = km._row_lse_kernel if which == 1 else km._prefill_salience_kernel
+    n_ptr, n_int = (3, 9) if which == 1 else (4, 11)
+    n_fp = 1 if which == 1 else 2
+    names = fn.arg_names
+    sig = dict(zip(names, ["*fp16", "*fp16"] + ["*fp32"] * (n_ptr - 2) + ["i32"] * n_int + ["fp32"] * n_fp))
+    stride_m = names.index("sqm"), names.index("skn")  # D / 8: not a multiple of 16
+    div = [i for i in range(n_ptr + n_int) if i not in stride_m]
+    d0, d1 = km._split_head_dim(D)
+    R, S, W, P = km.DEFAULT_TILES
+    consts = dict(D=D, D0=d0, D1=d1, PRECISION="tf32", UPCAST=False, FAST=False, ALIGN=8, BLOCK_R=R, BLOCK_S=S,
+                  DIET=False, POLY=0, DEG=km.POLY_DEG_DEFAULT)
+    consts.update(extra)
+    sig.update({n: "constexpr" for n in names if n not in sig})
+    src = ASTSource(fn, sig, consts, {(i,): [["tt.divisibility", 16]] for i in div})
+    opts = dict(num_warps=W, num_stages=P, **({"maxnreg": maxnreg} if maxnreg else {}))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def _sass_stats(kernel) -> dict:
+    """Registers, spills and per-score instruction mix of the longest loop (one thread: 64 scores)."""
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True)
+    ins, labels, loops = [], {}, []
+    for line in sass.splitlines():
+        if m := re.match(r"\s*\.(L_x_\d+):", line):
+            labels[m.group(1)] = len(ins)
+        elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line):
+            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()))
+    for i, text in enumerate(ins):
+        if text.startswith("BRA") and (m := re.search(r"(L_x_\d+)", text)) and labels.get(m.group(1), i + 1) <= i:
+            loops.append(ins[labels[m.group(1)]:i + 1])
+    ops = Counter(t.split()[0].split(".")[0] for t in max(loops, key=len))
+    per = 128 * 64 / 128  # scores per thread per tile at DEFAULT_TILES
+    out = dict(regs=int(re.search(r"REG:(\d+)", res.stdout).group(1)),
+               spills=sum(t.startswith(("STL", "LDL")) for t in ins), sass=sum(ops.values()) / per,
+               mufu=ops["MUFU"] / per, fma=sum(ops[k] for k in FMA_PIPE) / per, alu=sum(ops[k] for k in ALU_PIPE) / per)
+    # cycles of one SM sub-partition per warp-wide score: MUFU 4 lanes/clk, ALU 16, FMA 32, issue 1 instr/clk
+    out["bound"] = max(8 * out["mufu"], out["sass"], out["fma"], 2 * out["alu"])
+    return out
+
+
+def offline(D: int = 80) -> None:
+    """The offline table: default vs each poly fraction (with the variant's register caps)."""
+    print(f"sm_90a, D={D}, tiles {kernel_module.DEFAULT_TILES}; per score: SASS, MUFU, FMA-pipe, ALU in the main loop")
+    print("pass | variant | regs | spills | SASS | MUFU | FMA | ALU | bound (clk per warp-score) | vs default")
+    caps = kernel_module.POLY_MAXNREG or (None, None)
+    for which in (1, 2):
+        base = None
+        for cols in (None, 0, 8, 16, 24, 32):
+            extra = {} if cols is None else dict(DIET=True, POLY=cols)
+            st = _sass_stats(_compile_sm90(which, D, extra, None if cols is None else caps[which - 1]))
+            base = base or st["bound"]
+            print(f"{which} | {'default' if cols is None else f'poly {cols}/64'} | {st['regs']} | {st['spills']} | "
+                  f"{st['sass']:.2f} | {st['mufu']:.3f} | {st['fma']:.2f} | {st['alu']:.2f} | {st['bound']:.2f} | "
+                  f"{st['bound'] / base:.3f}")
+
+
+if __name__ == "__main__" and "--offline" in sys.argv:
+    offline(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 80)
