@@ -662,11 +662,14 @@ def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 # default 0), "XOP" (the x operand: "blockdiag", the default, or "shared"; CHAINS 1 only), "ADDR" (0, the
 # default: pointer tiles carried by the loop; 1: addresses from loop-invariant offsets), "maxnreg" (ptxas's
 # register cap, Triton's launch option: <= 168 lets 3 programs of 4 warps share an SM, <= 128 four).
+# The defaults of a key left out are the older forms, kept for the sweep; what runs (GEMV_TABLE, the rule,
+# and the interpreter's config) is ZSTEP 1, XOP "shared", ADDR 1, the form the S5-D sweep chose everywhere.
 # "fma": BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W rows x BLOCK_W words with 16-byte loads; each
 # thread then holds BLOCK_N BLOCK_W / (128 num_warps) rows of one 32-value chunk per tile). No autotuning
 # at call time: a decode step is captured in a CUDA graph.
 INTERPRET_CONFIG = {"kernel": "fma", "BLOCK_N": 16, "BLOCK_W": 16, "num_warps": 4, "STAGES": 1, "SPLIT_K": 1}
-INTERPRET_MMA_CONFIG = {"kernel": "mma", "num_warps": 4, "STAGES": 1, "SPLIT_K": 1, "GPS": 2}
+INTERPRET_MMA_CONFIG = {"kernel": "mma", "num_warps": 4, "STAGES": 1, "SPLIT_K": 1, "GPS": 2, "ZSTEP": 1,
+                        "XOP": "shared", "ADDR": 1}
 CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "CHAINS", "ZSTEP", "XOP", "ADDR", "maxnreg"),
                "fma": ("BLOCK_N", "BLOCK_W", "num_warps", "STAGES", "SPLIT_K")}
 XOPS = ("blockdiag", "shared")  # the x operand of the mma kernel: _x_operand, or _x_shared + _shared_x_dots

@@ -25,6 +25,34 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
+@triton.jit
+def _mainloop(a_ptr, b_ptr, off_m, off_n, M, N, stride_am, stride_bn, K: tl.constexpr, TMA: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int32 (BLOCK_M, BLOCK_N) = a[off_m:, :K] @ b[off_n:, :K]^T. TMA: descriptors, edges zero-filled;
+    else pointers with clamped rows (garbage rows are dropped by the masked store) and a peeled K tail."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if TMA:
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_ptr.load([off_m, k * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+            b = b_ptr.load([off_n, k * BLOCK_K])  # (BLOCK_N, BLOCK_K), K-major as wgmma wants
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+    else:
+        rk = tl.arange(0, BLOCK_K)
+        rm = tl.minimum(off_m + tl.arange(0, BLOCK_M), M - 1)
+        rn = tl.minimum(off_n + tl.arange(0, BLOCK_N), N - 1)
+        a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]  # (BLOCK_M, BLOCK_K)
+        b_ptrs = b_ptr + rn[None, :] * stride_bn + rk[:, None]  # (BLOCK_K, BLOCK_N): b^T tile
+        for _ in range(0, K // BLOCK_K):
+            acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, out_dtype=tl.int32)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if K % BLOCK_K != 0:
+            a = tl.load(a_ptrs, mask=rk[None, :] < K % BLOCK_K, other=0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < K % BLOCK_K, other=0)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every token count (M is masked anyway)
 def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, M, N,
                       stride_am, stride_bn, stride_rm, stride_cm, K: tl.constexpr,
@@ -54,19 +82,9 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr,
             a = a_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])  # (BLOCK_M, BLOCK_K)
             b = b_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])  # (BLOCK_N, BLOCK_K)
             acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-    else:
-        rk = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rm_c[:, None] * stride_am + rk[None, :]  # (BLOCK_M, BLOCK_K)
-        b_ptrs = b_ptr + rn_c[None, :] * stride_bn + rk[:, None]  # (BLOCK_K, BLOCK_N): b^T tile
-        # Full tiles unmasked (K is constexpr, so the trip count is known); one masked tail after.
-        for _ in tl.range(0, K // BLOCK_K):
-            acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, out_dtype=tl.int32)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        if K % BLOCK_K != 0:
-            a = tl.load(a_ptrs, mask=rk[None, :] < K % BLOCK_K, other=0)
-            b = tl.load(b_ptrs, mask=rk[:, None] < K % BLOCK_K, other=0)
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    else:  # pointers: clamped rows, full K tiles unmasked, one masked tail (shared with the persistent kernel)
+        acc = _mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_am, stride_bn, K, False,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
 
     # Epilogue in fp32, in the reference's order.
     a_s = tl.load(a_scale_ptr + rm_c)
@@ -97,34 +115,6 @@ def _tile_coords(tile, n_pid_m, n_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (tile % (GROUP_M * n_pid_n)) % size_m
     pid_n = (tile % (GROUP_M * n_pid_n)) // size_m
     return pid_m, pid_n
-
-
-@triton.jit
-def _mainloop(a_ptr, b_ptr, off_m, off_n, M, N, stride_am, stride_bn, K: tl.constexpr, TMA: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int32 (BLOCK_M, BLOCK_N) = a[off_m:, :K] @ b[off_n:, :K]^T. TMA: descriptors, edges zero-filled;
-    else pointers with clamped rows (garbage rows are dropped by the masked store) and a peeled K tail."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    if TMA:
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            a = a_ptr.load([off_m, k * BLOCK_K])  # (BLOCK_M, BLOCK_K)
-            b = b_ptr.load([off_n, k * BLOCK_K])  # (BLOCK_N, BLOCK_K), K-major as wgmma wants
-            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-    else:
-        rk = tl.arange(0, BLOCK_K)
-        rm = tl.minimum(off_m + tl.arange(0, BLOCK_M), M - 1)
-        rn = tl.minimum(off_n + tl.arange(0, BLOCK_N), N - 1)
-        a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]  # (BLOCK_M, BLOCK_K)
-        b_ptrs = b_ptr + rn[None, :] * stride_bn + rk[:, None]  # (BLOCK_K, BLOCK_N): b^T tile
-        for _ in range(0, K // BLOCK_K):
-            acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, out_dtype=tl.int32)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        if K % BLOCK_K != 0:
-            a = tl.load(a_ptrs, mask=rk[None, :] < K % BLOCK_K, other=0)
-            b = tl.load(b_ptrs, mask=rk[:, None] < K % BLOCK_K, other=0)
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-    return acc
 
 
 @triton.jit

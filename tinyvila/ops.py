@@ -150,11 +150,11 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T without bias, for the output layer: (..., K) -> (..., N) in x's dtype.
-    On CUDA fp16/bf16 with at most DENSE_GEMV_MAX_M rows (decode) the Triton GEMV of csrc_triton/dense_gemv
+    On CUDA fp16/bf16 with at most GEMV_MAX_M rows (decode) the Triton GEMV of csrc_triton/dense_gemv
     (graph-capturable, fp32 accumulation; measured against cuBLAS in docs/benchmarks.md), else F.linear."""
     x2 = x.reshape(-1, x.shape[-1])
     if (DENSE_GEMV and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and x2.shape[0] <= DENSE_GEMV_MAX_M and weight.stride(-1) == 1):
+            and x2.shape[0] <= GEMV_MAX_M and weight.stride(-1) == 1):
         from csrc_triton.dense_gemv import dense_gemv
 
         return dense_gemv(x2.contiguous(), weight).reshape(*x.shape[:-1], weight.shape[0])
@@ -173,10 +173,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 DENSE_GEMV = True  # the lm_head GEMV on CUDA (False: cuBLAS everywhere)
-DENSE_GEMV_MAX_M = 8
-
-
-GEMV_MAX_M = 8  # rows up to which the decode GEMV beats the tensor-core GEMM (it streams W once per row block)
+GEMV_MAX_M = 8  # rows up to which the decode GEMVs (W4 and dense) take over from the GEMMs (they stream W once)
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
