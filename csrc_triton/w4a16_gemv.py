@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .rounding import round_to
 
 GROUP_SIZES = (32, 64, 128)
 MAX_M = 8
@@ -196,24 +197,57 @@ def _gpu_fence(t, FENCE: tl.constexpr):
 
 
 @triton.jit
-def _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr):
-    """out (BM, BN) fp32 (+ bias) -> y rows offs_m < M, columns offs_n < N, rounded once to y's dtype."""
+def _prenorm_rows(pin_ptr, NP, norm_d, eps, M, BLOCK_M: tl.constexpr, NPB: tl.constexpr):
+    """RMSNorm's inverse root of each row, (BM,) fp32: r[m] = rsqrt(sum_p pin[p, m] / D + eps) from the
+    producer's per-row-block sums of squares (pin (NP, 8) fp32, NP <= NPB). Every program sums the same
+    values in the same order, so all agree on r bit for bit."""
+    offs_p = tl.arange(0, NPB)
+    offs_m = tl.arange(0, BLOCK_M)
+    parts = tl.load(pin_ptr + offs_p[:, None] * 8 + offs_m[None, :],
+                    mask=(offs_p < NP)[:, None] & (offs_m < M)[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(parts, axis=0) / norm_d + eps)
+
+
+@triton.jit
+def _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr, pid_n, res_ptr,
+             g_ptr, xg_ptr, pout_ptr, EPI: tl.constexpr):
+    """out (BM, BN) fp32 (+ bias) -> y rows offs_m < M, columns offs_n < N, rounded once to y's dtype.
+    EPI 1 (the residual stream's add and the next RMSNorm's share of it): y = o rounded to the dtype
+    (o = out + bias, as EPI 0 stores it), h = res + y (fp32 sum rounded once: PyTorch's add) goes to y_ptr,
+    xg = gamma * h (rounded once) to xg_ptr (same strides), and the row block's sum of h^2 per row to
+    pout[pid_n, m] (stride 8), for the consumer's _prenorm_rows."""
     n_mask = offs_n < N
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+    mask = (offs_m < M)[:, None] & n_mask[None, :]
+    offs = offs_m[:, None] * stride_ym + offs_n[None, :]
+    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    if EPI == 0:
+        tl.store(y_ptr + offs, out.to(dtype), mask=mask)
+    else:
+        res = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = tl.where(mask, round_to(round_to(out, dtype) + res, dtype), 0.0)  # zero past N: no share in the sum
+        tl.store(y_ptr + offs, h.to(dtype), mask=mask)
+        g = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(xg_ptr + offs, round_to(g[None, :] * h, dtype).to(dtype), mask=mask)
+        tl.store(pout_ptr + pid_n * 8 + offs_m, tl.sum(h * h, axis=1), mask=offs_m < M)
 
 
 @triton.jit
 def _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, SPLIT_K,
+            res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
             HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FENCE: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr):
+            BLOCK_N: tl.constexpr, EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr):
     """out (BM, BN): this program's fp32 sum for rows offs_m, output columns offs_n (any order) -> y.
+    PRENORM: x was gamma * h of an RMSNorm left unnormalised, so out (linear in x) is scaled by each row's
+    r = rsqrt(mean(h^2) + eps) (_prenorm_rows) before the bias. EPI: see _store_y.
     SPLIT (SPLIT_K > 1): partials go to ws (SPLIT_K, M, N) fp32; the last program of row block pid_n to arrive (an
     acq_rel counter) sums them in split order, so the result does not depend on the arrival order."""
+    if PRENORM:
+        out = out * _prenorm_rows(pin_ptr, NP_IN, norm_d, eps, M, BLOCK_M, NPB)[:, None]
     if not SPLIT:
-        _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+        _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, pid_n, res_ptr, g_ptr, xg_ptr,
+                 pout_ptr, EPI)
     else:
         ws_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], out, mask=ws_mask)
@@ -226,7 +260,8 @@ def _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr,
             for k in range(SPLIT_K):  # fixed order: the same sum whichever split came last
                 total += tl.load(ws_ptr + (k * M + offs_m[:, None]) * N + offs_n[None, :], mask=ws_mask,
                                  other=0.0, cache_modifier=".cg")
-            _store_y(y_ptr, bias_ptr, total, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+            _store_y(y_ptr, bias_ptr, total, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, pid_n, res_ptr, g_ptr,
+                     xg_ptr, pout_ptr, EPI)
             tl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next call (or graph replay)
 
 
@@ -248,11 +283,13 @@ def _chunk_sums(words, x, s, b, UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, CH:
 
 
 @triton.jit
-def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm,
+def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, res_ptr, g_ptr, xg_ptr,
+                           pout_ptr, pin_ptr, NP_IN, norm_d, eps, M, N, stride_xm,
                            stride_ym, K8, NG, W_SPLIT, SPLIT_K, LOG_WPG, BLOCK_M: tl.constexpr,
                            HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr, S_PAIRS: tl.constexpr,
                            EVEN: tl.constexpr, FENCE: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_W: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_W: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, EPI: tl.constexpr,
+                           PRENORM: tl.constexpr, NPB: tl.constexpr, PDL: tl.constexpr):
     # K8 = K / 8, NG = K / G and W_SPLIT come in as arguments (not computed) so Triton sees their
     # divisibility by 16 and issues 16-byte loads along the packed rows.
     BLOCK_K: tl.constexpr = BLOCK_W * 8
@@ -303,8 +340,9 @@ def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     if BLOCK_M == 1:
         acc = acc[None, :, :]
     out = tl.sum(acc, axis=2)  # (BM, BN)
-    _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr,
-            SPLIT_K, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N)
+    _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, SPLIT_K,
+            res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N,
+            EPI, PRENORM, NPB)
 
 
 # -- "mma" kernel: tensor cores, G = 128 -------------------------------------------------------------------
@@ -524,12 +562,13 @@ def _step_zero_terms(pairs, z_ptr, idx, s8, dtype, U: tl.constexpr, M_ODD: tl.co
 
 
 @triton.jit
-def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm,
+def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, res_ptr, g_ptr, xg_ptr,
+              pout_ptr, pin_ptr, NP_IN, norm_d, eps, M, N, stride_xm,
               stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
               UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
               CHAINS: tl.constexpr, CORR_GB: tl.constexpr, ZSTEP: tl.constexpr, XOP: tl.constexpr,
-              ADDR: tl.constexpr):
+              ADDR: tl.constexpr, EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr):
     """Row block pid_n, K split pid_k of the mma kernel: y (or its split-K partial) for BLOCK_N rows.
     ZSTEP: the x-only (zero-point) terms accumulate per K step (_step_zero_terms) instead of in a prologue
     over all the tile's groups (_zero_point_terms): no round trip outside the pipelined loads (the qkv
@@ -596,18 +635,20 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
             s_idx += GPS
     # Fold the column blocks (groups; zero past GPS) into BLOCK_M columns.
     out = tl.sum(tl.reshape(acc, (BLOCK_N, 8 // BLOCK_M, BLOCK_M)), axis=1) * U_INV  # (BN, BM)
-    _finish(tl.trans(out), offs_m, cols, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr,
-            lock_ptr, SPLIT_K, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N)
+    _finish(tl.trans(out), offs_m, cols, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, SPLIT_K,
+            res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N,
+            EPI, PRENORM, NPB)
 
 
 @triton.jit
-def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm,
+def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, res_ptr, g_ptr, xg_ptr,
+                           pout_ptr, pin_ptr, NP_IN, norm_d, eps, M, N, stride_xm,
                            stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr,
                            HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr, S_PAIRS: tl.constexpr,
                            FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
                            SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, CHAINS: tl.constexpr,
                            CORR_GB: tl.constexpr, ZSTEP: tl.constexpr, XOP: tl.constexpr, ADDR: tl.constexpr,
-                           PDL: tl.constexpr):
+                           EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, PDL: tl.constexpr):
     # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's
     # 64 GPS bytes are contiguous, so each step reads longer runs of every row, and the per-step costs
     # (pipeline barriers, B operand through shared memory) are paid once per GPS groups. The launcher
@@ -620,8 +661,9 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     # 4, docs/perf_notes.md) and removed.
     pdl.enter(PDL)  # a decode-step kernel (csrc_triton/pdl.py): nothing is read before the previous one is done
     _mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr,
+              res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
               M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, CHAINS, CORR_GB, ZSTEP, XOP, ADDR)
+              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, CHAINS, CORR_GB, ZSTEP, XOP, ADDR, EPI, PRENORM, NPB)
 
 
 def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -764,10 +806,40 @@ def _split_buffers(device: torch.device, ws_numel: int, row_blocks: int) -> tupl
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-               config: dict | None = None, unpack: int | None = None) -> torch.Tensor:
+               config: dict | None = None, unpack: int | None = None,
+               prenorm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype, M <= 8. `config` pins a launch config (see the
     comment above; default gemv_config on the GPU, the INTERPRET configs elsewhere); `unpack` picks the
-    nibble unpacking (1: PTX, the GPU default; 0: plain shifts and masks, the interpreter's)."""
+    nibble unpacking (1: PTX, the GPU default; 0: plain shifts and masks, the interpreter's).
+    prenorm (part, eps): x is gamma * h, an RMSNorm's input h times its weight but not yet normalised, and
+    part (NP, 8) fp32 holds the sums of h^2 of row m in column m over NP blocks of h's columns (what
+    w4a16_gemv_norm writes); y = rsqrt(mean(h^2) + eps) * (x W^T) + bias, the normalisation applied to
+    the product instead of to x (one rounding of x less than the norm's own output would carry)."""
+    y, = _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, None, None)
+    return y
+
+
+def w4a16_gemv_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    bias: torch.Tensor | None, residual: torch.Tensor, gamma: torch.Tensor, *,
+                    config: dict | None = None, unpack: int | None = None,
+                    prenorm: tuple[torch.Tensor, float] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residual stream's add fused into the GEMV, with the next RMSNorm's share: -> (h, xg, part) with
+    y = the plain GEMV's output (rounded to the dtype), h = residual + y (PyTorch's add, bit for bit),
+    xg = gamma * h (rounded once) and part (row blocks, 8) fp32, part[p, m] = sum of h[m]^2 over row block p's
+    columns: what a following w4a16_gemv(xg, ..., prenorm=(part, eps)) takes in place of rms_norm(h) * gamma.
+    residual (M, N) and gamma (N,) in x's dtype; prenorm as in w4a16_gemv."""
+    M, N = x.shape[0], qweight.shape[0]
+    if residual.shape != (M, N) or residual.dtype != x.dtype or residual.stride() != (N, 1):
+        raise ValueError(f"residual must be a contiguous ({M}, {N}) {x.dtype} tensor, got {tuple(residual.shape)} "
+                         f"{residual.dtype} strides {residual.stride()}")
+    if gamma.shape != (N,) or gamma.dtype != x.dtype or gamma.stride(0) != 1:
+        raise ValueError(f"gamma must be a contiguous ({N},) {x.dtype} tensor, got {tuple(gamma.shape)} {gamma.dtype}")
+    return _gemv(x, qweight, scales, zeros, bias, None, config, unpack, prenorm, residual, gamma)
+
+
+def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residual, gamma) -> tuple[torch.Tensor, ...]:
+    """The launcher of w4a16_gemv (residual None: -> (y,)) and w4a16_gemv_norm (-> (h, xg, part))."""
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
     if M > MAX_M:
         raise ValueError(f"w4a16_gemv takes at most {MAX_M} rows, got {M}; use w4a16_gemm")
@@ -825,23 +897,47 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     block_n = cfg["BLOCK_N"]
     row_blocks = triton.cdiv(N, block_n)
     ws, locks = _split_buffers(x.device, split * M * N, row_blocks) if split > 1 else (out, out)  # (unused if 1)
-    args = (x, qweight, scales.view(torch.int32) if s_pairs else scales, zeros, bias if bias is not None else scales,
-            out, ws, locks, M, N, x.stride(0), out.stride(0), K8, K // G, w_split, split)
+    # The fused residual/norm epilogue (EPI 1) and the normalising prologue (PRENORM): unused pointers
+    # are `out` (never dereferenced: the constexpr switches remove their code).
+    outputs: tuple[torch.Tensor, ...] = (out,)
+    res = g = xg = pout = pin = out
+    np_in, nd, eps = 1, float(K), 0.0
+    if residual is not None:
+        xg = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        pout = torch.empty(row_blocks, 8, dtype=torch.float32, device=x.device)
+        res, g, outputs = residual, gamma, (out, xg, pout)
+    if prenorm is not None:
+        pin, eps = prenorm[0], float(prenorm[1])
+        if pin.dtype != torch.float32 or pin.dim() != 2 or pin.shape[1] != 8 or not pin.is_contiguous():
+            raise ValueError(f"prenorm's partial sums must be a contiguous (NP, 8) float32 tensor, got "
+                             f"{tuple(pin.shape)} {pin.dtype}")
+        if pin.device != x.device:
+            raise ValueError("prenorm's partial sums must be on x's device")
+        np_in = pin.shape[0]
+    epi_args = (res, g, xg, pout, pin, np_in, nd, eps)
     meta = dict(BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, UNPACK=unpack, S_PAIRS=s_pairs,
-                FENCE=on_gpu, SPLIT=split > 1, **pdl.options(x.device))
+                FENCE=on_gpu, SPLIT=split > 1, EPI=int(residual is not None), PRENORM=prenorm is not None,
+                NPB=triton.next_power_of_2(np_in), **pdl.options(x.device))
+    sc = scales.view(torch.int32) if s_pairs else scales
+    b = bias if bias is not None else scales
+    shape_args = (M, N)
+    tail = (K8, K // G, w_split, split)
     if kernel == "mma":
         x32 = _pairs_view(x)  # x as int32 pairs: 4-byte elements, which Triton pipelines with cp.async
-        args = (x32,) + args[1:10] + (x32.stride(0),) + args[11:]
         # Zero-point prologue: as many groups per step as ~64 registers per thread allow (x: BM GB 64 words,
         # scales and zeros: BN GB values over 32 num_warps threads), so one or two round trips cover them.
         nw, bm = cfg["num_warps"], meta["BLOCK_M"]
         corr_gb = min(triton.next_power_of_2(w_split // 16), max(1, min(32 * nw // bm, 2048 * nw // block_n)))
-        _w4a16_gemv_mma_kernel[(row_blocks, split)](*args, **meta, UPCAST_DOT=not on_gpu, CORR_GB=corr_gb, **cfg)
+        _w4a16_gemv_mma_kernel[(row_blocks, split)](x32, qweight, sc, zeros, b, out, ws, locks, *epi_args,
+                                                    *shape_args, x32.stride(0), out.stride(0), *tail, **meta,
+                                                    UPCAST_DOT=not on_gpu, CORR_GB=corr_gb, **cfg)
     else:
         cfg["BLOCK_W"] = bw
         even = N % cfg["BLOCK_N"] == 0 and K8 % bw == 0  # no masks needed
-        _w4a16_gemv_fma_kernel[(row_blocks, split)](*args, (G // 8).bit_length() - 1, **meta, EVEN=even, **cfg)
-    return out
+        _w4a16_gemv_fma_kernel[(row_blocks, split)](x, qweight, sc, zeros, b, out, ws, locks, *epi_args,
+                                                    *shape_args, x.stride(0), out.stride(0), *tail,
+                                                    (G // 8).bit_length() - 1, **meta, EVEN=even, **cfg)
+    return outputs
 
 
 def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -853,10 +949,28 @@ def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 def w4a16_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: dequantize (rounded to x's dtype, as a dense checkpoint would hold it) -> fp32 matmul -> cast."""
+                   bias: torch.Tensor | None = None, prenorm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """Reference: dequantize (rounded to x's dtype, as a dense checkpoint would hold it) -> fp32 matmul
+    (prenorm: times each row's rsqrt(sum_p part[p, m] / K + eps)) -> + bias -> cast."""
     w = dequantize_ref(qweight, scales, zeros).to(x.dtype).float()
     y = x.float() @ w.T
+    if prenorm is not None:
+        part, eps = prenorm
+        y = y * torch.rsqrt(part.float().sum(0)[: x.shape[0]] / x.shape[1] + eps)[:, None]
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def w4a16_gemv_norm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        bias: torch.Tensor | None, residual: torch.Tensor, gamma: torch.Tensor,
+                        prenorm: tuple[torch.Tensor, float] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of w4a16_gemv_norm: y = w4a16_gemv_ref(...), h = residual + y, xg = gamma * h (each rounded
+    once to the dtype), part (1, 8) fp32 with the rows' sums of h^2 in columns 0..M-1 (one block)."""
+    y = w4a16_gemv_ref(x, qweight, scales, zeros, bias, prenorm)
+    h = (residual.float() + y.float()).to(x.dtype)
+    xg = (gamma.float() * h.float()).to(x.dtype)
+    part = torch.zeros(1, 8, dtype=torch.float32, device=x.device)
+    part[0, : x.shape[0]] = h.float().pow(2).sum(-1)
+    return h, xg, part

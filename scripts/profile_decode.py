@@ -38,7 +38,8 @@ def parse_args(argv):
     p.add_argument("--top", type=int, default=15, help="kernels listed in the profile")
     p.add_argument("--variants", default="",
                    help="also time the graph step under settings, e.g. 'pdl=0,pdl=1' (programmatic dependent "
-                        "launch, csrc_triton/pdl.py) or 'lmhead=cublas,lmhead=triton' (ops.DENSE_GEMV)")
+                        "launch, csrc_triton/pdl.py) or 'lmhead=cublas,lmhead=triton' (ops.DENSE_GEMV) or "
+                        "'norm=plain,norm=fused' (ops.FUSED_NORM_GEMV: RMSNorms in separate launches, or fused into the W4 GEMVs)")
     return p.parse_args(argv)
 
 
@@ -81,7 +82,7 @@ def kernel_profile(text, args) -> list[tuple[str, float, int]]:
 
 
 def variants(text, args) -> dict[str, float]:
-    """Graph tok/s per 'pdl=P' or 'lmhead=cublas|triton' setting (a fresh Decoder, so fresh graphs, for
+    """Graph tok/s per 'pdl=P', 'lmhead=cublas|triton' or 'norm=plain|fused' setting (a fresh Decoder, so fresh graphs, for
     each); restores the setting afterwards."""
     from tinyvila import ops
 
@@ -92,8 +93,10 @@ def variants(text, args) -> dict[str, float]:
             patch = mock.patch.dict(os.environ, {"TINYVILA_PDL": value})
         elif key == "lmhead" and value in ("cublas", "triton"):
             patch = mock.patch.object(ops, "DENSE_GEMV", value == "triton")
+        elif key == "norm" and value in ("plain", "fused"):
+            patch = mock.patch.object(ops, "FUSED_NORM_GEMV", "off" if value == "plain" else "auto")
         else:
-            raise SystemExit(f"--variants: unknown setting {spec!r} (pdl=0|1, lmhead=cublas|triton)")
+            raise SystemExit(f"--variants: unknown setting {spec!r} (pdl=0|1, lmhead=cublas|triton, norm=plain|fused)")
         with patch:
             out[spec] = tok_per_s(text, args, True)
         print(f"  variant {spec}: graph {out[spec]:.1f} tok/s ({1000 / out[spec]:.3f} ms/token)", flush=True)

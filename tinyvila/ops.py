@@ -11,6 +11,7 @@ with the weight applied after casting back, attention softmax by SDPA.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -177,28 +178,95 @@ GEMV_MAX_M = 8  # rows up to which the decode GEMVs (W4 and dense) take over fro
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """Linear with packed W4 weights (tinyvila/quant.py layout): (..., K) -> (..., N) in x's dtype.
 
     On CUDA: the Triton GEMV for at most GEMV_MAX_M rows (decode), the GEMM otherwise (prefill), which
     itself dispatches: the fused dequantizing kernel (fixed tiles per M bucket, no autotuning) below
     w4a16_gemm.DEQUANT_MIN_M rows, dequantize into a reused workspace + cuBLAS from there on.
     Elsewhere: the reference, w = q * s + b in fp32 rounded to x's dtype, then an fp32 matmul.
+    norm (part, eps): x is an RMSNorm's weight * h, not yet normalised (NormedRows.xg); each row's product
+    is scaled by rsqrt(mean(h^2) + eps) from the partial sums `part` (see NormedRows). Rows <= GEMV_MAX_M.
     """
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    if norm is not None and x2.shape[0] > GEMV_MAX_M:
+        raise ValueError(f"w4a16_linear: norm= takes at most {GEMV_MAX_M} rows (the decode GEMV), got {x2.shape[0]}")
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
         from csrc_triton.w4a16_gemm import w4a16_gemm
         from csrc_triton.w4a16_gemv import w4a16_gemv
 
-        kernel = w4a16_gemv if x2.shape[0] <= GEMV_MAX_M else w4a16_gemm
-        y = kernel(x2.contiguous(), qweight, scales, zeros, bias)
+        if x2.shape[0] <= GEMV_MAX_M:
+            y = w4a16_gemv(x2.contiguous(), qweight, scales, zeros, bias, prenorm=norm)
+        else:
+            y = w4a16_gemm(x2.contiguous(), qweight, scales, zeros, bias)
     else:
         from .quant import dequantize_w4
 
         ct = torch.promote_types(x.dtype, torch.float32)  # fp32 math, or fp64 for a float64 model
         y = x2.to(ct) @ dequantize_w4(qweight, scales, zeros, x.dtype).to(ct).T
+        if norm is not None:
+            part, eps = norm
+            y = y * torch.rsqrt(part.to(ct).sum(0)[: x2.shape[0]] / x2.shape[1] + eps)[:, None]
         y = (y if bias is None else y + bias.to(ct)).to(x.dtype)
     return y.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+class NormedRows(NamedTuple):
+    """The residual stream h (..., D) at an RMSNorm whose work is fused into the W4 GEMVs around it (decode).
+
+    part None: xg is the norm's output itself (norm(h) * weight), a plain input. Otherwise xg = weight * h
+    (rounded once) and part (NP, 8) fp32 holds, in column m, row m's sum of h^2 over NP blocks of columns:
+    the producing GEMV (w4a16_linear_norm) wrote them in its epilogue, and the consuming GEMV scales its
+    product by rsqrt(mean(h^2) + eps) (w4a16_linear's norm=). So the norm costs no launch of its own; the
+    result differs from norm(h) * weight @ W^T by where the roundings fall (one fewer on x)."""
+    h: torch.Tensor
+    xg: torch.Tensor
+    part: torch.Tensor | None
+    eps: float
+
+    def norm(self) -> tuple[torch.Tensor, float] | None:
+        """w4a16_linear's norm= argument for xg."""
+        return None if self.part is None else (self.part, self.eps)
+
+
+def w4a16_linear_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                      norm: tuple[torch.Tensor, float] | None = None) -> NormedRows:
+    """A W4 linear whose output joins the residual stream, fused with the next RMSNorm's first half:
+    y = w4a16_linear(x, ...), h = residual + y (PyTorch's add, bit for bit) -> NormedRows(h, weight * h, sums
+    of h^2, eps), at most GEMV_MAX_M rows. One GEMV launch on CUDA fp16/bf16 (csrc_triton.w4a16_gemv_norm);
+    elsewhere the same expressions in PyTorch."""
+    x2 = x.reshape(-1, x.shape[-1])
+    M, N = x2.shape[0], qweight.shape[0]
+    if M > GEMV_MAX_M:
+        raise ValueError(f"w4a16_linear_norm takes at most {GEMV_MAX_M} rows (the decode GEMV), got {M}")
+    shape = (*x.shape[:-1], N)
+    r2 = residual.reshape(M, N)
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        from csrc_triton.w4a16_gemv import w4a16_gemv_norm
+
+        h, xg, part = w4a16_gemv_norm(x2.contiguous(), qweight, scales, zeros, bias, r2.contiguous(), weight,
+                                      prenorm=norm)
+    else:
+        y = w4a16_linear(x2, qweight, scales, zeros, bias, norm=norm)
+        h = (r2.float() + y.float()).to(x.dtype)
+        xg = (weight.float() * h.float()).to(x.dtype)
+        part = torch.zeros(1, 8, dtype=torch.float32, device=x.device)
+        part[0, :M] = h.float().pow(2).sum(-1)
+    return NormedRows(h.view(shape), xg.view(shape), part, float(eps))
+
+
+# The fused norm/GEMV decode chain (NormedRows): "auto" on CUDA fp16/bf16 at decode row counts, "on" also
+# elsewhere (the PyTorch forms above: tests of the wiring on CPU), "off" never (A/B measurements).
+FUSED_NORM_GEMV = "auto"
+
+
+def fused_norm_gemv(h: torch.Tensor) -> bool:
+    """Whether a decoder running hidden states h (..., D) takes the fused norm/GEMV chain."""
+    rows = h.numel() // h.shape[-1] if h.dim() else 0
+    if FUSED_NORM_GEMV == "off" or not 0 < rows <= GEMV_MAX_M:
+        return False
+    return FUSED_NORM_GEMV == "on" or (h.is_cuda and h.dtype in (torch.float16, torch.bfloat16))
 
 
 # -- SparseVILA decode: prefill attention with LSE, retrieval salience, packing, decode attention --

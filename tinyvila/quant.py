@@ -115,6 +115,16 @@ class W4A16Linear(nn.Module):
         """(..., K) -> (..., N)."""
         return ops.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias)
 
+    def forward_normed(self, rows: ops.NormedRows) -> torch.Tensor:
+        """This linear applied to RMSNorm(rows.h) * weight, the norm fused in (ops.NormedRows)."""
+        return ops.w4a16_linear(rows.xg, self.qweight, self.scales, self.zeros, self.bias, norm=rows.norm())
+
+    def forward_norm_out(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                         eps: float) -> ops.NormedRows:
+        """residual + this linear(x), with the next RMSNorm (norm_weight, eps) prepared in the same launch
+        (ops.w4a16_linear_norm)."""
+        return ops.w4a16_linear_norm(x, self.qweight, self.scales, self.zeros, self.bias, residual, norm_weight, eps)
+
     def _apply(self, fn, recurse=True):
         # Module.to(dtype=...) / .half() would round the fp32 zeros; move them by device only.
         zeros = self._buffers.pop("zeros")

@@ -93,12 +93,17 @@ class Attention(nn.Module):
                 start: int | StepIndex) -> torch.Tensor:
         """x: (B, T, d) at cache slots start..start+T-1 (or a decode step's StepIndex); cos, sin:
         (T, Dh) -> (B, T, d)."""
-        B, T, _ = x.shape
+        return self.wo(self.heads(self.wqkv(x), cos, sin, cache, start))
+
+    def heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+              start: int | StepIndex) -> torch.Tensor:
+        """The projected q, k, v (B, T, qkv_dim) -> the heads' outputs (B, T, H * Dh), before wo."""
+        B, T, _ = qkv.shape
         # RoPE on q and k, k and v stored at their slots: one fused kernel on CUDA.
-        q = cache.rope_write(self.layer, start, self.wqkv(x), cos, sin, self.n_heads)  # (B, H, T, D)
+        q = cache.rope_write(self.layer, start, qkv, cos, sin, self.n_heads)  # (B, H, T, D)
         # Dense, scored (SparseVILA question) or packed-decode attention.
         o = cache.attend(self.layer, start, q)  # (B, H, T, D)
-        return self.wo(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -135,6 +140,29 @@ class Block(nn.Module):
         h, residual = self.attn_norm.add_norm(x, residual)
         h, residual = self.mlp_norm.add_norm(self.attn(h, cos, sin, cache, start), residual)
         return self.mlp(h), residual
+
+    def fused_ok(self) -> bool:
+        """Whether every linear can take the fused norm/GEMV chain (W4 layers: forward_normed)."""
+        return all(hasattr(lin, "forward_normed") for lin in (self.attn.wqkv, self.attn.wo, self.mlp.w13, self.mlp.w2))
+
+    def forward_fused(self, x: torch.Tensor | ops.NormedRows, cos: torch.Tensor, sin: torch.Tensor,
+                      cache: KVCache, start, next_norm: RMSNorm | None
+                      ) -> ops.NormedRows | tuple[torch.Tensor, torch.Tensor]:
+        """The decode form of forward_residual (W4 layers, ops.fused_norm_gemv): both norms live in the
+        GEMVs (ops.NormedRows): wo's and w2's launches add their output to the stream and prepare the next
+        norm (the MLP's, then `next_norm`, the next layer's attention norm), which qkv's and w13's launches
+        apply. x: the stream from the previous layer's w2 (NormedRows), or a plain stream (the first layer:
+        its norm runs on its own). -> NormedRows for the next layer, or (MLP output, stream) like
+        forward_residual when next_norm is None (the final norm then adds them)."""
+        if not isinstance(x, ops.NormedRows):
+            xn, h = self.attn_norm.add_norm(x, None)
+            x = ops.NormedRows(h, xn, None, self.attn_norm.eps)
+        o = self.attn.heads(self.attn.wqkv.forward_normed(x), cos, sin, cache, start)
+        rows = self.attn.wo.forward_norm_out(o, x.h, self.mlp_norm.weight, self.mlp_norm.eps)
+        act = ops.silu_mul(self.mlp.w13.forward_normed(rows))
+        if next_norm is None:
+            return self.mlp.w2(act), rows.h
+        return self.mlp.w2.forward_norm_out(act, rows.h, next_norm.weight, next_norm.eps)
 
 
 class TextModel(nn.Module):
@@ -174,8 +202,14 @@ class TextModel(nn.Module):
                 positions = cache.slots(start, h.shape[1])
         cos, sin = rope_cos_sin(self.cfg, positions, h.dtype, self.inv_freq(h.device))  # (T, Dh) each
         x, residual = h, None  # the residual stream is residual + x; each add fuses into the next norm
-        for block in self.layers:
-            x, residual = block.forward_residual(x, residual, cos, sin, cache, start)
+        if self._fused_decode(h):
+            for i, block in enumerate(self.layers):
+                nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
+                x = block.forward_fused(x, cos, sin, cache, start, nxt)
+            x, residual = x
+        else:
+            for block in self.layers:
+                x, residual = block.forward_residual(x, residual, cos, sin, cache, start)
         if rows is not None:
             x, residual = x.index_select(1, rows), None if residual is None else residual.index_select(1, rows)
         elif last_only:
@@ -184,6 +218,14 @@ class TextModel(nn.Module):
         # Logits in the activation dtype like HF, then fp32 for sampling.
         logits = ops.dense_linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)
         return logits.float()
+
+    def _fused_decode(self, h: torch.Tensor) -> bool:
+        """Whether this call takes the fused norm/GEMV chain (Block.forward_fused): decode row counts
+        (ops.fused_norm_gemv), W4 linears throughout, norm weights in h's dtype."""
+        if not ops.fused_norm_gemv(h):
+            return False
+        return all(b.fused_ok() and b.attn_norm.weight.dtype == h.dtype and b.mlp_norm.weight.dtype == h.dtype
+                   for b in self.layers)
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """RoPE inverse frequencies on `device`, computed once (not a buffer: see rope_inv_freq)."""
