@@ -1,14 +1,16 @@
 """Programmatic dependent launch (PDL) for the decode step's kernels (sm_90+).
 
-A decode step is a chain of short kernels (per layer: add+RMSNorm, qkv GEMV, RoPE+cache write, decoding
-attention, o GEMV, add+RMSNorm, gate/up GEMV, SiLU*mul, down GEMV). Launched plainly, each kernel starts
+A decode step is a chain of short kernels (per layer: qkv GEMV, RoPE+cache write, decoding attention, o GEMV,
+gate/up GEMV, down GEMV, the norms and SwiGLU inside the GEMVs; csrc_triton/w4a16_gemv.py, whose TRIGGER
+settings move `launch_dependents` later where an early start hurts). Launched plainly, each kernel starts
 only after the previous one has fully drained, so every launch pays the ramp-up of its programs and the
 GPU's memory system idles through each small kernel. With PDL (`launch_pdl=True`, CUDA's programmatic
 stream serialization) a kernel may start as soon as every program of its predecessor has executed
 `launch_dependents`; it then must `wait` (griddepcontrol.wait: the predecessor has completed and its
 memory is visible) before it reads anything the predecessor wrote or writes anything at all.
 
-Every PDL kernel here calls `enter` first: `wait`, then `launch_dependents`. So nothing is read or
+Every PDL kernel here calls `enter` first: `wait`, then `launch_dependents` (the W4 GEMV may call the
+latter after its K loop instead: its TRIGGER). So nothing is read or
 written before the predecessor is done (waiting is transitive: each kernel waits for its predecessor,
 which waited for its own), and the next kernel may be scheduled onto free SM slots while this one runs:
 what PDL saves is the launch latency and ramp-up between consecutive kernels, not any memory ordering.

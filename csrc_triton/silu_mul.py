@@ -24,6 +24,18 @@ from .rounding import INTERPRET, round_to
 
 
 @triton.jit
+def silu_mul_math(g, up, dtype: tl.constexpr):
+    """silu(g) * up with PyTorch's roundings (module docstring): fp32 g, up (values of `dtype`) -> fp32 values
+    of `dtype`. Also the epilogue of the W4 GEMV's fused gate/up (csrc_triton/w4a16_gemv.py, EPI 2)."""
+    if INTERPRET:  # libdevice has no interpreter implementation
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)
+    a = round_to(tl.math.div_rn(g, 1.0 + e), dtype)
+    return round_to(a * up, dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, y_ptr, Fdim, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)  # a decode-step kernel: may start early, reads nothing before the previous one is done
     row = tl.program_id(0).to(tl.int64)
@@ -32,12 +44,7 @@ def _silu_mul_kernel(x_ptr, y_ptr, Fdim, stride_x, stride_y, BLOCK: tl.constexpr
     dtype = y_ptr.dtype.element_ty
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + Fdim + offs, mask=mask, other=0.0).to(tl.float32)
-    if INTERPRET:  # libdevice has no interpreter implementation
-        e = tl.exp(-g)
-    else:
-        e = libdevice.exp(-g)
-    a = round_to(tl.math.div_rn(g, 1.0 + e), dtype)
-    tl.store(y_ptr + row * stride_y + offs, round_to(a * up, dtype).to(dtype), mask=mask)
+    tl.store(y_ptr + row * stride_y + offs, silu_mul_math(g, up, dtype).to(dtype), mask=mask)
 
 
 def _block(M: int, Fdim: int, device: torch.device) -> int:

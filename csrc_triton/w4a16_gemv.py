@@ -47,6 +47,7 @@ import triton.language as tl
 
 from . import pdl
 from .rounding import round_to
+from .silu_mul import silu_mul_math
 
 GROUP_SIZES = (32, 64, 128)
 MAX_M = 8
@@ -215,7 +216,19 @@ def _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl
     EPI 1 (the residual stream's add and the next RMSNorm's share of it): y = o rounded to the dtype
     (o = out + bias, as EPI 0 stores it), h = res + y (fp32 sum rounded once: PyTorch's add) goes to y_ptr,
     xg = gamma * h (rounded once) to xg_ptr (same strides), and the row block's sum of h^2 per row to
-    pout[pid_n, m] (stride 8), for the consumer's _prenorm_rows."""
+    pout[pid_n, m] (stride 8), for the consumer's _prenorm_rows.
+    EPI 2 (SwiGLU, the fused gate/up projection): the tile's columns are BN / 2 gate rows then the same BN / 2
+    up rows (_mma_tile's row map); y (M, N / 2) = silu(gate) * up of the rounded outputs, PyTorch's roundings
+    (csrc_triton/silu_mul.py), columns pid_n BN / 2 + j. No bias (the launcher checks)."""
+    if EPI == 2:
+        BM: tl.constexpr = out.shape[0]
+        HALF: tl.constexpr = out.shape[1] // 2
+        dt: tl.constexpr = y_ptr.dtype.element_ty
+        g, up = tl.split(tl.permute(tl.reshape(round_to(out, dt), (BM, 2, HALF)), (0, 2, 1)))
+        j = pid_n * HALF + tl.arange(0, HALF)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + j[None, :], silu_mul_math(g, up, dt).to(dt),
+                 mask=(offs_m < M)[:, None] & (j < N // 2)[None, :])
+        return
     n_mask = offs_n < N
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -235,16 +248,17 @@ def _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl
 
 @triton.jit
 def _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, SPLIT_K,
-            res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
+            res_ptr, g_ptr, xg_ptr, pout_ptr, r,
             HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FENCE: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr):
+            BLOCK_N: tl.constexpr, EPI: tl.constexpr, PRENORM: tl.constexpr):
     """out (BM, BN): this program's fp32 sum for rows offs_m, output columns offs_n (any order) -> y.
     PRENORM: x was gamma * h of an RMSNorm left unnormalised, so out (linear in x) is scaled by each row's
-    r = rsqrt(mean(h^2) + eps) (_prenorm_rows) before the bias. EPI: see _store_y.
+    r = rsqrt(mean(h^2) + eps) (_prenorm_rows, loaded before the K loop so its round trip hides under the
+    weights') before the bias. EPI: see _store_y.
     SPLIT (SPLIT_K > 1): partials go to ws (SPLIT_K, M, N) fp32; the last program of row block pid_n to arrive (an
     acq_rel counter) sums them in split order, so the result does not depend on the arrival order."""
     if PRENORM:
-        out = out * _prenorm_rows(pin_ptr, NP_IN, norm_d, eps, M, BLOCK_M, NPB)[:, None]
+        out = out * r[:, None]
     if not SPLIT:
         _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, pid_n, res_ptr, g_ptr, xg_ptr,
                  pout_ptr, EPI)
@@ -305,6 +319,10 @@ def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     w_lo = pid_k * W_SPLIT
     w_hi = tl.minimum(w_lo + W_SPLIT, K8)  # this program's words [w_lo, w_hi) of every row
     pdl.enter(PDL)  # a decode-step kernel (csrc_triton/pdl.py): nothing is read before the previous one is done
+    if PRENORM:
+        r = _prenorm_rows(pin_ptr, NP_IN, norm_d, eps, M, BLOCK_M, NPB)
+    else:
+        r = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
     # int32 offsets (the launcher checks N * K8 < 2^31); pointers advance by one tile per iteration.
     w_ptrs = qw_ptr + offs_n[:, None] * K8 + w_lo + offs_w[None, :]  # (BN, BW)
     x_ptrs = x_ptr + w_lo * 8 + offs_k  # (BK,)
@@ -341,8 +359,7 @@ def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
         acc = acc[None, :, :]
     out = tl.sum(acc, axis=2)  # (BM, BN)
     _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, SPLIT_K,
-            res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N,
-            EPI, PRENORM, NPB)
+            res_ptr, g_ptr, xg_ptr, pout_ptr, r, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N, EPI, PRENORM)
 
 
 # -- "mma" kernel: tensor cores, G = 128 -------------------------------------------------------------------
@@ -568,7 +585,8 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
               UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
               CHAINS: tl.constexpr, CORR_GB: tl.constexpr, ZSTEP: tl.constexpr, XOP: tl.constexpr,
-              ADDR: tl.constexpr, EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr):
+              ADDR: tl.constexpr, EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr,
+              TRIGGER: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Row block pid_n, K split pid_k of the mma kernel: y (or its split-K partial) for BLOCK_N rows.
     ZSTEP: the x-only (zero-point) terms accumulate per K step (_step_zero_terms) instead of in a prologue
     over all the tile's groups (_zero_point_terms): no round trip outside the pipelined loads (the qkv
@@ -581,7 +599,16 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
     U_INV: tl.constexpr = 8.0 if dtype == tl.bfloat16 else 64.0  # 1 / u of the magic values (_magic_planes)
     M_ODD: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0  # their m at odd k
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = cols % N  # rows past N wrap around instead of being masked (unmasked loads); the store drops them
+    if EPI == 2:  # SwiGLU: BN / 2 gate rows j, then up rows N / 2 + j (the epilogue pairs them)
+        HALF: tl.constexpr = BLOCK_N // 2
+        i = tl.arange(0, BLOCK_N)
+        rows = (pid_n * HALF + i % HALF) % (N // 2) + tl.where(i >= HALF, N // 2, 0)
+    else:
+        rows = cols % N  # rows past N wrap around instead of being masked (unmasked loads); the store drops them
+    if PRENORM:  # before the K loop: its round trip overlaps the weights'
+        r = _prenorm_rows(pin_ptr, NP_IN, norm_d, eps, M, BLOCK_M, NPB)
+    else:
+        r = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
     g_lo = pid_k * (W_SPLIT // 16)
     g_hi = tl.minimum(g_lo + W_SPLIT // 16, NG)  # this program's groups [g_lo, g_hi), a multiple of GPS
     offs_m = tl.arange(0, BLOCK_M)
@@ -633,11 +660,12 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
             w_ptrs += 16 * GPS
             x_ptrs += 64 * GPS
             s_idx += GPS
+    if TRIGGER == 1:
+        pdl.launch_dependents(PDL)  # the next kernel may start once every program is past its K loop
     # Fold the column blocks (groups; zero past GPS) into BLOCK_M columns.
     out = tl.sum(tl.reshape(acc, (BLOCK_N, 8 // BLOCK_M, BLOCK_M)), axis=1) * U_INV  # (BN, BM)
     _finish(tl.trans(out), offs_m, cols, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, SPLIT_K,
-            res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N,
-            EPI, PRENORM, NPB)
+            res_ptr, g_ptr, xg_ptr, pout_ptr, r, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N, EPI, PRENORM)
 
 
 @triton.jit
@@ -648,7 +676,8 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
                            FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
                            SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, CHAINS: tl.constexpr,
                            CORR_GB: tl.constexpr, ZSTEP: tl.constexpr, XOP: tl.constexpr, ADDR: tl.constexpr,
-                           EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, PDL: tl.constexpr):
+                           EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, TRIGGER: tl.constexpr,
+                           PDL: tl.constexpr):
     # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's
     # 64 GPS bytes are contiguous, so each step reads longer runs of every row, and the per-step costs
     # (pipeline barriers, B operand through shared memory) are paid once per GPS groups. The launcher
@@ -659,11 +688,18 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     # One (row block, K split) tile per program (_mma_tile). A persistent form (fewer programs looping over
     # tiles in one flat, pipelined loop of K steps) was measured slower at every Llama-3-8B shape (session
     # 4, docs/perf_notes.md) and removed.
-    pdl.enter(PDL)  # a decode-step kernel (csrc_triton/pdl.py): nothing is read before the previous one is done
+    # PDL: wait first (nothing is read before the previous kernel is done); TRIGGER says when the next kernel
+    # may start: 0 at once (pdl.enter), 1 after this program's K loop, 2 at its end.
+    pdl.wait(PDL)
+    if TRIGGER == 0:
+        pdl.launch_dependents(PDL)
     _mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr,
               res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
               M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, CHAINS, CORR_GB, ZSTEP, XOP, ADDR, EPI, PRENORM, NPB)
+              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, CHAINS, CORR_GB, ZSTEP, XOP, ADDR, EPI, PRENORM, NPB,
+              TRIGGER, PDL)
+    if TRIGGER == 2:
+        pdl.launch_dependents(PDL)
 
 
 def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -712,7 +748,8 @@ def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 INTERPRET_CONFIG = {"kernel": "fma", "BLOCK_N": 16, "BLOCK_W": 16, "num_warps": 4, "STAGES": 1, "SPLIT_K": 1}
 INTERPRET_MMA_CONFIG = {"kernel": "mma", "num_warps": 4, "STAGES": 1, "SPLIT_K": 1, "GPS": 2, "ZSTEP": 1,
                         "XOP": "shared", "ADDR": 1}
-CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "CHAINS", "ZSTEP", "XOP", "ADDR", "maxnreg"),
+CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "CHAINS", "ZSTEP", "XOP", "ADDR", "maxnreg",
+                       "TRIGGER"),
                "fma": ("BLOCK_N", "BLOCK_W", "num_warps", "STAGES", "SPLIT_K")}
 XOPS = ("blockdiag", "shared")  # the x operand of the mma kernel: _x_operand, or _x_shared + _shared_x_dots
 N_SM = 132  # H200; the split rule only needs the order of magnitude
@@ -754,6 +791,15 @@ GEMV_TABLE: dict[tuple[int, int, int], dict] = {  # H200 sweep, session 5 (run S
                        "ZSTEP": 1, "XOP": "shared", "ADDR": 1},  # 24.4 us (S4: 27.4)
 }
 
+
+# When the mma kernel lets the next kernel of a PDL chain start (csrc_triton/pdl.py): 0 at once, 1 after the K
+# loop, 2 at the end (config key TRIGGER overrides; SILU_TRIGGER for the SwiGLU form). H200 run S6-D, decode
+# step at 1K (profile_decode.py --variants): the SwiGLU GEMV triggering at once let the next (down) GEMV's
+# programs take SM slots early and cost ~15 us a layer (340.7 tok/s, vs 413.5 with a separate SiLU launch);
+# triggering after its K loop 419.7 (at the end 417.9). Every GEMV after its loop: 377.7 (the early start is
+# worth keeping elsewhere). The (gate/up, down) pair alone: 46.0 us at once, 40.2 after the loop, 40.9 plain.
+TRIGGER = 0
+SILU_TRIGGER = 1
 
 # TINYVILA_W4_GEMV_KERNEL=fma keeps the default off the tensor-core kernel (a switch for bisecting).
 FORCE_FMA = os.environ.get("TINYVILA_W4_GEMV_KERNEL", "") == "fma"
@@ -838,14 +884,48 @@ def w4a16_gemv_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return _gemv(x, qweight, scales, zeros, bias, None, config, unpack, prenorm, residual, gamma)
 
 
-def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residual, gamma) -> tuple[torch.Tensor, ...]:
-    """The launcher of w4a16_gemv (residual None: -> (y,)) and w4a16_gemv_norm (-> (h, xg, part))."""
+def w4a16_gemv_silu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
+                    config: dict | None = None, unpack: int | None = None,
+                    prenorm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """SwiGLU fused into the gate/up GEMV: qweight holds [gate; up] (2F, K) (the checkpoint's w13) -> (M, F)
+    silu(x W_gate^T) * (x W_up^T), bit for bit the plain GEMV followed by csrc_triton.silu_mul (each program
+    computes gate rows j and up rows F + j of the same j; silu_ok says when). prenorm as in w4a16_gemv."""
+    M, N, K, G = check_w4_args(x, qweight, scales, zeros, None)
+    cfg = config if config is not None else _default_config(x, M, N, K, G)
+    if not silu_ok(N, K, G, cfg):
+        raise ValueError(f"w4a16_gemv_silu needs the mma kernel (G=128) and F={N // 2} a multiple of half its "
+                         f"BLOCK_N; got G={G}, config {cfg}")
+    y, = _gemv(x, qweight, scales, zeros, None, torch.empty(M, N // 2, dtype=x.dtype, device=x.device), cfg,
+               unpack, prenorm, None, None, silu=True)
+    return y
+
+
+def silu_ok(N: int, K: int, G: int, config: dict) -> bool:
+    """Whether the gate/up GEMV can end in SwiGLU (w4a16_gemv_silu) under `config`: the mma kernel, N even,
+    and F = N / 2 whole half-tiles (so a program's gate and up rows pair up exactly)."""
+    if config.get("kernel", "fma") != "mma" or not mma_ok(K, G) or N % 2:
+        return False
+    half = config.get("BLOCK_N", 16 * config["num_warps"]) // 2
+    return (N // 2) % half == 0
+
+
+def _default_config(x: torch.Tensor, M: int, N: int, K: int, G: int) -> dict:
+    """The config a call runs when none is pinned: gemv_config on the GPU, the interpreter's otherwise."""
+    if x.is_cuda and not INTERPRET:
+        return gemv_config(M, N, K, G)
+    return INTERPRET_MMA_CONFIG if mma_ok(K, G) else INTERPRET_CONFIG
+
+
+def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residual, gamma,
+          silu: bool = False) -> tuple[torch.Tensor, ...]:
+    """The launcher of w4a16_gemv (residual None: -> (y,)), w4a16_gemv_norm (-> (h, xg, part)) and
+    w4a16_gemv_silu (silu: out is (M, N / 2))."""
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
     if M > MAX_M:
         raise ValueError(f"w4a16_gemv takes at most {MAX_M} rows, got {M}; use w4a16_gemm")
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
+    elif out.shape != (M, N // 2 if silu else N) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be ({M}, {N}) {x.dtype} with unit stride along N")
     K8 = K // 8
     if N * K8 >= 2**31:
@@ -856,7 +936,7 @@ def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residua
     if unpack == 1 and not on_gpu:
         raise ValueError("unpack=1 (inline PTX) needs a GPU outside TRITON_INTERPRET; use unpack=0")
     if config is None:
-        config = gemv_config(M, N, K, G) if on_gpu else (INTERPRET_MMA_CONFIG if mma_ok(K, G) else INTERPRET_CONFIG)
+        config = _default_config(x, M, N, K, G)
     cfg = dict(config)
     kernel = cfg.pop("kernel", "fma")
     if kernel == "mma" and not mma_ok(K, G):
@@ -880,6 +960,9 @@ def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residua
         if cfg["ADDR"] not in (0, 1):
             raise ValueError(f"ADDR={cfg['ADDR']} must be 0 or 1")
         cfg["XOP"] = cfg.get("XOP", "blockdiag")
+        cfg["TRIGGER"] = int(cfg.get("TRIGGER", SILU_TRIGGER if silu else TRIGGER))
+        if cfg["TRIGGER"] not in (0, 1, 2):
+            raise ValueError(f"TRIGGER={cfg['TRIGGER']} must be 0, 1 or 2")
         if cfg["XOP"] not in XOPS:
             raise ValueError(f"XOP={cfg['XOP']!r} must be one of {XOPS}")
         if cfg["XOP"] == "shared" and cfg["CHAINS"] > 1:
@@ -916,7 +999,7 @@ def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residua
         np_in = pin.shape[0]
     epi_args = (res, g, xg, pout, pin, np_in, nd, eps)
     meta = dict(BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, UNPACK=unpack, S_PAIRS=s_pairs,
-                FENCE=on_gpu, SPLIT=split > 1, EPI=int(residual is not None), PRENORM=prenorm is not None,
+                FENCE=on_gpu, SPLIT=split > 1, EPI=2 if silu else int(residual is not None), PRENORM=prenorm is not None,
                 NPB=triton.next_power_of_2(np_in), **pdl.options(x.device))
     sc = scales.view(torch.int32) if s_pairs else scales
     b = bias if bias is not None else scales

@@ -10,6 +10,7 @@ tokens ignored. Prints a table then one JSON line. The end-to-end numbers live i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,7 +40,8 @@ def parse_args(argv):
     p.add_argument("--variants", default="",
                    help="also time the graph step under settings, e.g. 'pdl=0,pdl=1' (programmatic dependent "
                         "launch, csrc_triton/pdl.py) or 'lmhead=cublas,lmhead=triton' (ops.DENSE_GEMV) or "
-                        "'norm=plain,norm=fused' (ops.FUSED_NORM_GEMV: RMSNorms in separate launches, or fused into the W4 GEMVs)")
+                        "'norm=plain,norm=fused' / 'silu=...' (ops.FUSED_NORM_GEMV, ops.FUSED_SILU: RMSNorms / SwiGLU "
+                        "in separate launches, or fused into the W4 GEMVs)")
     return p.parse_args(argv)
 
 
@@ -81,23 +83,35 @@ def kernel_profile(text, args) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
-def variants(text, args) -> dict[str, float]:
-    """Graph tok/s per 'pdl=P', 'lmhead=cublas|triton' or 'norm=plain|fused' setting (a fresh Decoder, so fresh graphs, for
-    each); restores the setting afterwards."""
+def _patch(setting: str):
+    """The mock patch of one 'key=value' setting of --variants."""
+    from csrc_triton import w4a16_gemv
     from tinyvila import ops
 
+    key, value = setting.split("=")
+    if key == "pdl":
+        return mock.patch.dict(os.environ, {"TINYVILA_PDL": value})
+    if key == "lmhead" and value in ("cublas", "triton"):
+        return mock.patch.object(ops, "DENSE_GEMV", value == "triton")
+    if key == "silu" and value in ("plain", "fused"):
+        return mock.patch.object(ops, "FUSED_SILU", value == "fused")
+    if key == "norm" and value in ("plain", "fused"):
+        return mock.patch.object(ops, "FUSED_NORM_GEMV", "off" if value == "plain" else "auto")
+    if key in ("trigger", "silutrigger") and value in ("0", "1", "2"):
+        return mock.patch.object(w4a16_gemv, "TRIGGER" if key == "trigger" else "SILU_TRIGGER", int(value))
+    raise SystemExit(f"--variants: unknown setting {setting!r} (pdl=0|1, lmhead=cublas|triton, norm|silu=plain|fused, "
+                     "trigger|silutrigger=0|1|2)")
+
+
+def variants(text, args) -> dict[str, float]:
+    """Graph tok/s per variant: settings 'pdl=P', 'lmhead=cublas|triton', 'norm=plain|fused', 'silu=plain|fused',
+    'trigger=T' / 'silutrigger=T' (when a W4 GEMV lets the next PDL kernel start: csrc_triton/w4a16_gemv.py),
+    several joined by '+' (a fresh Decoder, so fresh graphs, for each); restores the settings afterwards."""
     out = {}
     for spec in args.variants.split(","):
-        key, value = spec.split("=")
-        if key == "pdl":
-            patch = mock.patch.dict(os.environ, {"TINYVILA_PDL": value})
-        elif key == "lmhead" and value in ("cublas", "triton"):
-            patch = mock.patch.object(ops, "DENSE_GEMV", value == "triton")
-        elif key == "norm" and value in ("plain", "fused"):
-            patch = mock.patch.object(ops, "FUSED_NORM_GEMV", "off" if value == "plain" else "auto")
-        else:
-            raise SystemExit(f"--variants: unknown setting {spec!r} (pdl=0|1, lmhead=cublas|triton, norm=plain|fused)")
-        with patch:
+        with contextlib.ExitStack() as stack:
+            for setting in spec.split("+"):
+                stack.enter_context(_patch(setting))
             out[spec] = tok_per_s(text, args, True)
         print(f"  variant {spec}: graph {out[spec]:.1f} tok/s ({1000 / out[spec]:.3f} ms/token)", flush=True)
     return out

@@ -256,6 +256,27 @@ def w4a16_linear_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return NormedRows(h.view(shape), xg.view(shape), part, float(eps))
 
 
+def w4a16_linear_silu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      bias: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None
+                      ) -> torch.Tensor:
+    """silu_mul(w4a16_linear(x, ...)) for the fused gate/up projection [gate; up] (2F, K): (..., K) -> (..., F),
+    the same bits. At decode row counts on CUDA one launch where the GEMV can end in SwiGLU
+    (csrc_triton.w4a16_gemv.silu_ok: the mma kernel, no bias; FUSED_SILU), else the two ops."""
+    x2 = x.reshape(-1, x.shape[-1])
+    M, N, K = x2.shape[0], qweight.shape[0], x2.shape[1]
+    if (FUSED_SILU and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and bias is None
+            and M <= GEMV_MAX_M and scales.dim() == 2 and scales.shape[1] and K % scales.shape[1] == 0):
+        from csrc_triton.w4a16_gemv import gemv_config, silu_ok, w4a16_gemv_silu
+
+        G = K // scales.shape[1]
+        if G in (32, 64, 128) and silu_ok(N, K, G, gemv_config(M, N, K, G)):
+            y = w4a16_gemv_silu(x2.contiguous(), qweight, scales, zeros, prenorm=norm)
+            return y.reshape(*x.shape[:-1], N // 2)
+    return silu_mul(w4a16_linear(x, qweight, scales, zeros, bias, norm=norm))
+
+
+FUSED_SILU = True  # SwiGLU in the gate/up GEMV's epilogue where it can be (False: a separate launch)
+
 # The fused norm/GEMV decode chain (NormedRows): "auto" on CUDA fp16/bf16 at decode row counts, "on" also
 # elsewhere (the PyTorch forms above: tests of the wiring on CPU), "off" never (A/B measurements).
 FUSED_NORM_GEMV = "auto"

@@ -119,6 +119,11 @@ class W4A16Linear(nn.Module):
         """This linear applied to RMSNorm(rows.h) * weight, the norm fused in (ops.NormedRows)."""
         return ops.w4a16_linear(rows.xg, self.qweight, self.scales, self.zeros, self.bias, norm=rows.norm())
 
+    def forward_normed_silu(self, rows: ops.NormedRows) -> torch.Tensor:
+        """silu(gate) * up of this fused gate/up linear applied to RMSNorm(rows.h) * weight (the SwiGLU in the
+        same launch where the kernel allows: ops.w4a16_linear_silu)."""
+        return ops.w4a16_linear_silu(rows.xg, self.qweight, self.scales, self.zeros, self.bias, norm=rows.norm())
+
     def forward_norm_out(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                          eps: float) -> ops.NormedRows:
         """residual + this linear(x), with the next RMSNorm (norm_weight, eps) prepared in the same launch

@@ -151,7 +151,8 @@ class Block(nn.Module):
         """The decode form of forward_residual (W4 layers, ops.fused_norm_gemv): both norms live in the
         GEMVs (ops.NormedRows): wo's and w2's launches add their output to the stream and prepare the next
         norm (the MLP's, then `next_norm`, the next layer's attention norm), which qkv's and w13's launches
-        apply. x: the stream from the previous layer's w2 (NormedRows), or a plain stream (the first layer:
+        apply; w13's launch also ends in SwiGLU where the kernel allows (ops.w4a16_linear_silu). x: the stream
+        from the previous layer's w2 (NormedRows), or a plain stream (the first layer:
         its norm runs on its own). -> NormedRows for the next layer, or (MLP output, stream) like
         forward_residual when next_norm is None (the final norm then adds them)."""
         if not isinstance(x, ops.NormedRows):
@@ -159,7 +160,7 @@ class Block(nn.Module):
             x = ops.NormedRows(h, xn, None, self.attn_norm.eps)
         o = self.attn.heads(self.attn.wqkv.forward_normed(x), cos, sin, cache, start)
         rows = self.attn.wo.forward_norm_out(o, x.h, self.mlp_norm.weight, self.mlp_norm.eps)
-        act = ops.silu_mul(self.mlp.w13.forward_normed(rows))
+        act = self.mlp.w13.forward_normed_silu(rows)
         if next_norm is None:
             return self.mlp.w2(act), rows.h
         return self.mlp.w2.forward_norm_out(act, rows.h, next_norm.weight, next_norm.eps)

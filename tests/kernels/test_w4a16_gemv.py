@@ -410,3 +410,51 @@ def test_llama3_8b_norm_chain(producer, consumer, M, dtype):
     hf = h.float()
     normed = ((hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float() * gamma.float()).to(dtype)
     assert_w4_close(out, {**b, "x": normed})
+
+
+SILU_CONFIGS = [("mma", MMA), ("mma split", {**MMA, "SPLIT_K": 2}), ("mma 2 tiles per warp", {**MMA, "BLOCK_N": 128})]
+
+
+@pytest.mark.parametrize("prenorm", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("name,cfg", SILU_CONFIGS, ids=[c[0] for c in SILU_CONFIGS])
+def test_silu_epilogue_equals_gemv_then_silu_mul(name, cfg, M, dtype, prenorm):
+    """w4a16_gemv_silu = the silu_mul kernel on the plain GEMV's output (the same SwiGLU code, so the same
+    exponentials also under the interpreter): bit for bit for fp16 (and on the GPU for bf16, where both
+    round to nearest; the interpreter's plain bf16 store truncates instead)."""
+    from csrc_triton.silu_mul import silu_mul
+
+    a = make(M, 256, 256, 128, dtype, seed=M * 3 + 1, device=DEVICE)
+    args = (a["x"], a["qweight"], a["scales"], a["zeros"])
+    gen = torch.Generator(DEVICE).manual_seed(M)
+    pn = (torch.rand(3, 8, device=DEVICE, generator=gen) * 300, 1e-5) if prenorm else None
+    y = gemv_mod.w4a16_gemv_silu(*args, config=cfg, prenorm=pn)
+    ref = silu_mul(w4a16_gemv(*args, config=cfg, prenorm=pn))
+    assert y.shape == (M, 128)
+    if dtype == torch.float16 or ON_GPU:
+        assert torch.equal(y, ref)
+    else:
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6 * ref.abs().max().item())
+
+
+def test_silu_ok_and_rejects():
+    assert gemv_mod.silu_ok(256, 256, 128, MMA) and not gemv_mod.silu_ok(256, 256, 128, FMA)
+    assert not gemv_mod.silu_ok(2 * 80, 256, 128, MMA)  # F = 80 is not whole half-tiles of 32 rows
+    a = make(1, 160, 256, 128, torch.float16, seed=9, device=DEVICE)
+    with pytest.raises(ValueError, match="w4a16_gemv_silu needs"):
+        gemv_mod.w4a16_gemv_silu(a["x"], a["qweight"], a["scales"], a["zeros"], config=MMA)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 2, 8])
+def test_llama3_8b_gate_up_silu(M, dtype):
+    """The launcher's gate/up config (28672 x 4096) ends in SwiGLU, bit for bit the two launches it replaces."""
+    from csrc_triton.silu_mul import silu_mul
+
+    a = make(M, 28672, 4096, 128, dtype, seed=M + 77, device=DEVICE)
+    args = (a["x"], a["qweight"], a["scales"], a["zeros"])
+    assert gemv_mod.silu_ok(28672, 4096, 128, gemv_config(M, 28672, 4096, 128))
+    pn = (torch.rand(64, 8, device=DEVICE) * 50, 1e-5)
+    assert torch.equal(gemv_mod.w4a16_gemv_silu(*args, prenorm=pn), silu_mul(w4a16_gemv(*args, prenorm=pn)))
