@@ -29,14 +29,18 @@ partial tile masked) and folds pass 1's scale into the exponent's FFMA (max of t
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime import JITFunction, driver
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _LOG2E, _LN2 = tl.constexpr(LOG2E), tl.constexpr(LN2)  # what a @triton.jit body may read
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels below are interpreted
 FAST_EXP_DEFAULT = False  # fp16x2 exponentials for 16-bit inputs on CUDA (see docs/perf_notes.md)
 
 
@@ -284,10 +288,118 @@ def poly_columns(exp_poly: float | None, block_s: int) -> int:
 # (docs/perf_notes.md, 2026-11-29) found 128 resident x 64 streamed rows on one warpgroup the best
 # standalone config at every shape (1-64 SigLIP frames, N = 4K-64K), and the best or within 10% fused.
 DEFAULT_TILES = (128, 64, 4, 3)
+# The kernels a call runs by default: the exp_poly variant with no polynomial columns (full tiles unmasked,
+# pass 1's scale folded into its FFMA), measured on the H200 in session 6 (run S6-C, device time): 16K 3.54
+# vs 3.80 ms, 4K 0.251 vs 0.269, 8 SigLIP frames 0.090 vs 0.095, 64 frames 0.593 vs 0.601, 1 frame equal;
+# every polynomial fraction tried (1/8, 1/4) was slower than 0. None: the original masked kernels.
+EXP_POLY_DEFAULT: float | None = 0.0
 # Register caps of the exp_poly variant at DEFAULT_TILES (pass 1, pass 2): the default kernels' own
 # counts (sm_90a), so 4 programs still share an SM. Uncapped, ptxas gives the variant 102-128
 # (unmasked loop + peeled tail); capped, offline sm_90a shows no spills at any fraction. None: uncapped.
 POLY_MAXNREG: tuple[int, int] | None = (96, 115)
+
+
+# Per-call host work (issue 5: at 1 SigLIP frame the kernels run for microseconds, so a call costs what
+# the host spends launching it). Everything the launcher derives from a call's shapes, strides, dtypes
+# and options (checks, tiles, grids, constexprs, scalar arguments) is a _Plan built once per distinct
+# call; each launch then skips Triton's per-call dispatch after its first (_Launch).
+_PLANS: dict[tuple, "_Plan"] = {}
+_MAX_PLANS = 256  # distinct calls kept (an encoder makes a handful); past it the table starts over
+DIRECT_LAUNCH = True  # False: every launch through Triton's dispatch (the bench times both)
+
+
+def _no_hooks(fn) -> bool:
+    """True when Triton's own launch would call no hook (profilers add launch hooks): then calling the
+    compiled launcher with no hooks and no launch metadata is the same launch."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return not fn.pre_run_hooks and (enter is None or type(enter) is knobs.HookChain and not enter.calls) and (
+        leave is None or type(leave) is knobs.HookChain and not leave.calls)
+
+
+class _Launch:
+    """One kernel launch with its grid, scalar arguments, constexprs and options fixed.
+
+    The first launch per (device, Triton debug flag, 16-byte alignment of each tensor) goes through
+    Triton's dispatch, which compiles or finds the kernel, launches it and returns it; later ones call
+    that compiled kernel's launcher directly, skipping the per-call argument binding, specialisation,
+    cache key and launch metadata (most of a launch's host time: `--host` in
+    scripts/benches/prefill_salience.py). Exact: Triton picks a compiled kernel by dtypes, integer
+    arguments (== 1, % 16, 32/64 bits), constexprs and options, all fixed by the plan's key, and by
+    device, debug flag and pointer alignment, which key `compiled`. The interpreter, pre-run hooks and
+    launch hooks always take Triton's dispatch."""
+
+    def __init__(self, fn, grid: tuple[int, int], scalars: tuple, meta: dict):
+        self.fn, self.grid, self.scalars, self.meta = fn, (*grid, 1), scalars, meta
+        self.direct = isinstance(fn, JITFunction)  # not the interpreter's InterpretedFunction
+        # The compiled launcher takes every parameter in order, constexprs included (and ignored).
+        self.tail = (*scalars, *(meta[a] for a in fn.arg_names if a in meta)) if self.direct else ()
+        self.compiled = {}  # key -> (compiled launcher, kernel handle, packed metadata)
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        if not (DIRECT_LAUNCH and self.direct and _no_hooks(self.fn)):
+            self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+            return
+        device = driver.active.get_current_device()
+        key = (device, knobs.runtime.debug, *[t.data_ptr() % 16 == 0 for t in tensors])
+        entry = self.compiled.get(key)
+        if entry is None:
+            assert len(tensors) + len(self.tail) == len(self.fn.arg_names)
+            kernel = self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+            if kernel is not None:  # None: a JIT cache hook skipped the launch
+                self.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+            return
+        launch, function, packed = entry
+        launch(*self.grid, driver.active.get_current_stream(device), function, packed, None, None, None, *tensors,
+               *self.tail)
+
+
+class _Plan(NamedTuple):
+    """What one distinct call launches (built by _plan)."""
+    lse_shape: tuple[int, int, int] | None  # (B, H, M) that pass 1 writes; None: the caller's LSE
+    copy_lse: bool  # the caller's LSE is not unit-stride along rows: pass a contiguous copy
+    part_shape: tuple[int, int, int]  # (B, H, N) per-head column sums that pass 2 writes
+    pass1: _Launch | None
+    pass2: _Launch
+
+
+def _plan(q, k, n_query, lse, scale, tiles, fast_exp, exp_poly, poly_deg) -> _Plan:
+    """Checks, tile sizes, grids, constexprs and scalar arguments of a call: see prefill_salience."""
+    M = _check(q, k, n_query, lse)
+    B, H, _, D = q.shape
+    N = k.shape[2]
+    scale_log2 = (scale if scale is not None else D ** -0.5) * LOG2E
+    d0, d1 = _split_head_dim(D)
+    upcast = q.dtype == torch.bfloat16 and _INTERPRET
+    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # tf32 is ignored for 16-bit inputs
+    fast = (FAST_EXP_DEFAULT if fast_exp is None else fast_exp) and q.dtype != torch.float32 and not _INTERPRET
+    res, stream, warps, stages = tiles or DEFAULT_TILES
+    streamed_m = min(stream, max(16, triton.next_power_of_2(M)))  # summary mode: 1..few rows (dot needs 16)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    # Triton only learns that an int argument is a multiple of 16; SigLIP's strides (72, 729*72) are
+    # multiples of 8, i.e. 16-byte rows. Passing stride // 8 and multiplying by a constexpr 8 inside
+    # tells the compiler, which then issues 16-byte (cp.async) loads instead of 2-byte ones.
+    align = 8 if all(st % 8 == 0 for st in strides) else 1
+    strides = tuple(st // align for st in strides)
+    if exp_poly is not None and (fast or not 0.0 <= exp_poly <= 1.0 or poly_deg not in POLY_COEFFS):
+        raise ValueError(f"prefill_salience: exp_poly must be in [0, 1] without fast_exp and poly_deg in "
+                         f"{sorted(POLY_COEFFS)}; got {exp_poly}, fast_exp={fast}, poly_deg={poly_deg}")
+    meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, FAST=fast, ALIGN=align, num_warps=warps,
+                num_stages=stages, DIET=exp_poly is not None, DEG=poly_deg)
+    cap = (POLY_MAXNREG if exp_poly is not None and (res, stream, warps, stages) == DEFAULT_TILES else None) or (None, None)
+    pass1 = None
+    if lse is None:
+        block_m = min(res, max(16, triton.next_power_of_2(M)))
+        pass1 = _Launch(_row_lse_kernel, (triton.cdiv(M, block_m), B * H), (*strides, H, M, N, scale_log2),
+                        dict(BLOCK_R=block_m, BLOCK_S=stream, POLY=poly_columns(exp_poly, stream), maxnreg=cap[0],
+                             **meta))
+        lse_strides = (H * M, M)  # torch.empty(B, H, M)'s
+    else:  # strides of what the call passes (deterministic in lse's shape and strides, both in the key)
+        lse_strides = (lse if lse.stride(2) == 1 else lse.contiguous()).stride()[:2]
+    pass2 = _Launch(_prefill_salience_kernel, (triton.cdiv(N, res), B * H),
+                    (*strides, *lse_strides, H, M, N, scale_log2, 1.0 / (H * M)),
+                    dict(BLOCK_R=res, BLOCK_S=streamed_m, POLY=poly_columns(exp_poly, streamed_m), maxnreg=cap[1],
+                         **meta))
+    return _Plan((B, H, M) if lse is None else None, lse is not None and lse.stride(2) != 1, (B, H, N), pass1, pass2)
 
 
 def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = None,
@@ -303,42 +415,28 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     fast_exp: fp16x2 exponentials (CUDA, 16-bit inputs only); default FAST_EXP_DEFAULT.
     exp_poly: the FMA-pipe variant (module docstring): that fraction of each streamed tile's columns
     (rounded to a multiple of 8) takes the degree-`poly_deg` polynomial exp2; 0.0 = the variant's
-    unmasked full tiles with every exp2 on MUFU; None (default) = the default kernels. Excludes fast_exp.
+    unmasked full tiles with every exp2 on MUFU; None = EXP_POLY_DEFAULT when fast_exp is off (itself
+    None: the original kernels, masked tiles). Excludes fast_exp.
     """
-    M = _check(q, k, n_query, lse)
-    B, H, _, D = q.shape
-    N = k.shape[2]
-    scale_log2 = (scale if scale is not None else D ** -0.5) * LOG2E
-    d0, d1 = _split_head_dim(D)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    upcast = q.dtype == torch.bfloat16 and interpret
-    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # tf32 is ignored for 16-bit inputs
-    fast = (FAST_EXP_DEFAULT if fast_exp is None else fast_exp) and q.dtype != torch.float32 and not interpret
-    res, stream, warps, stages = tiles or DEFAULT_TILES
-    streamed_m = min(stream, max(16, triton.next_power_of_2(M)))  # summary mode: 1..few rows (dot needs 16)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-    # Triton only learns that an int argument is a multiple of 16; SigLIP's strides (72, 729*72) are
-    # multiples of 8, i.e. 16-byte rows. Passing stride // 8 and multiplying by a constexpr 8 inside
-    # tells the compiler, which then issues 16-byte (cp.async) loads instead of 2-byte ones.
-    align = 8 if all(st % 8 == 0 for st in strides) else 1
-    strides = tuple(st // align for st in strides)
-    if exp_poly is not None and (fast or not 0.0 <= exp_poly <= 1.0 or poly_deg not in POLY_COEFFS):
-        raise ValueError(f"prefill_salience: exp_poly must be in [0, 1] without fast_exp and poly_deg in "
-                         f"{sorted(POLY_COEFFS)}; got {exp_poly}, fast_exp={fast}, poly_deg={poly_deg}")
-    meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, FAST=fast, ALIGN=align, num_warps=warps,
-                num_stages=stages, DIET=exp_poly is not None, DEG=poly_deg)
-    cap = (POLY_MAXNREG if exp_poly is not None and (res, stream, warps, stages) == DEFAULT_TILES else None) or (None, None)
-    if lse is None:
-        lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
-        _row_lse_kernel[(triton.cdiv(M, min(res, max(16, triton.next_power_of_2(M)))), B * H)](
-            q, k, lse, *strides, H, M, N, scale_log2, BLOCK_R=min(res, max(16, triton.next_power_of_2(M))),
-            BLOCK_S=stream, POLY=poly_columns(exp_poly, stream), maxnreg=cap[0], **meta)
-    elif lse.stride(2) != 1:
+    if exp_poly is None and not (FAST_EXP_DEFAULT if fast_exp is None else fast_exp):
+        exp_poly = EXP_POLY_DEFAULT
+    # Everything _plan reads, the module switches included (benches and tests set them).
+    key = (q.shape, k.shape, q.stride(), k.stride(), q.dtype, k.dtype, n_query,
+           None if lse is None else (lse.shape, lse.stride(), lse.dtype), scale,
+           None if tiles is None else tuple(tiles), fast_exp, exp_poly, poly_deg,
+           FAST_EXP_DEFAULT, DEFAULT_TILES, POLY_MAXNREG)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(q, k, n_query, lse, scale, tiles, fast_exp, exp_poly, poly_deg)
+    if plan.pass1 is not None:
+        lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
+        plan.pass1(q, k, lse)
+    elif plan.copy_lse:
         lse = lse.contiguous()
-    part = torch.empty(B, H, N, device=q.device, dtype=torch.float32)
-    _prefill_salience_kernel[(triton.cdiv(N, res), B * H)](
-        q, k, lse, part, *strides, lse.stride(0), lse.stride(1), H, M, N, scale_log2, 1.0 / (H * M),
-        BLOCK_R=res, BLOCK_S=streamed_m, POLY=poly_columns(exp_poly, streamed_m), maxnreg=cap[1], **meta)
+    part = torch.empty(plan.part_shape, device=q.device, dtype=torch.float32)
+    plan.pass2(q, k, lse, part)
     return part.sum(1)  # (B, N): heads summed outside, so every store above is plain (no atomics)
 
 

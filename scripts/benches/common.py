@@ -73,6 +73,25 @@ def graph_ms(fn, inputs: list, calls: int = 16, iters: int = 20) -> float | None
 _CEILINGS: dict[str, float] = {}
 
 
+def spin_cycles_per_ms() -> float:
+    """GPU clock cycles that torch.cuda._sleep spins per millisecond (measured once per process:
+    the spin counts SM clock cycles, whose rate moves with the clock)."""
+    if "spin" not in _CEILINGS:
+        cycles = 2_000_000
+        _CEILINGS["spin"] = cycles / bench(lambda: torch.cuda._sleep(cycles), [()], warmup=2, iters=5)
+    return _CEILINGS["spin"]
+
+
+def device_ms(fn, inputs: list, host_ms: float, warmup: int = 2, iters: int = 50,
+              min_spin_ms: float = 0.2, max_spin_ms: float = 2.0) -> float:
+    """Median device ms of fn(*inputs[i % len]): `bench` with a GPU spin of 2 x host_ms, clamped to
+    [min_spin_ms, max_spin_ms], queued before each call. host_ms: an upper bound of the call's host time;
+    its eager `bench` time is one (that time covers the host's enqueueing). While the GPU spins, the
+    host enqueues the whole call, so the events time the kernels back to back."""
+    spin_ms = min(max(2 * host_ms, min_spin_ms), max_spin_ms)
+    return bench(fn, inputs, warmup, iters, spin_cycles=int(spin_ms * spin_cycles_per_ms()))
+
+
 def copy_bandwidth_gbs() -> float:
     """Measured device-to-device copy bandwidth (bytes read + written), GB/s; cached per process."""
     if "copy" not in _CEILINGS:

@@ -11,12 +11,19 @@ SALIENCE_POLY, a comma list of exp_poly fractions, each optionally ":DEG" (e.g. 
 adds standalone and fused rows of the FMA-pipe exp2 variant beside the default's (0 = the variant's
 unmasked tiles with every exp2 on MUFU); max_err of those rows is against the default kernel;
 SALIENCE_POLY_MAXNREG=0 lifts the variant's register caps (POLY_MAXNREG). The
-issue-5 comparison in one command (~90 s):
-    SALIENCE_SHAPES=16k,4k,siglip1,siglip64 SALIENCE_SWEEP_SHAPES= SALIENCE_ENCODER=0 \
-    SALIENCE_POLY=0,0.125,0.25,0.375,0.5 PYTHONPATH=. python scripts/bench_kernels.py --only prefill_salience
+issue-5 comparison in one command (~2 min):
+    SALIENCE_SHAPES=siglip1,siglip8,siglip64,4k,16k SALIENCE_SWEEP_SHAPES= SALIENCE_ENCODER=0 \
+    SALIENCE_POLY=0,0.125,0.25 PYTHONPATH=. python scripts/bench_kernels.py --only prefill_salience
+Three times per method: ms (eager: events around each call, so host launch time is inside; at 1
+frame that is most of it), dev_ms (device: a GPU spin of 2x the eager time, 0.2-2 ms, queued before
+each call hides the host) and graph_ms (per call replayed from a CUDA graph, eager < 1 ms only); x_*
+ratios of each. At 1-8 frames two more rows time our standalone call with the launcher's older host
+work: every launch through Triton's dispatch, and the plan rebuilt per call as well (the S5 launcher).
 Offline (no GPU): `PYTHONPATH=.:scripts python scripts/benches/prefill_salience.py --offline [D]` compiles
 both passes for sm_90a at DEFAULT_TILES and prints, per score in the main loop, SASS / MUFU / FMA-pipe /
 ALU instructions, registers, spills, and the issue/pipe bound, for the default and each poly fraction.
+`... prefill_salience.py --host` times the launcher's host side per call on the CPU (Triton's dispatch
+included, the C launch stubbed) for the three launcher forms.
 
 Shapes of issue 5: SigLIP (H=16, N=729, D=72) at 1/8/64 frames, long sequences (H=16, D=80) at
 N=4K/16K/64K (--quick: up to 4K, no sweep). Rows: naive (softmax(QK^T) materialised, then the mean;
@@ -51,6 +58,8 @@ QUICK = ["siglip1", "siglip8", "siglip64", "4k"]
 SWEEP = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3),
          (256, 64, 8, 3)]
 NAIVE_MAX_BYTES = 40 << 30  # the materialised fp16 matrix plus its softmax must fit comfortably
+GRAPH_MAX_MS = 1.0  # graph_ms only below this eager time: above it host launch time is a few % at most
+LAUNCH_ROWS_MAX_FLOPS = 1e10  # launcher comparison rows at shapes whose QK^T pass is at most this (1-8 frames)
 
 
 def naive(q, k):
@@ -68,14 +77,31 @@ def _peak_mib(fn, args) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def _skipped(e: Exception, what: str = "skipped") -> None:
+    print(f"  {what}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    torch.cuda.empty_cache()
+
+
 def _time(fn, inputs, iters):
-    """(median ms, peak MiB) or (None, None) when it runs out of memory or does not compile."""
+    """(eager ms, device ms, graph ms, peak MiB), medians; Nones when it runs out of memory or does not
+    compile. eager: events around each call, the host's launch time inside (what an uncaptured call
+    costs); device: the same behind a GPU spin of 2x the eager time, 0.2-2 ms (common.device_ms), so
+    the host has queued the whole call first; graph: per call from replays of a CUDA graph of
+    back-to-back calls (common.graph_ms), only below GRAPH_MAX_MS eager and where it can be captured."""
     try:
-        return common.bench(fn, inputs, warmup=2, iters=iters), _peak_mib(fn, inputs[0])
+        ms = common.bench(fn, inputs, warmup=2, iters=iters)
+        dev = common.device_ms(fn, inputs, ms, iters=iters)
+        mib = _peak_mib(fn, inputs[0])
     except Exception as e:  # noqa: BLE001 - one failing config must not hide the other rows
-        print(f"  skipped: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-        torch.cuda.empty_cache()
-        return None, None
+        _skipped(e)
+        return None, None, None, None
+    graph = None
+    if ms < GRAPH_MAX_MS:
+        try:
+            graph = common.graph_ms(fn, inputs)
+        except Exception as e:  # noqa: BLE001 - e.g. a method that synchronises cannot be captured
+            _skipped(e, "graph capture failed")
+    return ms, dev, graph, mib
 
 
 def _poly_variants() -> list[tuple[float, int]]:
@@ -87,13 +113,31 @@ def _poly_variants() -> list[tuple[float, int]]:
     return out
 
 
-def _methods(fc):
+def _triton_dispatch(q, k, lse):
+    """Ours standalone with every launch through Triton's dispatch (plans kept, no direct launch)."""
+    kernel_module.DIRECT_LAUNCH = False
+    try:
+        return prefill_salience(q, k)
+    finally:
+        kernel_module.DIRECT_LAUNCH = True
+
+
+def _plan_per_call(q, k, lse):
+    """Ours standalone doing the S5 launcher's host work: plan built and Triton's dispatch every call."""
+    kernel_module._PLANS.clear()
+    return prefill_salience(q, k)
+
+
+def _methods(fc, launch_rows: bool):
     out = [("naive torch", lambda q, k, lse: naive(q, k))]
     if fc is not None:
         out += [("naive_colreduce", lambda q, k, lse: fc.naive_colreduce(q, k, "mean").float().mean(1)),
                 ("flash-colreduce", lambda q, k, lse: fc.flash_colreduce(q, k, "mean").float().mean(1))]
     out += [("ours standalone", lambda q, k, lse: prefill_salience(q, k)),
             ("ours fused (lse given)", lambda q, k, lse: prefill_salience(q, k, lse=lse))]
+    if launch_rows:  # the same kernels, more host work per call: the launcher's share of the eager time
+        out += [("ours standalone, Triton dispatch", _triton_dispatch),
+                ("ours standalone, plan per call (S5 launcher)", _plan_per_call)]
     for f, d in _poly_variants():
         tag = f"poly {f:g}" + ("" if d == POLY_DEG_DEFAULT else f" deg{d}")
         out += [(f"ours standalone {tag}", lambda q, k, lse, f=f, d=d: prefill_salience(q, k, exp_poly=f, poly_deg=d)),
@@ -128,14 +172,14 @@ def _sweep_configs() -> list[tuple[tuple[int, int, int, int], bool]]:
 
 
 def _sweep(inputs, iters) -> dict:
-    """ms of every (tiles, fast) config, standalone and fused, keyed by a printable name."""
+    """_time of every (tiles, fast) config, standalone and fused, keyed by a printable name."""
     out = {}
     for fused in (False, True):
         for tiles, fast in _sweep_configs():
             fn = (lambda q, k, lse, t=tiles, f=fast, u=fused:
                   prefill_salience(q, k, lse=lse if u else None, tiles=t, fast_exp=f))
             key = f"sweep {'fused' if fused else 'standalone'} {','.join(map(str, tiles))}{' fast' if fast else ''}"
-            out[key] = _time(fn, inputs, iters)[0]
+            out[key] = _time(fn, inputs, iters)
     return out
 
 
@@ -146,25 +190,33 @@ def _shape_rows(B, H, N, D, fc, quick, sweep) -> list[dict]:
     iters = 5 if quick or N >= 65536 else (10 if N >= 16384 else 30)
     ref = prefill_salience(*inputs[0][:2]).double()
     small = B * H * N * N * 4 <= NAIVE_MAX_BYTES  # an fp32 reference fits
-    results = {}
-    for name, fn in _methods(fc):
+    results = {}  # name: (eager ms, device ms, graph ms, peak MiB, max error)
+    for name, fn in _methods(fc, flops1 <= LAUNCH_ROWS_MAX_FLOPS):
         if name.startswith("naive") and 2 * B * H * N * N * 2 > NAIVE_MAX_BYTES:
-            results[name] = (None, None, None)
+            results[name] = (None,) * 5
             continue
-        ms, mib = _time(fn, inputs, iters)
-        err = (fn(*inputs[0]).double() - ref).abs().max().item() if ms is not None and small else None
-        results[name] = (ms, mib, err)
+        times = _time(fn, inputs, iters)
+        err = (fn(*inputs[0]).double() - ref).abs().max().item() if times[0] is not None and small else None
+        results[name] = (*times, err)
     results["flash attention + LSE"] = (*_time(lambda q, k, lse: ops.attention_with_lse(q, k, k), inputs, iters), None)
-    for key, ms in (_sweep(inputs, iters) if sweep and not quick else {}).items():
-        results[key] = (ms, None, None)
-    naive_ms, fc_ms = results["naive torch"][0], results.get("flash-colreduce", (None,))[0]
+    for key, times in (_sweep(inputs, iters) if sweep and not quick else {}).items():
+        results[key] = (*times, None)
     rows = []
-    for name, (ms, mib, err) in results.items():
+    for name, (ms, dev, graph, mib, err) in results.items():
         passes = 1 if "fused" in name else 2  # the method's two QK^T passes (attention: QK^T and PV)
-        rows.append(dict(shape=shape, method=name, ms=ms, tflops=passes * flops1 / ms / 1e9 if ms else None,
-                         x_naive=naive_ms / ms if ms and naive_ms else None,
-                         x_fc=fc_ms / ms if ms and fc_ms else None, peak_mib=mib, max_err=err))
+        rows.append(dict(shape=shape, method=name, ms=ms, dev_ms=dev, graph_ms=graph,
+                         tflops=passes * flops1 / ms / 1e9 if ms else None,
+                         x_naive=_ratio(results, "naive torch", 0, ms), x_fc=_ratio(results, "flash-colreduce", 0, ms),
+                         x_naive_dev=_ratio(results, "naive torch", 1, dev),
+                         x_nc_dev=_ratio(results, "naive_colreduce", 1, dev),
+                         x_fc_dev=_ratio(results, "flash-colreduce", 1, dev), peak_mib=mib, max_err=err))
     return rows
+
+
+def _ratio(results: dict, peer: str, col: int, ms: float | None) -> float | None:
+    """How many times faster than `peer` (its eager (col 0) or device (col 1) ms over ms)."""
+    theirs = results.get(peer, (None,) * 5)[col]
+    return theirs / ms if theirs and ms else None
 
 
 def _w8a8_encoder(cfg):
@@ -207,10 +259,12 @@ def _encoder_rows(quick) -> list[dict]:
         both_ms = common.bench(with_salience, px, warmup=2, iters=5)
         _, (q, k, lse) = enc.run_layers(enc.embed(px[0][0]), qk_layer=last)
         col_ms = common.bench(lambda a, b, c: prefill_salience(a, b, lse=c), [(q, k, lse)], warmup=3, iters=20)
+        col_dev = common.device_ms(lambda a, b, c: prefill_salience(a, b, lse=c), [(q, k, lse)], col_ms, iters=20)
     base = dict(x_naive=None, x_fc=None, peak_mib=None, max_err=None, tflops=None)
-    print(f"  W8A8 encoder B{B}: {enc_ms:.2f} ms; with salience {both_ms:.2f} ms; column pass {col_ms:.3f} ms")
+    print(f"  W8A8 encoder B{B}: {enc_ms:.2f} ms; with salience {both_ms:.2f} ms; column pass {col_ms:.3f} ms "
+          f"(device {col_dev:.3f} ms)")
     return [dict(shape=f"encoder w8a8 B{B}", method="encoder alone", ms=enc_ms, **base),
-            dict(shape=f"encoder w8a8 B{B}", method="salience column pass", ms=col_ms, **base,
+            dict(shape=f"encoder w8a8 B{B}", method="salience column pass", ms=col_ms, dev_ms=col_dev, **base,
                  pct_encoder=100 * col_ms / enc_ms),
             dict(shape=f"encoder w8a8 B{B}", method="encoder + salience (fused)", ms=both_ms, **base,
                  pct_encoder=100 * (both_ms - enc_ms) / enc_ms)]
@@ -225,6 +279,9 @@ def run(args) -> list[dict]:
     quick = getattr(args, "quick", False)
     if os.environ.get("SALIENCE_POLY_MAXNREG") == "0":
         kernel_module.POLY_MAXNREG = None
+    print("ms: eager (events around each call, host launch time inside); dev_ms: device time (a GPU spin "
+          "queued first hides the host); graph_ms: per call in a CUDA graph (eager < 1 ms only); x_*: times "
+          "faster than naive torch / naive_colreduce (nc) / flash-colreduce (fc), eager or _dev")
     names = _env_list("SALIENCE_SHAPES", QUICK if quick else list(SHAPES))
     swept = set(_env_list("SALIENCE_SWEEP_SHAPES", list(SHAPES)))
     rows = []
@@ -319,3 +376,85 @@ def offline(D: int = 80) -> None:
 
 if __name__ == "__main__" and "--offline" in sys.argv:
     offline(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 80)
+
+
+class _HostOnlyDriver:
+    """Stands in for Triton's CUDA driver on a machine without a GPU: device 0, stream 0, sm_90a."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+def _stub_compile(fn) -> None:
+    """Make Triton's dispatch of `fn` find a CompiledKernel whose launcher does nothing: Triton's whole
+    Python side runs (binding, specialisation, cache key, launch metadata), the C launch does not."""
+    from triton.compiler import CompiledKernel
+
+    def do_compile(key, signature, device, constexprs, options, attrs, warmup):
+        k = CompiledKernel.__new__(CompiledKernel)
+        k.module, k.function, k.src, k.name, k.packed_metadata = object(), 0, None, fn.__name__, (4, 1, 0)
+        k._run = lambda *args: None
+        fn.device_caches[device][0][key] = k
+        return k
+
+    fn._do_compile = do_compile
+
+
+def host(calls: int = 10000) -> None:
+    """Host microseconds per prefill_salience call at 1 SigLIP frame, Triton's dispatch included and
+    the C launch (cuLaunchKernelEx) stubbed, CPU tensors; its torch.empty / part.sum are CPU ops here."""
+    import time
+
+    from triton.runtime import driver
+
+    km = kernel_module
+    assert not km._INTERPRET, "run without TRITON_INTERPRET: the launcher's compiled-kernel path is timed"
+    saved = driver._active
+    driver.set_active(_HostOnlyDriver())
+    for fn in (km._row_lse_kernel, km._prefill_salience_kernel):
+        _stub_compile(fn)
+    q, k = (torch.randn(1, 16, 729, 72, dtype=torch.float16) for _ in "qk")
+    lse = torch.randn(1, 16, 729)
+    calls_by_mode = {"standalone": lambda: prefill_salience(q, k), "fused": lambda: prefill_salience(q, k, lse=lse),
+                     "standalone poly 0.125": lambda: prefill_salience(q, k, exp_poly=0.125)}
+    modes = {"plan rebuilt every call (the S5 launcher's work)": (True, False),
+             "plan cached, Triton dispatch": (False, False), "plan cached, direct launch": (False, True)}
+
+    def us(fn, rebuild):
+        for _ in range(200):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            if rebuild:
+                km._PLANS.clear()
+            fn()
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    print(f"host us per call, B1 H16 N729 D72 fp16, C launch stubbed, best of 5 x {calls} calls (CPU noise only adds)")
+    print("launcher | " + " | ".join(calls_by_mode))
+    try:
+        for name, (rebuild, direct) in modes.items():
+            km.DIRECT_LAUNCH = direct
+            row = [min(us(fn, rebuild) for _ in range(5)) for fn in calls_by_mode.values()]
+            print(f"{name} | " + " | ".join(f"{t:.1f}" for t in row))
+    finally:
+        km.DIRECT_LAUNCH = True
+        driver.set_active(saved)
+        for fn in (km._row_lse_kernel, km._prefill_salience_kernel):
+            del fn._do_compile
+            fn.device_caches.clear()
+    part = torch.empty(1, 16, 729)
+    print(f"for scale (CPU tensors): part.sum(1) {us(lambda: part.sum(1), False):.1f} us, "
+          f"torch.empty {us(lambda: torch.empty(1, 16, 729), False):.1f} us")
+
+
+if __name__ == "__main__" and "--host" in sys.argv:
+    host()

@@ -80,9 +80,15 @@ def _assert_within(out, q, k, n_query):
     assert err <= 2 * torch_err + floor, f"kernel error {err:.3g}, naive PyTorch error {torch_err:.3g}"
 
 
+@pytest.mark.parametrize("default", [0.0, None], ids=["default-unmasked", "original-masked"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_reference(shape, dtype, poisoned):
+def test_matches_reference(shape, dtype, default, poisoned, monkeypatch):
+    """Both kernel forms a plain call can run (EXP_POLY_DEFAULT: the unmasked-tile variant, the default since
+    session 6, or the original masked kernels)."""
+    import csrc_triton.prefill_salience as mod
+
+    monkeypatch.setattr(mod, "EXP_POLY_DEFAULT", default)
     B, H, N, D, n_query = shape
     q, k = _inputs(B, H, N, D, dtype, seed=N + D)
     out = prefill_salience(q, k, n_query=n_query)

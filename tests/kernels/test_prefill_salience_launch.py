@@ -1,0 +1,255 @@
+"""Prefill-salience launcher: per-call plans (_PLANS) and the direct compiled-kernel launch.
+
+Plans must not change a result: a sequence of calls over shapes, dtypes and modes gives bit-identical
+output whether each call built its plan fresh or found it cached. The direct launch must pass the
+compiled kernel exactly what Triton's dispatch passes: on CPU Triton's dispatch runs against a stub
+driver and compiled kernels whose launcher records its arguments; on CUDA the real kernels run with and
+without the direct launch, under CUDA-graph capture too, and must agree bit for bit.
+"""
+
+import pytest
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import CompiledKernel
+from triton.runtime import JITFunction, driver
+
+import csrc_triton.prefill_salience as km
+from csrc_triton.prefill_salience import prefill_salience
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """An empty plan table for the test, the module's own restored afterwards."""
+    monkeypatch.setattr(km, "_PLANS", {})
+    return km._PLANS
+
+
+def _qk(B, H, N, D, dtype, seed, offset=0):
+    """q, k of (B, H, N, D); offset > 0: views `offset` elements into a buffer (2-byte aligned for fp16)."""
+    g = torch.Generator().manual_seed(seed)
+    n = B * H * N * D
+    buf = (2 * torch.randn(2 * n + 2 * offset, generator=g)).to(DEVICE, dtype)
+    return buf[offset:offset + n].view(B, H, N, D), buf[n + 2 * offset:].view(B, H, N, D)
+
+
+def _lse(q, k, M):
+    s = q[:, :, :M].double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5
+    return torch.logsumexp(s, -1).float()  # (B, H, M)
+
+
+def _sequence():
+    """(name, thunk) calls that differ in every part of the plan key: shape, dtype, strides, n_query,
+    the caller's LSE (unit-stride and not), tiles, exp_poly, poly_deg, scale."""
+    q1, k1 = _qk(1, 2, 197, 72, torch.float16, 1)
+    q2, k2 = _qk(2, 3, 123, 64, torch.bfloat16, 2)
+    q3, k3 = _qk(1, 2, 100, 80, torch.float32, 3)
+    qkv = torch.randn(2, 57, 3, 2, 72, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.float16)
+    qv, kv, _ = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, T, D) views of a fused projection
+    lse1 = _lse(q1, k1, 197)
+    lse_strided = torch.empty(1, 2, 197, 2, device=DEVICE)[..., 0].copy_(lse1)  # stride 2 along rows
+    return [
+        ("fp16", lambda: prefill_salience(q1, k1)),
+        ("bf16", lambda: prefill_salience(q2, k2)),
+        ("fp32", lambda: prefill_salience(q3, k3)),
+        ("qkv views", lambda: prefill_salience(qv, kv)),
+        ("qkv views copied", lambda: prefill_salience(qv.contiguous(), kv.contiguous())),  # strides alone differ
+        ("n_query 3", lambda: prefill_salience(q1, k1, n_query=3)),
+        ("lse", lambda: prefill_salience(q1, k1, lse=lse1)),
+        ("lse strided", lambda: prefill_salience(q1, k1, lse=lse_strided)),
+        ("tiles", lambda: prefill_salience(q1, k1, tiles=(32, 16, 4, 3))),
+        ("poly", lambda: prefill_salience(q2, k2, exp_poly=0.25)),
+        ("poly deg 3", lambda: prefill_salience(q2, k2, exp_poly=0.25, poly_deg=3)),
+        ("scale", lambda: prefill_salience(q3, k3, scale=0.05)),
+    ]
+
+
+def test_cached_plans_give_identical_results(fresh_plans):
+    """Each call of the sequence, cold (its plan built) and then twice more interleaved with the others
+    (its plan found): bit-identical outputs, and one plan per distinct call."""
+    calls = _sequence()
+    cold = {}
+    for name, call in calls:
+        fresh_plans.clear()
+        cold[name] = call()
+    fresh_plans.clear()
+    for _ in range(2):
+        for name, call in calls:
+            out = call()
+            assert torch.equal(out, cold[name]), name
+    assert len(fresh_plans) == len(calls)
+    assert all(torch.isfinite(o).all() for o in cold.values())
+
+
+def test_plans_follow_the_module_switches(fresh_plans, monkeypatch):
+    """DEFAULT_TILES (and the other switches in the key) changed after a call take effect on the next."""
+    q, k = _qk(1, 2, 150, 64, torch.float16, 5)
+    prefill_salience(q, k)
+    monkeypatch.setattr(km, "DEFAULT_TILES", (32, 16, 4, 3))
+    out = prefill_salience(q, k)
+    assert len(fresh_plans) == 2
+    assert [p.pass2.meta["BLOCK_R"] for p in fresh_plans.values()] == [128, 32]
+    assert torch.equal(out, prefill_salience(q, k, tiles=(32, 16, 4, 3)))
+
+
+def test_bad_calls_are_not_cached(fresh_plans):
+    q, k = _qk(1, 2, 20, 64, torch.float16, 6)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="n_query"):
+            prefill_salience(q, k, n_query=21)
+    assert not fresh_plans
+
+
+def test_plan_table_is_bounded(fresh_plans, monkeypatch):
+    monkeypatch.setattr(km, "_MAX_PLANS", 2)
+    q, k = _qk(1, 1, 40, 64, torch.float16, 7)
+    outs = [prefill_salience(q, k, n_query=m) for m in (1, 2, 3, 1)]
+    assert len(fresh_plans) <= 2
+    assert torch.equal(outs[0], outs[3])
+
+
+# --- the direct launch against Triton's dispatch, on CPU with a recording stub driver -------------------
+
+
+class _StubDriver:
+    """Triton's driver interface as dispatch uses it: device 0, a fixed stream, an sm_90 target."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 1234
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+def _recording_kernels(monkeypatch) -> list[tuple]:
+    """Swap both kernels for JITFunctions whose 'compiled' kernels record every launch instead of
+    running: (kernel, via, grid, stream, function, packed metadata, kernel arguments), via being
+    "triton" (dispatch passes launch metadata and hook chains) or "direct" (None, None, None)."""
+    launches = []
+    monkeypatch.setattr(driver, "_active", _StubDriver())
+    for name in ("_row_lse_kernel", "_prefill_salience_kernel"):
+        fn = JITFunction(getattr(km, name).fn)
+
+        def do_compile(key, signature, device, constexprs, options, attrs, warmup, fn=fn, name=name):
+            k = CompiledKernel.__new__(CompiledKernel)
+            k.module, k.src, k.name, k.packed_metadata = object(), None, name, (4, 1, 0)
+            k.function = f"{name}#{len(fn.device_caches[device][0])}"  # one handle per compiled kernel
+            k._run = lambda gx, gy, gz, stream, function, packed, meta, enter, leave, *args, name=name: launches.append(
+                (name, "direct" if meta is None and enter is None and leave is None else "triton", (gx, gy, gz),
+                 stream, function, packed, args))
+            fn.device_caches[device][0][key] = k
+            return k
+
+        fn._do_compile = do_compile
+        monkeypatch.setattr(km, name, fn)
+    return launches
+
+
+def _comparable(launch):
+    """A launch with each tensor argument replaced by what the kernel sees of it besides its data."""
+    name, _, grid, stream, function, packed, args = launch
+    args = tuple((a.shape, a.stride(), a.dtype, a.data_ptr() % 16 == 0) if torch.is_tensor(a) else a for a in args)
+    return name, grid, stream, function, packed, args
+
+
+@pytest.mark.skipif(CUDA, reason="replaces the CUDA driver with a stub; the CUDA tests below run the real one")
+def test_direct_launch_passes_what_triton_binds(fresh_plans, monkeypatch):
+    """Per call of the sequence (plus a 2-byte-aligned q): launched through Triton's dispatch, then
+    twice with DIRECT_LAUNCH: the direct launches carry the same grid, stream, kernel and arguments
+    (constexprs in parameter order) as Triton's, and only a new alignment goes through dispatch again."""
+    launches = _recording_kernels(monkeypatch)
+    calls = _sequence()
+    q, k = _qk(1, 2, 197, 72, torch.float16, 1, offset=1)
+    assert q.data_ptr() % 16 != 0
+    calls.append(("fp16 unaligned", lambda: prefill_salience(q, k)))
+    for name, call in calls:
+        monkeypatch.setattr(km, "DIRECT_LAUNCH", False)
+        del launches[:]
+        call()
+        via_triton = list(launches)
+        monkeypatch.setattr(km, "DIRECT_LAUNCH", True)
+        del launches[:]
+        call()
+        call()
+        n = len(via_triton)
+        assert n in (1, 2) and [v for _, v, *_ in via_triton] == ["triton"] * n, name
+        assert [v for _, v, *_ in launches] == ["triton"] * n + ["direct"] * n, name
+        for theirs, ours in zip(via_triton, launches[n:]):
+            assert _comparable(ours) == _comparable(theirs), name
+    # One plan (the fp16 call's) has two compiled kernels: 16-byte aligned q and the unaligned view.
+    assert sorted(len(p.pass2.compiled) for p in fresh_plans.values()) == [1] * (len(calls) - 2) + [2]
+
+
+@pytest.mark.skipif(CUDA, reason="replaces the CUDA driver with a stub")
+def test_launch_hooks_take_triton_dispatch(fresh_plans, monkeypatch):
+    """With a launch hook (what a profiler installs) every launch goes through Triton's dispatch."""
+    from triton import knobs
+
+    launches = _recording_kernels(monkeypatch)
+    q, k = _qk(1, 2, 64, 64, torch.float16, 8)
+    prefill_salience(q, k)
+    hook, seen = knobs.runtime.launch_enter_hook, (lambda metadata: None)
+    hook.add(seen)
+    try:
+        del launches[:]
+        prefill_salience(q, k)
+    finally:
+        hook.remove(seen)
+    assert [v for _, v, *_ in launches] == ["triton", "triton"]
+
+
+# --- on CUDA: the real kernels with and without the direct launch ---------------------------------------
+
+
+@pytest.mark.skipif(not CUDA, reason="the compiled kernels need CUDA")
+@pytest.mark.parametrize("shape", [(1, 16, 729, 72), (8, 16, 729, 72), (1, 16, 4096, 80)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_direct_launch_is_bit_identical(shape, fresh_plans, monkeypatch):
+    """The sequence, the issue's shapes and a 2-byte-aligned q (its own compiled kernel): identical
+    outputs through Triton's dispatch and the direct launch, in sequence, twice."""
+    q, k = _qk(*shape, torch.float16, 9)
+    qu, ku = _qk(*shape, torch.float16, 9, offset=1)
+    calls = _sequence() + [("shape", lambda: prefill_salience(q, k)), ("unaligned", lambda: prefill_salience(qu, ku)),
+                           ("shape poly", lambda: prefill_salience(q, k, exp_poly=0.125))]
+    monkeypatch.setattr(km, "DIRECT_LAUNCH", False)
+    ref = {name: call() for name, call in calls}
+    monkeypatch.setattr(km, "DIRECT_LAUNCH", True)
+    for _ in range(3):
+        for name, call in calls:
+            assert torch.equal(call(), ref[name]), name
+
+
+@pytest.mark.skipif(not CUDA, reason="the compiled kernels need CUDA")
+def test_direct_launch_skips_triton_dispatch(fresh_plans, monkeypatch):
+    """After the first call, a call makes no Triton dispatch at all (JITFunction.run would raise)."""
+    q, k = _qk(1, 16, 729, 72, torch.float16, 10)
+    first = prefill_salience(q, k)
+
+    def no_dispatch(*args, **kwargs):
+        raise AssertionError("Triton dispatch on a planned call")
+
+    for fn in (km._row_lse_kernel, km._prefill_salience_kernel):
+        monkeypatch.setattr(fn, "run", no_dispatch)
+    assert torch.equal(prefill_salience(q, k), first)
+    monkeypatch.setattr(km, "DIRECT_LAUNCH", False)
+    with pytest.raises(AssertionError, match="dispatch"):
+        prefill_salience(q, k)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_direct_launch_in_a_cuda_graph(fresh_plans):
+    """Captured (as the encoder and the bench's graph column run it) and replayed: the eager result."""
+    q, k = _qk(1, 16, 729, 72, torch.float16, 11)
+    lse = _lse(q, k, 729)
+    eager = (prefill_salience(q, k), prefill_salience(q, k, lse=lse))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = (prefill_salience(q, k), prefill_salience(q, k, lse=lse))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], eager[0]) and torch.equal(outs[1], eager[1])
