@@ -8,9 +8,11 @@ a_scale: (M,) fp32; b_scale: (N,) fp32; bias: (N,) any float dtype or None; resi
 out dtype or None (the ViT's skip connection, so the block needs no separate add); out: (M, N)
 fp16/bf16/fp32. The int32 accumulator is exact (|sum| <= K * 127 * 128 < 2**31 for K < 132000).
 Epilogue in fp32: acc -> fp32, * a_scale, * b_scale, + bias, + residual (the reference's order), one
-rounding to the out dtype. Operands come through TMA descriptors on sm_90+ when every row stride is
-16-byte aligned (TMA zero-fills out-of-range tiles), else through pointers (clamped rows, a peeled K
-tail). K is a compile-time constant: full K tiles run unmasked. Any M, N, K; contiguous inner dims.
+rounding to the out dtype, in EPI_SPLIT (1, 2 or 4; per tile config) column sub-tiles of the output
+tile so that fewer values are live at once (no spills at 128 x 256 with a residual). Operands come
+through TMA descriptors on sm_90+ when every row stride is 16-byte aligned (TMA zero-fills
+out-of-range tiles), else through pointers (clamped rows, a peeled K tail). K is a compile-time
+constant: full K tiles run unmasked. Any M, N, K; contiguous inner dims.
 A persistent variant (`_w8a8_gemm_persistent_kernel`, config PERSISTENT) loops each program over tiles
 with a sub-tiled epilogue and TMA stores; selectable only (benchmarks), not a default until measured.
 """
@@ -53,57 +55,78 @@ def _mainloop(a_ptr, b_ptr, off_m, off_n, M, N, stride_am, stride_bn, K: tl.cons
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile for every token count (M is masked anyway)
-def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, M, N,
-                      stride_am, stride_bn, stride_rm, stride_cm, K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
-    # Grouped program order: GROUP_M row-tiles share each column tile of b while it is in L2.
-    pid = tl.program_id(0)
-    n_pid_m = tl.cdiv(M, BLOCK_M)
-    n_pid_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * n_pid_n)
-    first_m = group * GROUP_M
-    size_m = min(n_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_pid_n)) % size_m
-    pid_n = (pid % (GROUP_M * n_pid_n)) // size_m
-
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Clamped indices: out-of-range rows/cols compute garbage that the masked store drops, so the
-    # hot loop carries no M/N masks.
-    rm_c = tl.minimum(rm, M - 1)
-    rn_c = tl.minimum(rn, N - 1)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    if TMA:
-        # a_ptr / b_ptr are tensor descriptors; the K tail (and M/N edges) load as zeros.
-        for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
-            a = a_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])  # (BLOCK_M, BLOCK_K)
-            b = b_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])  # (BLOCK_N, BLOCK_K)
-            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-    else:  # pointers: clamped rows, full K tiles unmasked, one masked tail (shared with the persistent kernel)
-        acc = _mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_am, stride_bn, K, False,
-                        BLOCK_M, BLOCK_N, BLOCK_K)
-
-    # Epilogue in fp32, in the reference's order.
-    a_s = tl.load(a_scale_ptr + rm_c)
-    b_s = tl.load(b_scale_ptr + rn_c)
+@triton.jit
+def _epilogue_store(acc, a_s, b_s, bias, off_m, off_n, M, N, res_ptr, c_ptr, stride_rm, stride_cm,
+                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr, SUB_M: tl.constexpr,
+                    SUB_N: tl.constexpr):
+    """Scale one (SUB_M, SUB_N) int32 sub-tile at (off_m, off_n) in fp32 (the reference's order: acc *
+    a_s[m] * b_s[n] + bias[n] + residual), round once and store it. a_s (SUB_M,), b_s and bias (SUB_N,)
+    fp32 come loaded. TMA: res/c are descriptors (the store clips the M/N edges); else masked pointers."""
     out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
     if HAS_BIAS:
-        out += tl.load(bias_ptr + rn_c).to(tl.float32)[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if HAS_RES:
-        out += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], out.to(c_ptr.dtype.element_ty), mask=mask)
+        out += bias[None, :]
+    if TMA:
+        if HAS_RES:
+            out += res_ptr.load([off_m, off_n]).to(tl.float32)
+        c_ptr.store([off_m, off_n], out.to(c_ptr.dtype))
+    else:
+        rm = off_m + tl.arange(0, SUB_M)
+        rn = off_n + tl.arange(0, SUB_N)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if HAS_RES:
+            out += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], out.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-# ---- Persistent variant (selected by config["PERSISTENT"]; not the default until measured) ----
-# One program per SM (or PROGRAMS_PER_SM), each looping over output tiles in the same grouped order
-# as above, so the pipeline prologue and launch cost are paid once per SM, not once per tile, and the
-# epilogue of tile i (TMA stores are asynchronous) overlaps the loads of tile i + 1. The epilogue runs
-# per (BLOCK_M, BLOCK_N / EPI_SPLIT) sub-tile: fewer live fp32 registers and a smaller store buffer in
-# shared memory (more of it left for pipeline stages).
+@triton.jit
+def _halves(acc, b_s, bias, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
+    """Columns [0, HALF) and [HALF, 2 HALF) of a (BLOCK_M, 2 HALF) tile and of its column vectors:
+    (BM, 2 HALF) -> (BM, 2, HALF) -> (BM, HALF, 2) -> split on the last dim."""
+    acc0, acc1 = acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1).split()
+    b0, b1 = b_s.reshape(2, HALF).permute(1, 0).split()
+    c0, c1 = bias.reshape(2, HALF).permute(1, 0).split()
+    return acc0, b0, c0, acc1, b1, c1
+
+
+@triton.jit
+def _epilogue(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, stride_rm, stride_cm,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, EPI_SPLIT: tl.constexpr):
+    """The epilogue of one (BLOCK_M, BLOCK_N) tile in EPI_SPLIT (1, 2 or 4) column sub-tiles of BLOCK_N /
+    EPI_SPLIT, each scaled, biased, residual-added and stored before the next, so only one sub-tile's fp32
+    values, residual and addresses are live beside the int32 accumulator (at 128 x 256, 8 warps, with a
+    residual, the whole tile at once spills). The scale and bias vectors are loaded once for the whole
+    tile and split like the accumulator: loaded per sub-tile, each lands in the accumulator's layout as
+    dozens of scalar loads per thread (offline SASS, docs/perf_notes.md)."""
+    SUB_N: tl.constexpr = BLOCK_N // EPI_SPLIT
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    a_s = tl.load(a_scale_ptr + rm, mask=rm < M, other=0.0)
+    b_s = tl.load(b_scale_ptr + rn, mask=rn < N, other=0.0)
+    bias = b_s  # a placeholder (dead code) when there is no bias
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    if EPI_SPLIT == 1:
+        _epilogue_store(acc, a_s, b_s, bias, off_m, off_n, M, N, res_ptr, c_ptr, stride_rm, stride_cm, HAS_BIAS,
+                        HAS_RES, TMA, BLOCK_M, SUB_N)
+    elif EPI_SPLIT == 2:
+        acc0, b0, c0, acc1, b1, c1 = _halves(acc, b_s, bias, BLOCK_M, SUB_N)
+        _epilogue_store(acc0, a_s, b0, c0, off_m, off_n, M, N, res_ptr, c_ptr, stride_rm, stride_cm, HAS_BIAS,
+                        HAS_RES, TMA, BLOCK_M, SUB_N)
+        _epilogue_store(acc1, a_s, b1, c1, off_m, off_n + SUB_N, M, N, res_ptr, c_ptr, stride_rm, stride_cm,
+                        HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
+    else:  # 4: halve the halves
+        h0, hb0, hc0, h1, hb1, hc1 = _halves(acc, b_s, bias, BLOCK_M, 2 * SUB_N)
+        acc0, b0, c0, acc1, b1, c1 = _halves(h0, hb0, hc0, BLOCK_M, SUB_N)
+        acc2, b2, c2, acc3, b3, c3 = _halves(h1, hb1, hc1, BLOCK_M, SUB_N)
+        _epilogue_store(acc0, a_s, b0, c0, off_m, off_n, M, N, res_ptr, c_ptr, stride_rm, stride_cm, HAS_BIAS,
+                        HAS_RES, TMA, BLOCK_M, SUB_N)
+        _epilogue_store(acc1, a_s, b1, c1, off_m, off_n + SUB_N, M, N, res_ptr, c_ptr, stride_rm, stride_cm,
+                        HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
+        _epilogue_store(acc2, a_s, b2, c2, off_m, off_n + 2 * SUB_N, M, N, res_ptr, c_ptr, stride_rm, stride_cm,
+                        HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
+        _epilogue_store(acc3, a_s, b3, c3, off_m, off_n + 3 * SUB_N, M, N, res_ptr, c_ptr, stride_rm, stride_cm,
+                        HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
 
 
 @triton.jit
@@ -117,28 +140,36 @@ def _tile_coords(tile, n_pid_m, n_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
-def _epilogue_store(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, stride_rm,
-                    stride_cm, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
-                    SUB_M: tl.constexpr, SUB_N: tl.constexpr):
-    """Scale one (SUB_M, SUB_N) int32 sub-tile (fp32, the reference's order), add bias and residual,
-    round once and store it. TMA: res/c are descriptors (the store clips the M/N edges)."""
-    rm = off_m + tl.arange(0, SUB_M)
-    rn = off_n + tl.arange(0, SUB_N)
-    a_s = tl.load(a_scale_ptr + rm, mask=rm < M, other=0.0)
-    b_s = tl.load(b_scale_ptr + rn, mask=rn < N, other=0.0)
-    out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+@triton.jit(do_not_specialize=["M"])  # one compile for every token count (M is masked anyway)
+def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, M, N,
+                      stride_am, stride_bn, stride_rm, stride_cm, K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) output tile per program. TMA: a_ptr / b_ptr are descriptors; the residual
+    and c always go through masked pointers. EPI_SPLIT (1, 2 or 4): column sub-tiles of the epilogue."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     if TMA:
-        if HAS_RES:
-            out += res_ptr.load([off_m, off_n]).to(tl.float32)
-        c_ptr.store([off_m, off_n], out.to(c_ptr.dtype))
-    else:
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        if HAS_RES:
-            out += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], out.to(c_ptr.dtype.element_ty), mask=mask)
+        # a_ptr / b_ptr are tensor descriptors; the K tail (and M/N edges) load as zeros.
+        for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+            b = b_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])  # (BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+    else:  # pointers: clamped rows, full K tiles unmasked, one masked tail (shared with the persistent kernel)
+        acc = _mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_am, stride_bn, K, False,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+    # Residual and output through pointers (TMA=False here): out-of-range rows/cols are masked off.
+    _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr,
+              stride_rm, stride_cm, HAS_BIAS, HAS_RES, False, BLOCK_M, BLOCK_N, EPI_SPLIT)
+
+
+# ---- Persistent variant (selected by config["PERSISTENT"]; not the default until measured) ----
+# One program per SM (or PROGRAMS_PER_SM), each looping over output tiles in the same grouped order
+# as above, so the pipeline prologue and launch cost are paid once per SM, not once per tile, and the
+# epilogue of tile i (TMA stores are asynchronous) overlaps the loads of tile i + 1. The epilogue runs
+# per (BLOCK_M, BLOCK_N / EPI_SPLIT) sub-tile: fewer live fp32 registers and a smaller store buffer in
+# shared memory (more of it left for pipeline stages).
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -154,34 +185,13 @@ def _w8a8_gemm_persistent_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_pt
     specialization: Triton 3.6 ignores `warp_specialize` on sm_90 (the compiled TTGIR is identical)."""
     n_pid_m = tl.cdiv(M, BLOCK_M)
     n_pid_n = tl.cdiv(N, BLOCK_N)
-    SUB_N: tl.constexpr = BLOCK_N // EPI_SPLIT
     for tile in tl.range(tl.program_id(0), n_pid_m * n_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile, n_pid_m, n_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = _mainloop(a_ptr, b_ptr, off_m, off_n, M, N, stride_am, stride_bn, K, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
-        # Split the accumulator along N into EPI_SPLIT column blocks: (BM, 2, BN/2) -> two (BM, BN/2).
-        if EPI_SPLIT == 1:
-            _epilogue_store(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, stride_rm,
-                            stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
-        elif EPI_SPLIT == 2:
-            acc0, acc1 = acc.reshape(BLOCK_M, 2, SUB_N).permute(0, 2, 1).split()
-            _epilogue_store(acc0, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, stride_rm,
-                            stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
-            _epilogue_store(acc1, off_m, off_n + SUB_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr,
-                            stride_rm, stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
-        else:  # 4: split the halves again
-            h0, h1 = acc.reshape(BLOCK_M, 2, 2 * SUB_N).permute(0, 2, 1).split()
-            acc0, acc1 = h0.reshape(BLOCK_M, 2, SUB_N).permute(0, 2, 1).split()
-            acc2, acc3 = h1.reshape(BLOCK_M, 2, SUB_N).permute(0, 2, 1).split()
-            _epilogue_store(acc0, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, stride_rm,
-                            stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
-            _epilogue_store(acc1, off_m, off_n + SUB_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr,
-                            stride_rm, stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
-            _epilogue_store(acc2, off_m, off_n + 2 * SUB_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr,
-                            stride_rm, stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
-            _epilogue_store(acc3, off_m, off_n + 3 * SUB_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr,
-                            stride_rm, stride_cm, HAS_BIAS, HAS_RES, TMA, BLOCK_M, SUB_N)
+        _epilogue(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, stride_rm, stride_cm,
+                  HAS_BIAS, HAS_RES, TMA, BLOCK_M, BLOCK_N, EPI_SPLIT)
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,24 +203,27 @@ def _device_caps(index: int) -> tuple[int, int, int]:
 
 # Tile shapes tried largest first: the first whose grid covers 3/4 of the SMs wins (small grids
 # leave SMs idle at one image, where 128x256 tiles give only 6 x 5 programs for the 1152-wide GEMMs).
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, max stages); int8 operands take (BM + BN) * BK bytes a stage.
-# Chosen by the H200 sweep in scripts/benches/w8a8.py (docs/perf_notes.md): 128x256 (TMA) wins or
-# ties at 8 and 64 images (815-940 TOPS), 64x128 at one image (108 programs for N=1152 beat 64x64's
-# 216: hence 3/4, not all, of the 132 SMs); 128x128 never won.
-_TILES = ((128, 256, 128, 8, 3), (64, 128, 128, 4, 4), (64, 64, 128, 4, 4))
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, max stages, EPI_SPLIT); int8 operands take (BM + BN) * BK
+# bytes a stage. Chosen by the H200 sweep in scripts/benches/w8a8.py (docs/perf_notes.md): 128x256 (TMA)
+# wins or ties at 8 and 64 images (815-940 TOPS), 64x128 at one image (108 programs for N=1152 beat
+# 64x64's 216: hence 3/4, not all, of the 132 SMs); 128x128 never won. EPI_SPLIT from the offline
+# sm_90a SASS (`scripts/benches/w8a8.py --offline`): at 128x256 with a residual the unsplit epilogue
+# spills (255 registers), split in 2 it does not, and without a residual the split is 48 SASS shorter;
+# the 4-warp tiles never spill.
+_TILES = ((128, 256, 128, 8, 3, 2), (64, 128, 128, 4, 4, 1), (64, 64, 128, 4, 4, 1))
 
 
 def _config(M: int, N: int, K: int, device: torch.device) -> dict:
     """Tile shapes: small under the interpreter (it is slow), Hopper-sized on CUDA (see _TILES);
     pipeline stages as many as shared memory holds, up to the tile's maximum."""
     if device.type != "cuda":
-        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, EPI_SPLIT=1)
     n_sm, smem, _ = _device_caps(device.index if device.index is not None else torch.cuda.current_device())
     fits = [t for t in _TILES if 2 * (t[0] + t[1]) * t[2] + 8192 <= smem]  # 2 stages at least (~100 KB GPUs)
-    bm, bn, bk, warps, max_stages = next(
+    bm, bn, bk, warps, max_stages, split = next(
         (t for t in fits if triton.cdiv(M, t[0]) * triton.cdiv(N, t[1]) >= 3 * n_sm // 4), fits[-1])
     stages = max(2, min(max_stages, (smem - 8192) // ((bm + bn) * bk)))
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages, EPI_SPLIT=split)
 
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
@@ -226,9 +239,9 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
     """(M, K) int8 x (N, K) int8 -> (M, N) `out_dtype`, scaled per token and per channel (+ bias)
     (+ residual (M, N) in `out_dtype`).
 
-    `config` overrides the tile choice (benchmarks sweep it): the keys of `_config`, plus "TMA"
-    (bool; default: on where `_tma_ok`); "PERSISTENT": True selects the persistent kernel (keys of
-    `persistent_config`).
+    `config` overrides the tile choice (benchmarks sweep it): the keys of `_config` (EPI_SPLIT 1, 2 or 4,
+    default 1: the epilogue in that many column sub-tiles), plus "TMA" (bool; default: on where
+    `_tma_ok`); "PERSISTENT": True selects the persistent kernel (keys of `persistent_config`).
     """
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"w8a8_gemm: a and b must be int8, got {a.dtype} and {b.dtype}")
@@ -253,12 +266,15 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    cfg = dict(config or _config(M, N, K, a.device))
+    cfg = dict(config or _auto_config(M, N, K, a.device, _tma_ok(a, b) and _aligned(c, residual)))
     tma = cfg.pop("TMA", None)
     tma = _tma_ok(a, b) if tma is None else tma
     if cfg.pop("PERSISTENT", False):
         _launch_persistent(a, b, a_scale, b_scale, bias, residual, c, tma, cfg)
         return c
+    cfg.setdefault("EPI_SPLIT", 1)
+    if cfg["EPI_SPLIT"] not in (1, 2, 4) or cfg["BLOCK_N"] % cfg["EPI_SPLIT"]:
+        raise ValueError(f"w8a8_gemm: EPI_SPLIT must be 1, 2 or 4 and divide BLOCK_N, got {cfg['EPI_SPLIT']}")
     a_arg, b_arg = a, b
     if tma:
         a_arg = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
@@ -325,6 +341,27 @@ def persistent_config(t: tuple, programs_per_sm: int = 1) -> dict:
     bm, bn, bk, warps, stages, split, flatten = t
     return dict(PERSISTENT=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
                 EPI_SPLIT=split, FLATTEN=flatten, PROGRAMS_PER_SM=programs_per_sm)
+
+# What runs where _config picks the 128 x 256 tile (8 and 64 SigLIP images; fc1 at one): the persistent kernel,
+# loop nest flattened for short K, 4 stages and a 4-way epilogue split for long K (fc2). H200 run S6-C
+# (`TINYVILA_W8A8_VARIANTS=1`, graph-replayed): 1.04-1.11x the default kernel at every ViT GEMM at 8 and 64
+# images (qkv 885 / 941 TOPS, o 693 / 896, fc1 942 / 946, fc2 836 / 959), fc1 at one image 1.00x; the 26-layer
+# encoder at 8 images 10.14 -> 9.77 ms. At one image the 64 x 128 default tiles stay (persistent 0.55-0.95x).
+_LARGE_TILE_PERSISTENT = {False: (128, 256, 128, 8, 3, 2, True), True: (128, 256, 128, 8, 4, 4, False)}  # K >= 2048
+
+
+def _auto_config(M: int, N: int, K: int, device: torch.device, tma: bool) -> dict:
+    """The config a call runs: _config's tile, on CUDA the persistent kernel instead where that is 128 x 256 and
+    every operand can go through TMA (its pointer form at these tiles needs more shared memory than an H200
+    has at some K: the 128 x 256 x 128 3-stage pointer build asked for 352 KiB at K = 160, run S6-F)."""
+    cfg = _config(M, N, K, device)
+    if device.type == "cuda" and tma and (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 256) and USE_PERSISTENT:
+        return persistent_config(_LARGE_TILE_PERSISTENT[K >= 2048])
+    return cfg
+
+
+USE_PERSISTENT = True  # False: the default kernel everywhere (A/B)
+
 
 def w8a8_gemm_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,

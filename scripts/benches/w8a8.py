@@ -11,8 +11,13 @@
     put in place of the default tiles. One-command form (~2 min on the H200):
     PYTHONPATH=. TINYVILA_W8A8_PARTS=gemm,encoder TINYVILA_W8A8_VARIANTS=1 TINYVILA_W8A8_ENCODER_IMAGES=8 \
         python scripts/bench_kernels.py --only w8a8
+    TINYVILA_W8A8_PARTS=epi  the default kernel at its launcher tile with each epilogue split (EPI_SPLIT
+    1, 2, 4) against torch._int_mm, TOPS, at IMAGES (default 1,8,64); wo and fc2 with the residual (as the
+    ViT runs them) and without, qkv and fc1 without. One command (~1-2 min on the H200):
+    PYTHONPATH=. TINYVILA_W8A8_PARTS=epi python scripts/bench_kernels.py --only w8a8
     Offline (no GPU): PYTHONPATH=.:scripts python scripts/benches/w8a8.py --offline compiles the default
-    and persistent configs for sm_90a and prints a SASS table (IGMMA/UTMALDG/UTMASTG, registers, spills).
+    and persistent configs for sm_90a and prints a SASS table (IGMMA/UTMALDG/UTMASTG, registers, spills),
+    then the default kernel's epilogue table: each ViT GEMM shape, with and without residual, per EPI_SPLIT.
 
 GEMM rows: the Triton w8a8_gemm (int8 x int8 -> int32, fused scale/bias epilogue, fp16 out) in TOPS
 against the measured int8 ceiling (torch._int_mm at 8192^3), beside torch._int_mm alone (a lower
@@ -40,12 +45,12 @@ TOKENS = 729
 
 
 def sweep_configs() -> list[tuple]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, TMA): the launcher's tiles with both operand
-    paths, plus deeper pipelines and 4-warp 128x128."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, TMA, EPI_SPLIT): the launcher's tiles with both
+    operand paths, plus deeper pipelines and 4-warp 128x128."""
     from csrc_triton.w8a8_gemm import _TILES
 
-    base = [(bm, bn, bk, w, st, tma) for tma in (True, False) for bm, bn, bk, w, st in _TILES]
-    return base + [(128, 256, 128, 8, 4, True), (128, 128, 128, 8, 5, True), (128, 128, 128, 4, 4, True)]
+    base = [(bm, bn, bk, w, st, tma, sp) for tma in (True, False) for bm, bn, bk, w, st, sp in _TILES]
+    return base + [(128, 256, 128, 8, 4, True, 2), (128, 128, 128, 8, 5, True, 1), (128, 128, 128, 4, 4, True, 1)]
 
 
 def _progress(row: dict) -> dict:
@@ -80,9 +85,10 @@ def _sweep(sets, ops: float, label: str) -> list[dict]:
     from csrc_triton.w8a8_gemm import w8a8_gemm
 
     rows = []
-    for bm, bn, bk, warps, stages, tma in sweep_configs():
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages, TMA=tma)
-        name = f"{bm}x{bn}x{bk} w{warps} s{stages} {'tma' if tma else 'ptr'}"
+    for bm, bn, bk, warps, stages, tma, split in sweep_configs():
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages, TMA=tma,
+                   EPI_SPLIT=split)
+        name = f"{bm}x{bn}x{bk} w{warps} s{stages} epi{split} {'tma' if tma else 'ptr'}"
         try:
             ms = common.graph_ms(lambda a, b, sa, sb, bias, *_, cfg=cfg: w8a8_gemm(a, b, sa, sb, bias, config=cfg),
                           sets)
@@ -147,7 +153,7 @@ def _gemm_rows(images: list[int], ceil_i8: float, ceil_f16: float, sweep: list[i
                          "triton_eager_ms": common.bench(tri, sets), "int_mm_ms": t_intmm,
                          "int_mm_tops": ops / t_intmm, "int_mm+epi_ms": t_intmm_epi, "fp16_ms": t_f16,
                          "fp16_tflops": ops / t_f16, "speedup_vs_fp16": t_f16 / t_tri,
-                         "note": "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages}".format(**cfg)}))
+                         "note": "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages} epi{EPI_SPLIT}".format(**cfg)}))
             if variants:
                 v_rows, best = _variant_rows(sets, ops, ceil_i8, f"{name} M={M}", t_tri)
                 rows += v_rows
@@ -160,6 +166,60 @@ def _gemm_rows(images: list[int], ceil_i8: float, ceil_f16: float, sweep: list[i
                 rows += _sweep(sets, ops, f"{name} M={M}")
             del sets
     return rows, faster
+
+
+# The ViT's GEMMs for the epilogue-split comparison: (K, N, name, with residual). wo ("o") and fc2 add the
+# skip connection in their epilogue (the case that spilled at 128 x 256); their no-residual rows and qkv /
+# fc1 check that the split does not slow the plain epilogue.
+EPI_CASES = [(1152, 3456, "qkv", False), (1152, 1152, "o", True), (1152, 1152, "o", False),
+             (1152, 4304, "fc1", False), (4304, 1152, "fc2", True), (4304, 1152, "fc2", False)]
+
+
+def _epi_sets(M: int, K: int, N: int) -> list:
+    """Input sets (a, b, a_scale, b_scale, bias, residual) rotated past L2."""
+    per_set = M * K + N * K + 4 * M * N  # int8 operands, fp16 residual and output
+    return [(torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda"),
+             torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda"),
+             torch.rand(M, device="cuda") * 0.01, torch.rand(N, device="cuda") * 1e-3,
+             torch.randn(N, device="cuda", dtype=torch.float16), torch.randn(M, N, device="cuda", dtype=torch.float16))
+            for _ in range(common.n_copies(per_set))]
+
+
+def _epi_rows(images: list[int], ceil_i8: float) -> list[dict]:
+    """The default kernel at the launcher's tile with each EPI_SPLIT (1: the unsplit epilogue), in TOPS,
+    beside torch._int_mm (int32 out, no epilogue: what cuBLASLt's int8 GEMM alone takes). x_epi1: speedup
+    over EPI_SPLIT 1; same_bits: the split's output equals EPI_SPLIT 1's bit for bit (same fp32 op order)."""
+    from csrc_triton.w8a8_gemm import _config, w8a8_gemm
+
+    rows = []
+    for n_img in images:
+        M = TOKENS * n_img
+        for K, N, name, with_res in EPI_CASES:
+            sets = _epi_sets(M, K, N)
+            ops = 2 * M * N * K / 1e9
+            label = f"epi {name}{'+res' if with_res else ''} M={M} K={K} N={N}"
+            t_intmm = common.graph_ms(lambda a, b, *_: torch._int_mm(a, b.t()), sets)
+            rows.append(_progress({"case": f"{label} int_mm", "triton_ms": t_intmm, "triton_tops": ops / t_intmm,
+                                   "pct_int8_ceil": 100 * ops / t_intmm / ceil_i8}))
+            base = _config(M, N, K, sets[0][0].device)
+            first, t_first = None, None
+            for split in (1, 2, 4):
+                cfg = dict(base, EPI_SPLIT=split)
+                fn = lambda a, b, sa, sb, bias, res, cfg=cfg, r=with_res: w8a8_gemm(  # noqa: E731
+                    a, b, sa, sb, bias, residual=res if r else None, config=cfg)
+                t = common.graph_ms(fn, sets)
+                out = fn(*sets[0])
+                first = out if first is None else first
+                t_first = t if t_first is None else t_first
+                tile = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages}".format(**cfg)
+                rows.append(_progress({
+                    "case": f"{label} triton epi{split}", "triton_ms": t, "triton_tops": ops / t if t else None,
+                    "pct_int8_ceil": 100 * ops / t / ceil_i8 if t else None,
+                    "x_int_mm": t_intmm / t if t and t_intmm else None, "x_epi1": t_first / t if t and t_first else None,
+                    "same_bits": bool(torch.equal(out, first)),
+                    "note": tile + (" (default)" if split == base["EPI_SPLIT"] else "")}))
+            del sets
+    return rows
 
 
 # (rows per program, num_warps, SPLIT) of the row kernels: one warp per row (no cross-warp reductions)
@@ -420,7 +480,7 @@ def _env_ints(name: str, default: str = "") -> list[int]:
 
 def run(args) -> list[dict]:
     quick = getattr(args, "quick", False)
-    parts = os.environ.get("TINYVILA_W8A8_PARTS", "encoder,layer,gemm,rows").split(",")
+    parts = os.environ.get("TINYVILA_W8A8_PARTS", "encoder,layer,gemm,rows").split(",")  # also: epi
     images = _env_ints("TINYVILA_W8A8_IMAGES", "1,8" if quick else "1,8,64")
     sweep, row_sweep = _env_ints("TINYVILA_W8A8_SWEEP"), _env_ints("TINYVILA_W8A8_ROW_SWEEP")
     variants = os.environ.get("TINYVILA_W8A8_VARIANTS", "0") not in ("", "0")
@@ -430,6 +490,11 @@ def run(args) -> list[dict]:
         ceil_i8, ceil_f16 = int8_tops_ceiling(), common.matmul_tflops(torch.float16)
         rows += [{"case": "ceiling int8 torch._int_mm 8192^3 (TOPS)", "triton_tops": ceil_i8},
                  {"case": "ceiling fp16 matmul 8192^3 (TFLOP/s)", "fp16_tflops": ceil_f16}]
+    if "epi" in parts:
+        if "gemm" not in parts:
+            ceil_i8 = int8_tops_ceiling()
+            rows += [{"case": "ceiling int8 torch._int_mm 8192^3 (TOPS)", "triton_tops": ceil_i8}]
+        rows += _epi_rows(images, ceil_i8)
     if "gemm" in parts and variants:  # the variants pick the encoder's GEMM configs: GEMMs first
         gemm_rows, faster = _gemm_rows(images, ceil_i8, ceil_f16, sweep, variants=True)
         rows += gemm_rows
@@ -448,8 +513,12 @@ def run(args) -> list[dict]:
     return [{k: r.get(k) for k in keys} for r in rows]
 
 
-def _compile_sm90(t: tuple, K: int, persistent: bool):
-    """Compile one config of the TMA path for sm_90a without a GPU (fp16 out, bias and residual)."""
+def _compile_sm90(t: tuple, K: int, persistent: bool, has_res: bool = True, split: int | None = None,
+                  n_div16: bool = True):
+    """Compile one config of the TMA path for sm_90a without a GPU (fp16 out, bias, residual if has_res).
+    t: a `_TILES` or `_PERSISTENT_TILES` row (EPI_SPLIT t[5] unless `split`). n_div16: N marked divisible
+    by 16, as the launch specializes it for the ViT's N (1152, 3456, 4304); it is what lets the masked
+    stores and residual loads vectorize (without it: 2-byte accesses, and other spill counts)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -457,25 +526,27 @@ def _compile_sm90(t: tuple, K: int, persistent: bool):
     import csrc_triton.w8a8_gemm as wg
 
     bm, bn, bk, warps, stages = t[:5]
-    sub = bn // t[5] if persistent else bn
+    split = t[5] if split is None else split
+    sub = bn // split if persistent else bn
     out = f"tensordesc<fp16[{bm}, {sub}]>" if persistent else "*fp16"  # c and residual
     sig = {"a_ptr": f"tensordesc<i8[{bm}, {bk}]>", "b_ptr": f"tensordesc<i8[{bn}, {bk}]>", "a_scale_ptr": "*fp32",
            "b_scale_ptr": "*fp32", "bias_ptr": "*fp16", "res_ptr": out, "c_ptr": out, "M": "i32", "N": "i32",
            "stride_am": "i32", "stride_bn": "i32", "stride_rm": "i32", "stride_cm": "i32"}
-    consts = dict(K=K, HAS_BIAS=True, HAS_RES=True, TMA=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+    consts = dict(K=K, HAS_BIAS=True, HAS_RES=has_res, TMA=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                  EPI_SPLIT=split)
     if persistent:
-        consts.update(EPI_SPLIT=t[5], NUM_PROGRAMS=132, FLATTEN=t[6])
+        consts.update(NUM_PROGRAMS=132, FLATTEN=t[6])
     sig.update({k: "constexpr" for k in consts})
-    aligned = [i for i, (k, v) in enumerate(sig.items()) if v.startswith("*") or k.startswith("stride")]
+    aligned = [i for i, (k, v) in enumerate(sig.items())
+               if v.startswith("*") or k.startswith("stride") or (k == "N" and n_div16)]
     src = ASTSource(wg._w8a8_gemm_persistent_kernel if persistent else wg._w8a8_gemm_kernel, sig, consts,
                     {(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def offline_table(K: int = 1152) -> list[dict]:
-    """SASS evidence per config (sm_90a, no GPU needed): int8 wgmma (IGMMA) in the main loop, TMA loads
-    (UTMALDG) and stores (UTMASTG), registers, local memory (spills), shared memory, and the `pendings` of
-    the wgmma wait in the K loop (0: each K step's wgmma completes before the next is issued)."""
+def _sass_stats(k) -> dict:
+    """Registers, local memory traffic (spill stores STL / loads LDL, stack bytes) and counts of a compiled
+    kernel's sm_90a SASS, via the nvdisasm / cuobjdump that ship with Triton."""
     import re
     import subprocess
     import tempfile
@@ -483,21 +554,33 @@ def offline_table(K: int = 1152) -> list[dict]:
 
     import triton
 
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([bin_dir / "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([bin_dir / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+    return {"regs": int(re.search(r"REG:(\d+)", res).group(1)), "stack_B": int(re.search(r"STACK:(\d+)", res).group(1)),
+            "STL": len(re.findall(r"\bSTL\b", sass)), "LDL": len(re.findall(r"\bLDL\b", sass)),
+            "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)), "sass_text": sass}
+
+
+def offline_table(K: int = 1152) -> list[dict]:
+    """SASS evidence per config (sm_90a, no GPU needed; bias and residual): int8 wgmma (IGMMA) in the main
+    loop, TMA loads (UTMALDG) and stores (UTMASTG), registers, spills (STL), shared memory, and the
+    `pendings` of the wgmma wait in the K loop (0: each K step's wgmma completes before the next is issued)."""
+    import re
+
     from csrc_triton.w8a8_gemm import _PERSISTENT_TILES, _TILES
 
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     rows = []
     for persistent, tiles in ((False, _TILES), (True, _PERSISTENT_TILES)):
         for t in tiles:
             k = _compile_sm90(t, K, persistent)
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(k.asm["cubin"])
-                f.flush()
-                sass = subprocess.run([bin_dir / "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
-                res = subprocess.run([bin_dir / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+            st = _sass_stats(k)
+            sass = st.pop("sass_text")
             rows.append({"config": ("persist " if persistent else "default ") + "x".join(map(str, t)),
-                         "regs": int(re.search(r"REG:(\d+)", res).group(1)),
-                         "local_B": int(re.search(r"LOCAL:(\d+)", res).group(1)), "smem_B": k.metadata.shared,
+                         "regs": st["regs"], "STL": st["STL"], "smem_B": k.metadata.shared,
                          "IGMMA": sass.count("IGMMA"), "UTMALDG": sass.count("UTMALDG"),
                          "UTMASTG": sass.count("UTMASTG"), "STG": len(re.findall(r"\bSTG\.", sass)),
                          "wgmma_wait_pendings": ",".join(re.findall(r"warp_group_dot_wait.*?pendings = (\d+)",
@@ -505,9 +588,36 @@ def offline_table(K: int = 1152) -> list[dict]:
     return rows
 
 
+def epilogue_table(n_div16: bool = True) -> list[dict]:
+    """The default kernel (TMA operands) at each `_TILES` tile for the ViT's four GEMM shapes, with and
+    without the residual, per EPI_SPLIT: registers / STL / LDL / SASS instructions. The compiled code
+    depends on (N, K) only through K (a constexpr) and N's divisibility, so each K compiles once."""
+    from csrc_triton.w8a8_gemm import _TILES
+
+    cache, rows = {}, []
+    for t in _TILES:
+        for K, N, name in SHAPES:
+            for has_res in (False, True):
+                row = {"tile": "x".join(map(str, t[:5])), "gemm": f"{name} N={N} K={K}", "residual": has_res}
+                for split in (1, 2, 4):
+                    key = (t, K, has_res, split)
+                    if key not in cache:
+                        cache[key] = _sass_stats(_compile_sm90(t, K, False, has_res, split, n_div16))
+                    st = cache[key]
+                    row[f"epi{split}{'*' if split == t[5] else ''} regs/STL/LDL/sass"] = (
+                        f"{st['regs']}/{st['STL']}/{st['LDL']}/{st['sass']}")
+                rows.append(row)
+    return rows
+
+
+def _print_table(title: str, table: list[dict]) -> None:
+    print(f"\n{title}\n| " + " | ".join(table[0]) + " |\n|" + "---|" * len(table[0]))
+    for r in table:
+        print("| " + " | ".join(str(v) for v in r.values()) + " |")
+
+
 if __name__ == "__main__" and "--offline" in sys.argv:
     for K in (1152, 4304):
-        table = offline_table(K)
-        print(f"\nK={K}\n| " + " | ".join(table[0]) + " |\n|" + "---|" * len(table[0]))
-        for r in table:
-            print("| " + " | ".join(str(v) for v in r.values()) + " |")
+        _print_table(f"K={K}", offline_table(K))
+    _print_table("default kernel epilogue, sm_90a, N divisible by 16 as launched (* = the tile's default split)",
+                 epilogue_table())

@@ -3,6 +3,8 @@
 On CPU the kernel runs under TRITON_INTERPRET=1 at small widths (decode M=1, odd sizes, M=729*k);
 on CUDA the same cases run plus SigLIP-so400m shapes (729 x {1, 8, 64} tokens, 1152 <-> 3456/4304),
 and every tile config of the sweep, TMA and pointer operands, must give bit-identical outputs.
+The default kernel's epilogue in EPI_SPLIT (1, 2, 4) column sub-tiles runs with bias + residual at odd
+shapes: bit-identical to the reference under the interpreter, to each other on the GPU.
 The persistent variant (config PERSISTENT) runs here too: under the interpreter with small tiles,
 3 programs looping over several tiles, TMA descriptors (a, b, residual, c) and the pointer fallback.
 """
@@ -15,7 +17,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from csrc_triton.w8a8_gemm import _PERSISTENT_TILES, _TILES, persistent_config, w8a8_gemm, w8a8_gemm_ref  # noqa: E402
+from csrc_triton.w8a8_gemm import (  # noqa: E402
+    _PERSISTENT_TILES, _TILES, _config, persistent_config, w8a8_gemm, w8a8_gemm_ref)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -104,12 +107,13 @@ def test_residual_epilogue():
 
 
 def _configs():
-    """Every tile config of the GPU sweep (both operand paths); small tiles under the interpreter."""
+    """Every tile config of the GPU sweep (both operand paths, every epilogue split); small tiles under
+    the interpreter."""
     if not ON_GPU:
-        return [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, TMA=t)
-                for t in (False, True)]
-    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=st, TMA=t)
-            for bm, bn, bk, w, st in _TILES for t in (False, True)]
+        return [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, TMA=t, EPI_SPLIT=sp)
+                for t in (False, True) for sp in (1, 2, 4)]
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=st, TMA=t, EPI_SPLIT=sp)
+            for bm, bn, bk, w, st, sp in _TILES for t in (False, True)]
 
 
 @pytest.mark.parametrize("M,N,K", [(70, 48, 96)] + ([(729, 1152, 4304), (5 * 729, 3456, 1152)] if ON_GPU else []))
@@ -129,13 +133,78 @@ def test_every_config_bit_identical(M, N, K):
         assert (out == want).float().mean().item() >= 0.99, cfg
 
 
+# (M, N, K, out dtype) with bias + residual through the default kernel at every EPI_SPLIT: ragged M and N
+# edges (partial sub-tiles, a sub-tile wholly past N), a K tail, M = 1; on the GPU the ViT's wo and fc2 at
+# 8 images (128 x 256 tiles), wo at one image (64 x 128) and a 3-row odd-N GEMM (64 x 64).
+F16, BF16 = torch.float16, torch.bfloat16
+SPLIT_CASES = [(5, 123, 217, F16), (93, 100, 160, F16)] + (
+    [(37, 72, 144, F16), (1, 40, 72, F16), (93, 100, 160, BF16), (37, 72, 144, BF16)] if not ON_GPU else
+    [(8 * 729, 1152, 1152, F16), (8 * 729, 1152, 4304, F16), (8 * 729, 1152, 1152, BF16), (729, 1152, 1152, F16),
+     (3, 200, 1152, F16)])
+
+
+def _split_configs(M, N, K):
+    """The launcher's tile for (M, N, K) with each EPI_SPLIT: TMA operands (where K rows are 16-byte
+    aligned) at every split, pointer operands at 1 and 2 (the epilogue is the same code on both paths);
+    under the interpreter 32x32 tiles (sub-tiles of 32, 16 and 8 columns)."""
+    base = {k: v for k, v in _config(M, N, K, torch.device(DEVICE)).items() if k != "EPI_SPLIT"}
+    return ([dict(base, EPI_SPLIT=sp, TMA=True) for sp in (1, 2, 4) if K % 16 == 0]
+            + [dict(base, EPI_SPLIT=sp, TMA=False) for sp in (1, 2)])
+
+
+@pytest.mark.parametrize("M,N,K,dtype", SPLIT_CASES)
+def test_epilogue_split_matches_reference(M, N, K, dtype):
+    """bias + residual epilogue in 1, 2 and 4 column sub-tiles: the same fp32 op order and one rounding,
+    so under the interpreter fp16 is bit-identical to the reference; on the GPU (where the compiler may
+    contract a multiply-add into an FMA) every split gives the same bits as the unsplit epilogue and
+    >= 99% of the reference's. All within the tolerance rule against the fp64 oracle. bf16: tolerance
+    only under the interpreter (it rounds fp32 -> bf16 by truncation)."""
+    a, b, a_s, b_s, bias = make(M, N, K, seed=11 * M + N + K, dtype=dtype)
+    res = (torch.randn(M, N) * 2).to(DEVICE, dtype)
+    want = w8a8_gemm_ref(a, b, a_s, b_s, bias, out_dtype=dtype, residual=res)
+    oracle_out = oracle(a, b, a_s, b_s, bias) + res.double()
+    ref_err = (want.double() - oracle_out).abs().max().item()
+    first = None
+    for cfg in _split_configs(M, N, K):
+        out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)  # poisoned: unwritten fails
+        out.copy_(w8a8_gemm(a, b, a_s, b_s, bias, out_dtype=dtype, residual=res, config=cfg))
+        err = (out.double() - oracle_out).abs().max().item()
+        assert err <= 2 * ref_err + FLOOR[dtype] * oracle_out.abs().max().item(), (cfg, err, ref_err)
+        if not ON_GPU and dtype == torch.float16:
+            assert torch.equal(out, want), cfg
+        if dtype == torch.float16 or ON_GPU:
+            assert (out == want).float().mean().item() >= 0.99, cfg
+        first = out if first is None else first
+        if ON_GPU:
+            assert torch.equal(out, first), cfg  # the split changes which values are live, not the math
+
+
+def test_epilogue_split_no_residual_and_bad_split():
+    """Without bias or residual each split still writes every element (poisoned output) exactly; a split
+    that is not 1, 2 or 4 or does not divide BLOCK_N is refused."""
+    M, N, K = 45, 80, 96
+    a, b, a_s, b_s, _ = make(M, N, K, seed=12)
+    want = w8a8_gemm_ref(a, b, a_s, b_s, None)
+    for cfg in _split_configs(M, N, K):
+        out = torch.full((M, N), float("nan"), dtype=torch.float16, device=DEVICE)
+        out.copy_(w8a8_gemm(a, b, a_s, b_s, None, config=cfg))
+        assert torch.isfinite(out).all(), cfg
+        torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3, msg=str(cfg))
+        assert (out == want).float().mean().item() >= (0.99 if ON_GPU else 1.0), cfg
+    for bad in (3, 8 * _config(M, N, K, torch.device(DEVICE))["BLOCK_N"]):
+        with pytest.raises(ValueError, match="EPI_SPLIT"):
+            w8a8_gemm(a, b, a_s, b_s, None, config=dict(_config(M, N, K, torch.device(DEVICE)), EPI_SPLIT=bad))
+
+
 def _persistent_configs():
     """Persistent-kernel configs: small tiles and 3 programs (several tiles each) under the interpreter,
     every split of the epilogue and both operand paths; the sweep's configs on the GPU."""
     if not ON_GPU:
         return [dict(PERSISTENT=True, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1,
                      EPI_SPLIT=split, FLATTEN=False, NUM_PROGRAMS=3, TMA=tma) for split in (1, 2, 4) for tma in (True, False)]
-    return [persistent_config(t) for t in _PERSISTENT_TILES] + [dict(persistent_config(_PERSISTENT_TILES[0]), TMA=False)]
+    # The pointer form at a tile whose shared memory fits at every K (128 x 256 x 128 in 3 stages did not at K = 160).
+    return [persistent_config(t) for t in _PERSISTENT_TILES] + [dict(persistent_config((128, 128, 128, 4, 2, 1, False)),
+                                                                     TMA=False)]
 
 
 PERSISTENT_SHAPES = [(70, 48, 96), (5, 123, 217), (1, 40, 72), (93, 72, 160)] + (
