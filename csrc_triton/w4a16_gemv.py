@@ -12,18 +12,15 @@ bits 0-3 under 16.0 (ulp 2^-3): m = 16, u = 1/8. Then, per group g of row n (fp3
     sum_k x_k w_k = s (sum q x) + b X = (s / u) (sum_k v_k x_k - Xm) + b X,   X = sum x,  Xm = sum m x.
 
 Two kernels share this math and the epilogue:
-- "mma" (G = 128, K % 128 == 0; the GPU default): the v tile is the *register* operand A of mma.sync
-  (tl.dot (BLOCK_N, 128 GPS) x (128 GPS, 8)), built in the order that is exactly mma's operand layout
-  (_mma_operand): Triton reads the words from shared memory straight into it, and the tensor cores do every
-  multiply-add (~1 integer op per weight to unpack). A K step covers GPS groups (64 GPS contiguous bytes
-  of each row). B is x in block-diagonal form: column jg BM + m holds row m of x for group jg and zeros
-  elsewhere, so one dot yields each group's sum in its own column and the per-group scales are one (BN, 8)
-  multiply (_x_operand, _step_scales); or (XOP "shared") GPS dots against one B holding the step's groups of x
-  side by side, keeping each dot's own group column (_shared_x_dots: the same sums, a GPS times smaller B
-  that needs no shared-memory round trip). x is loaded contiguously as int32 pairs (pipelined with cp.async
-  like the weights) and permuted in registers; the x-only terms (Xm, X) of all the program's groups are computed
-  once, in the first K step while the first tiles are in flight (_zero_point_terms). CHAINS > 1 splits a
-  step into that many dots: independent mma accumulation chains instead of one.
+- "mma" (G = 128, K % 128 == 0; the GPU default): the v tile is the *register* operand A of mma.sync, built
+  in the order that is exactly mma's operand layout (_mma_operand): Triton reads the words from shared memory
+  straight into it, and the tensor cores do every multiply-add (~1 integer op per weight to unpack). A K step
+  covers GPS groups (64 GPS contiguous bytes of each row) in GPS dots (BLOCK_N, 128) x (128, 8), all against
+  one B holding the step's groups of x side by side (column jg BM + m: row m of x over group jg); dot jg keeps
+  its own group's columns (_shared_x_dots), so the per-group scales are one (BN, 8) multiply (_step_scales).
+  x is loaded contiguously as int32 pairs (pipelined with cp.async like the weights) and lands in mma's B
+  layout with no shuffle (_x_shared); the x-only terms (Xm, X) of each step's groups, with their zero points,
+  are added in that step (_step_zero_terms). Addresses are each step's scalar base plus loop-invariant offsets.
 - "fma" (any G): the fp16 magic values (for either x dtype) widened to fp32 (cvt), fp32 FMAs against x,
   summed per 32-value chunk that one thread holds (4 words: one 16-byte load), scaled per chunk.
   ~4.2 SASS instructions per weight: the fallback for groups of 32 and 64.
@@ -365,45 +362,28 @@ def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
 # -- "mma" kernel: tensor cores, G = 128 -------------------------------------------------------------------
 # mma.sync's A operand (m16n8k16, here kWidth 4) wants thread (g, t) (g = lane / 4, t = lane % 4) to hold
 # rows g and g + 8 of a 16-row tile and, per 32 dot positions, positions 4t..4t+3 and 16+4t..16+4t+3. With
-# the dot's k order p = 64 j1 + 32 j0 + 16 c1 + 8 j3 + 4 j2 + 2 c0 + e for nibble c + 4e (c = c0 + 2 c1) of
+# the dot's k order p = 64 j1 + 32 j0 + 16 c0 + 8 j3 + 4 j2 + 2 c1 + e for nibble c + 4e (c = c0 + 2 c1) of
 # word j = j0 + 2 j1 + 4 j2 + 8 j3 (k = 8 j + c + 4 e), a thread's 32 positions of a group are exactly the
 # 8 nibbles of 4 consecutive words 4t..4t+3 of one row (one 16-byte shared-memory read), and adjacent p
 # (e = 0, 1) are nibbles c and c + 4: the 16-bit pair one lop3 makes. So the unpacked values are born in
 # mma's register layout: Triton loads the words tile from shared memory straight into that layout, and the
 # joins, reshapes and the permute below only rename registers (sm_90 TTGIR: no layout conversion, no
-# shared-memory round trip for A). A K step of GPS groups is one dot over 128 GPS positions, group jg at
-# 128 jg + p (jg is a register index). Rows are in memory order (the shared-memory read can serve any row
-# to any thread); the words tile is group-major, (GPS, BN, 16), so its rows are 64 bytes apart in shared
-# memory and the 8 rows a warp reads at once fall in distinct banks.
+# shared-memory round trip for A). In this order positions 4t..4t+3 hold nibbles c0, c0 + 4, c0 + 2, c0 + 6;
+# with c0 and c1 swapped (c0, c0 + 4, c0 + 1, c0 + 5) ptxas needed more moves to assemble the operand quads
+# (offline sm_90a SASS, gate_up tile: 131 instead of 87 IMAD per K step). A K step's A holds its GPS groups
+# side by side, group jg at 128 jg + p (jg is a register index). Rows are in memory order (the shared-memory
+# read can serve any row to any thread); the words tile is group-major, (GPS, BN, 16), so its rows are 64
+# bytes apart in shared memory and the 8 rows a warp reads at once fall in distinct banks.
 @triton.jit
-def _mma_operand(words, dtype, UNPACK: tl.constexpr, BY_SHIFT: tl.constexpr = False):
-    """(GPS, BN, 16) words (group jg of each row) -> A (BN, 128 GPS) magic values, k order 128 jg + p.
-    BY_SHIFT (the order of XOP "shared"): c0 and c1 trade places in p (p = 64 j1 + 32 j0 + 16 c0 + 8 j3 + 4 j2
-    + 2 c1 + e), so one mma.sync k16 step takes the pairs c = 0, 1 (lop3 of the word as loaded) and the other
-    c = 2, 3 (of the word shifted by 8), instead of each taking one pair of both: still register renames
-    only, and ptxas then assembles the operand quads with fewer moves (offline sm_90a SASS, gate_up tile:
-    87 instead of 131 IMAD per K step)."""
+def _mma_operand(words, dtype, UNPACK: tl.constexpr):
+    """(GPS, BN, 16) words (group jg of each row) -> A (BN, 128 GPS) magic values, k order 128 jg + p."""
     GPS: tl.constexpr = words.shape[0]
     BN: tl.constexpr = words.shape[1]
     v0, v1, v2, v3, v4, v5, v6, v7 = _magic_planes(words, dtype, UNPACK)
     t = tl.join(tl.join(tl.join(v0, v4), tl.join(v1, v5)), tl.join(tl.join(v2, v6), tl.join(v3, v7)))
     t = tl.reshape(t, (GPS, BN, 2, 2, 2, 2, 2, 2, 2))  # [jg, n, j3, j2, j1, j0, e, c0, c1]
-    if BY_SHIFT:
-        t = tl.permute(t, (1, 0, 4, 5, 7, 2, 3, 8, 6))  # [n, jg, j1, j0, c0, j3, j2, c1, e]
-    else:
-        t = tl.permute(t, (1, 0, 4, 5, 8, 2, 3, 7, 6))  # [n, jg, j1, j0, c1, j3, j2, c0, e]
+    t = tl.permute(t, (1, 0, 4, 5, 7, 2, 3, 8, 6))  # [n, jg, j1, j0, c0, j3, j2, c1, e]
     return tl.reshape(t, (BN, 128 * GPS))
-
-
-@triton.jit
-def _pad_columns(t, BLOCK_M: tl.constexpr):
-    """(R, BM) -> (R, 8) with zeros in columns >= BM (mma's narrowest operand B has 8 columns)."""
-    if BLOCK_M == 8:
-        return t
-    R: tl.constexpr = t.shape[0]
-    c = tl.arange(0, 8)
-    wide = tl.reshape(tl.broadcast_to(t[:, None, :], (R, 8 // BLOCK_M, BLOCK_M)), (R, 8))  # col i BM + m: t[m]
-    return tl.where((c < BLOCK_M)[None, :], wide, 0.0)
 
 
 @triton.jit
@@ -415,41 +395,20 @@ def _split_pairs(pairs, dtype):
     return lo, hi
 
 
-@triton.jit
-def _x_operand(pairs, dtype, BLOCK_M: tl.constexpr, GPS: tl.constexpr, COL0: tl.constexpr):
-    """x of GPS groups as (BM, 64 GPS) int32 pairs in K order -> the block-diagonal B (128 GPS, 8): row
-    128 jg + p, column (COL0 + jg) BM + m holds x[m] at the k of position p of group jg; zero where the
-    column's group is not the row's ((COL0 + GPS) BM <= 8; COL0 a multiple of GPS). One dot then yields every
-    group's sums side by side.
-    x is loaded contiguously (4-byte elements, which Triton pipelines with cp.async like the weights) and
-    permuted here in registers: gathering it in p order would take 2-byte loads that cannot be pipelined,
-    i.e. one exposed memory round trip per K step."""
-    lo, hi = _split_pairs(pairs, dtype)
-    J: tl.constexpr = 8 // BLOCK_M  # column blocks
-    x = tl.reshape(tl.join(lo, hi), (BLOCK_M, GPS, 2, 2, 2, 2, 2, 2, 2))  # [m, jg, j3, j2, j1, j0, e, c1, c0]
-    x = tl.permute(x, (4, 5, 7, 2, 3, 8, 6, 1, 0))  # [j1, j0, c1, j3, j2, c0, e, jg, m]: p, then columns
-    y = tl.reshape(x, (1, 128, GPS, BLOCK_M))
-    if GPS < J:  # columns of groups >= GPS repeat the others; the mask below zeroes them
-        y = tl.reshape(tl.broadcast_to(y[:, :, None, :, :], (1, 128, J // GPS, GPS, BLOCK_M)), (1, 128, J, BLOCK_M))
-    # B[128 jg + p, jc BM + m] = y[p, jc, m] where COL0 + jg == jc: y is broadcast along the row groups jg
-    # (a K axis), not along the columns, so each thread of mma's operand layout needs its own column's x only.
-    same = COL0 + tl.arange(0, GPS)[:, None, None, None] == tl.arange(0, J)[None, None, :, None]
-    return tl.reshape(tl.where(same, y, 0.0), (GPS * 128, 8))
-
-
-# XOP "shared": GPS dots of (BN, 128) x (128, 8) per K step, all with one B = x of the step's groups side by
-# side (column jg BM + m: row m of x over group jg), instead of one dot against the block-diagonal B. Dot jg's
-# column block jg is group jg's sum (the other columns, W_jg x_j, are dropped by a select), so the result
-# is the block-diagonal dot's, column for column. B is 1024 values per step instead of 1024 GPS, needs no
-# zeros selected in, and Triton loads it from the cp.async'd x tile straight into mma's operand layout (4
-# LDS.128 + 16 PRMT per thread; sm_90 TTGIR: no layout conversion), where the block-diagonal B went
-# through shared memory again (2-byte stores, ldmatrix). A thread of mma's B layout holds 32 consecutive
-# x values of its column's group, so the x tile needs no shuffle at all.
+# The x operand: GPS dots of (BN, 128) x (128, 8) per K step, all with one B = x of the step's groups side by
+# side (column jg BM + m: row m of x over group jg). Dot jg's column block jg is group jg's sum; its other
+# columns (W_jg x_j) are dropped by a select. B is 1024 values per step, and Triton loads it from the
+# cp.async'd x tile straight into mma's operand layout (4 LDS.128 + 16 PRMT per thread; sm_90 TTGIR: no
+# layout conversion): a thread of mma's B layout holds 32 consecutive x values of its column's group, so
+# the x tile needs no shuffle. (One dot against a block-diagonal B of all GPS groups went through shared
+# memory again and was slower: docs/perf_notes.md, session 5.)
 @triton.jit
 def _x_shared(pairs, dtype, BLOCK_M: tl.constexpr, GPS: tl.constexpr):
-    """x of GPS groups as (BM, 64 GPS) int32 pairs in K order -> B (128, 8) in _mma_operand's BY_SHIFT k order:
-    row p, column jg BM + m holds x[m] at the k of position p of group jg; columns >= GPS BM repeat the others
-    (finite; _shared_x_dots discards their sums)."""
+    """x of GPS groups as (BM, 64 GPS) int32 pairs in K order -> B (128, 8) in _mma_operand's k order: row p,
+    column jg BM + m holds x[m] at the k of position p of group jg; columns >= GPS BM repeat the others
+    (finite; _shared_x_dots discards their sums). x is loaded contiguously (4-byte elements, which Triton
+    pipelines with cp.async like the weights) and permuted here in registers: gathering it in p order would
+    take 2-byte loads that cannot be pipelined, i.e. one exposed memory round trip per K step."""
     lo, hi = _split_pairs(pairs, dtype)
     x = tl.reshape(tl.join(lo, hi), (BLOCK_M, GPS, 2, 2, 2, 2, 2, 2, 2))  # [m, jg, j3, j2, j1, j0, e, c1, c0]
     x = tl.permute(x, (4, 5, 8, 2, 3, 7, 6, 1, 0))  # [j1, j0, c0, j3, j2, c1, e, jg, m]: p, then columns
@@ -482,9 +441,8 @@ def _group_operand(a, jg: tl.constexpr, GPS: tl.constexpr):
 
 @triton.jit
 def _shared_x_dots(a, xs, BLOCK_M: tl.constexpr, GPS: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """A (BN, 128 GPS) (_mma_operand, BY_SHIFT) and B (128, 8) (_x_shared) -> (BN, 8) fp32: column jg BM + m holds
-    sum_p A[n, 128 jg + p] B[p, jg BM + m], group jg's dot sum (as the block-diagonal dot's); columns >= GPS BM
-    hold zero."""
+    """A (BN, 128 GPS) (_mma_operand) and B (128, 8) (_x_shared) -> (BN, 8) fp32: column jg BM + m holds
+    sum_p A[n, 128 jg + p] B[p, jg BM + m], group jg's dot sum; columns >= GPS BM hold zero."""
     BN: tl.constexpr = a.shape[0]
     col_group = tl.arange(0, 8)[None, :] // BLOCK_M
     step = tl.zeros((BN, 8), dtype=tl.float32)
@@ -500,7 +458,7 @@ def _shared_x_dots(a, xs, BLOCK_M: tl.constexpr, GPS: tl.constexpr, UPCAST_DOT: 
 @triton.jit
 def _step_scales(s_ptr, idx, dtype, S_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, GPS: tl.constexpr):
     """Scales of groups idx + jg (jg < GPS; idx (BN,) a multiple of GPS) as (BN, 8) fp32 in the columns of
-    _x_operand's B: column jg BM + m holds s[idx + jg]; columns of groups >= GPS (whose dot sums are
+    _shared_x_dots' sums: column jg BM + m holds s[idx + jg]; columns of groups >= GPS (whose dot sums are
     exactly zero) repeat the others. GPS >= 2: s_ptr is the scales as int32 pairs, one load of GPS / 2."""
     BN: tl.constexpr = idx.shape[0]
     J: tl.constexpr = 8 // BLOCK_M
@@ -531,40 +489,15 @@ def _pair_sums(pairs, dtype):
 
 
 @triton.jit
-def _zero_point_terms(x_ptr, s_ptr, z_ptr, stride_xm, M, rows, NG, g_lo, g_hi, dtype, U_INV: tl.constexpr,
-                      M_ODD: tl.constexpr, S_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, GB: tl.constexpr):
-    """The x-only terms of groups [g_lo, g_hi), G = 128: sum_g b[n, g] X[m, g] - s[n, g] / u * Xm[m, g],
-    (BN, BM) fp32 for the memory rows `rows` (BN,). x_ptr is x viewed as int32 pairs (even k low, odd k
-    high), so X = sum lo + sum hi and Xm = 16 sum lo + M_ODD sum hi. GB groups per step: each step is one
-    memory round trip, so the launcher sizes GB to cover a program's groups in one or two steps."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_j = tl.arange(0, GB)
-    offs_i = tl.arange(0, 64)
-    corr = tl.zeros((rows.shape[0], BLOCK_M), dtype=tl.float32)
-    for g0 in range(g_lo, g_hi, GB):
-        gs = g0 + offs_j
-        g_ok = gs < g_hi
-        pairs = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + gs[None, :, None] * 64 + offs_i[None, None, :],
-                        mask=(offs_m < M)[:, None, None] & g_ok[None, :, None], other=0)  # (BM, GB, 64)
-        x_even, x_odd = _pair_sums(pairs, dtype)  # (BM, GB)
-        meta = rows[:, None] * NG + gs[None, :]  # (BN, GB)
-        b = tl.load(z_ptr + meta, mask=g_ok[None, :], other=0.0)
-        s = _load_scales(s_ptr, meta, g_ok[None, :], dtype, S_PAIRS, True)
-        corr += tl.sum(b[:, None, :] * (x_even + x_odd)[None, :, :]
-                       - (s * U_INV)[:, None, :] * (16.0 * x_even + M_ODD * x_odd)[None, :, :], axis=2)
-    return corr
-
-
-@triton.jit
 def _step_zero_terms(pairs, z_ptr, idx, s8, dtype, U: tl.constexpr, M_ODD: tl.constexpr, BLOCK_M: tl.constexpr,
                      GPS: tl.constexpr):
-    """The x-only terms of one K step's GPS groups in _x_operand's column layout, (BN, 8) fp32 in units of u:
-    u b[n, g] X[m, g] - s[n, g] Xm[m, g] in column jg BM + m (zero in the columns of groups >= GPS, whose
+    """The x-only terms of one K step's GPS groups in _shared_x_dots' column layout, (BN, 8) fp32 in units of
+    u: u b[n, g] X[m, g] - s[n, g] Xm[m, g] in column jg BM + m (zero in the columns of groups >= GPS, whose
     dot sums are zero too). pairs: the step's x as (BM, 64 GPS) int32 pairs (even k low, odd k high), so
     X = sum lo + sum hi and Xm = 16 sum lo + M_ODD sum hi; s8: the step's scales (_step_scales); zeros of
-    groups idx + jg loaded here (GPS values per row, one load, pipelined like the step's other loads):
-    the ZSTEP alternative to the per-program prologue (_zero_point_terms), whose round trip a program with
-    few K steps cannot hide."""
+    groups idx + jg loaded here (GPS values per row, one load, pipelined like the step's other loads, so no
+    memory round trip outside the pipeline: a per-program prologue over all groups cost the qkv shape's
+    4-step programs 11.7 vs 10.4 us, session 4)."""
     BN: tl.constexpr = idx.shape[0]
     J: tl.constexpr = 8 // BLOCK_M
     x_even, x_odd = _pair_sums(tl.reshape(pairs, (BLOCK_M, GPS, 64)), dtype)  # (BM, GPS)
@@ -584,17 +517,11 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
               stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
               UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
-              CHAINS: tl.constexpr, CORR_GB: tl.constexpr, ZSTEP: tl.constexpr, XOP: tl.constexpr,
-              ADDR: tl.constexpr, EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr,
-              TRIGGER: tl.constexpr = 0, PDL: tl.constexpr = False):
-    """Row block pid_n, K split pid_k of the mma kernel: y (or its split-K partial) for BLOCK_N rows.
-    ZSTEP: the x-only (zero-point) terms accumulate per K step (_step_zero_terms) instead of in a prologue
-    over all the tile's groups (_zero_point_terms): no round trip outside the pipelined loads (the qkv
-    shape's 4-step programs run 11.7 -> 10.4 us with it, session 4). XOP: the x operand, "blockdiag"
-    (_x_operand) or "shared" (_shared_x_dots). ADDR 1: each step's addresses are the scalar base of its
-    groups plus loop-invariant offsets; ADDR 0: pointer tiles carried by the loop (+= each step), whose
-    software pipelining kept every pointer twice (a copy per step; gate_up tile: 190 -> 168 registers with
-    ADDR 1, offline sm_90a)."""
+              EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, TRIGGER: tl.constexpr = 0,
+              PDL: tl.constexpr = False):
+    """Row block pid_n, K split pid_k of the mma kernel: y (or its split-K partial) for BLOCK_N rows. Each K
+    step: GPS groups' words -> A (_mma_operand), GPS dots against the step's x (_shared_x_dots), scaled per
+    group and column (_step_scales), plus the step's x-only terms (_step_zero_terms)."""
     dtype = y_ptr.dtype.element_ty
     U_INV: tl.constexpr = 8.0 if dtype == tl.bfloat16 else 64.0  # 1 / u of the magic values (_magic_planes)
     M_ODD: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0  # their m at odd k
@@ -612,54 +539,24 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
     g_lo = pid_k * (W_SPLIT // 16)
     g_hi = tl.minimum(g_lo + W_SPLIT // 16, NG)  # this program's groups [g_lo, g_hi), a multiple of GPS
     offs_m = tl.arange(0, BLOCK_M)
-    GC: tl.constexpr = GPS // CHAINS  # groups per dot
     x_mask = (offs_m < M)[:, None]
-    if ADDR == 0:
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + g_lo * 64 + tl.arange(0, 64 * GC)[None, :]  # (BM, 64 GC)
-        w_ptrs = (qw_ptr + rows[None, :, None] * K8 + g_lo * 16 + 16 * tl.arange(0, GC)[:, None, None]
-                  + tl.arange(0, 16)[None, None, :])  # (GC, BN, 16): group-major, see above
-        s_idx = rows * NG + g_lo
-    else:  # the same addresses, as loop-invariant offsets from each step's scalar base
-        x_offs = offs_m[:, None] * stride_xm + tl.arange(0, 64 * GC)[None, :]
-        w_offs = rows[None, :, None] * K8 + 16 * tl.arange(0, GC)[:, None, None] + tl.arange(0, 16)[None, None, :]
-        s_row = rows * NG
+    # Each step's addresses: its scalar base plus these loop-invariant offsets. (Pointer tiles advanced by the
+    # loop were each kept twice by the software pipelining: gate_up tile 190 vs 168 registers, offline
+    # sm_90a, session 5.)
+    x_offs = offs_m[:, None] * stride_xm + tl.arange(0, 64 * GPS)[None, :]  # (BM, 64 GPS)
+    w_offs = (rows[None, :, None] * K8 + 16 * tl.arange(0, GPS)[:, None, None]
+              + tl.arange(0, 16)[None, None, :])  # (GPS, BN, 16): group-major, see above
+    s_row = rows * NG
     acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
     for g in tl.range(g_lo, g_hi, GPS, num_stages=STAGES):
-        if ADDR == 1:
-            x_ptrs = (x_ptr + g * 64) + x_offs
-            w_ptrs = (qw_ptr + g * 16) + w_offs
-            s_idx = s_row + g
-        if not ZSTEP:
-            if g == g_lo:
-                # The x-only terms of all this program's groups, computed while the first tiles are in flight
-                # (this code needs none of them), scaled by u like the dot sums.
-                corr = _zero_point_terms(x_ptr, s_ptr, z_ptr, stride_xm, M, rows, NG, g_lo, g_hi, dtype, U_INV,
-                                         M_ODD, S_PAIRS, BLOCK_M, CORR_GB)
-                acc += _pad_columns(corr * (1.0 / U_INV), BLOCK_M)
-        if CHAINS == 1:
-            a = _mma_operand(tl.load(w_ptrs), dtype, UNPACK, XOP == "shared")  # (BN, 128 GPS)
-            pairs = tl.load(x_ptrs, mask=x_mask, other=0)
-            if XOP == "shared":
-                dots = _shared_x_dots(a, _x_shared(pairs, dtype, BLOCK_M, GPS), BLOCK_M, GPS, UPCAST_DOT)
-            else:
-                dots = _dot(a, _x_operand(pairs, dtype, BLOCK_M, GPS, 0), UPCAST_DOT)  # B (128 GPS, 8)
-            s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)
-            if ZSTEP:
-                acc += s8 * dots + _step_zero_terms(pairs, z_ptr, s_idx, s8, dtype, 1.0 / U_INV, M_ODD, BLOCK_M, GPS)
-            else:
-                acc += s8 * dots
-        else:
-            s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)  # (BN, 8)
-            for c in tl.static_range(CHAINS):
-                a = _mma_operand(tl.load(w_ptrs + c * 16 * GC), dtype, UNPACK)  # (BN, 128 GC)
-                xt = _x_operand(tl.load(x_ptrs + c * 64 * GC, mask=x_mask, other=0), dtype, BLOCK_M, GC, c * GC)
-                # Scaled before the sum: an add of two dots would be folded into one dot accumulating the
-                # other (Triton's dot-add combine), i.e. one dependent chain again.
-                acc += s8 * _dot(a, xt, UPCAST_DOT)
-        if ADDR == 0:
-            w_ptrs += 16 * GPS
-            x_ptrs += 64 * GPS
-            s_idx += GPS
+        x_ptrs = (x_ptr + g * 64) + x_offs
+        w_ptrs = (qw_ptr + g * 16) + w_offs
+        s_idx = s_row + g
+        a = _mma_operand(tl.load(w_ptrs), dtype, UNPACK)  # (BN, 128 GPS)
+        pairs = tl.load(x_ptrs, mask=x_mask, other=0)
+        dots = _shared_x_dots(a, _x_shared(pairs, dtype, BLOCK_M, GPS), BLOCK_M, GPS, UPCAST_DOT)
+        s8 = _step_scales(s_ptr, s_idx, dtype, S_PAIRS, BLOCK_M, GPS)
+        acc += s8 * dots + _step_zero_terms(pairs, z_ptr, s_idx, s8, dtype, 1.0 / U_INV, M_ODD, BLOCK_M, GPS)
     if TRIGGER == 1:
         pdl.launch_dependents(PDL)  # the next kernel may start once every program is past its K loop
     # Fold the column blocks (groups; zero past GPS) into BLOCK_M columns.
@@ -674,17 +571,13 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
                            stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr,
                            HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr, S_PAIRS: tl.constexpr,
                            FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                           SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, CHAINS: tl.constexpr,
-                           CORR_GB: tl.constexpr, ZSTEP: tl.constexpr, XOP: tl.constexpr, ADDR: tl.constexpr,
-                           EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, TRIGGER: tl.constexpr,
-                           PDL: tl.constexpr):
+                           SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, EPI: tl.constexpr,
+                           PRENORM: tl.constexpr, NPB: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr):
     # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's
     # 64 GPS bytes are contiguous, so each step reads longer runs of every row, and the per-step costs
     # (pipeline barriers, B operand through shared memory) are paid once per GPS groups. The launcher
     # makes every split range whole steps. BLOCK_N rows per program, BLOCK_N / (16 num_warps) 16-row tiles
-    # per warp: the B operand a warp reads from shared memory serves all of its tiles. CHAINS: the step's
-    # groups in that many separate dots (each its own loads and B), whose mma accumulations are independent
-    # chains a warp can overlap, instead of one chain of 8 GPS dependent mma.sync per 16-row tile.
+    # per warp: the B operand a warp reads from shared memory serves all of its tiles.
     # One (row block, K split) tile per program (_mma_tile). A persistent form (fewer programs looping over
     # tiles in one flat, pipelined loop of K steps) was measured slower at every Llama-3-8B shape (session
     # 4, docs/perf_notes.md) and removed.
@@ -696,8 +589,7 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     _mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr,
               res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
               M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, CHAINS, CORR_GB, ZSTEP, XOP, ADDR, EPI, PRENORM, NPB,
-              TRIGGER, PDL)
+              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, TRIGGER, PDL)
     if TRIGGER == 2:
         pdl.launch_dependents(PDL)
 
@@ -736,22 +628,15 @@ def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 # A config: {"kernel": "mma" | "fma", "num_warps", "STAGES" (K steps in flight), "SPLIT_K" (programs per row
 # block), ...}. "mma": "BLOCK_N" rows per program (a multiple of 16 num_warps: 16-row tiles per warp; default
 # 16 num_warps), "GPS" groups of 128 per K step (capped to 8 / BLOCK_M and to a power of two dividing K / 128),
-# "CHAINS" dots per step (default 1), "ZSTEP" (1: zero-point terms per K step, no prologue; CHAINS 1 only;
-# default 0), "XOP" (the x operand: "blockdiag", the default, or "shared"; CHAINS 1 only), "ADDR" (0, the
-# default: pointer tiles carried by the loop; 1: addresses from loop-invariant offsets), "maxnreg" (ptxas's
-# register cap, Triton's launch option: <= 168 lets 3 programs of 4 warps share an SM, <= 128 four).
-# The defaults of a key left out are the older forms, kept for the sweep; what runs (GEMV_TABLE, the rule,
-# and the interpreter's config) is ZSTEP 1, XOP "shared", ADDR 1, the form the S5-D sweep chose everywhere.
+# "TRIGGER" (see TRIGGER below), "maxnreg" (ptxas's register cap, Triton's launch option: <= 168 lets 3
+# programs of 4 warps share an SM; the sweep can time it, S5-D found it slower: gate_up 32.5 vs 24.4 us).
 # "fma": BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W rows x BLOCK_W words with 16-byte loads; each
 # thread then holds BLOCK_N BLOCK_W / (128 num_warps) rows of one 32-value chunk per tile). No autotuning
 # at call time: a decode step is captured in a CUDA graph.
 INTERPRET_CONFIG = {"kernel": "fma", "BLOCK_N": 16, "BLOCK_W": 16, "num_warps": 4, "STAGES": 1, "SPLIT_K": 1}
-INTERPRET_MMA_CONFIG = {"kernel": "mma", "num_warps": 4, "STAGES": 1, "SPLIT_K": 1, "GPS": 2, "ZSTEP": 1,
-                        "XOP": "shared", "ADDR": 1}
-CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "CHAINS", "ZSTEP", "XOP", "ADDR", "maxnreg",
-                       "TRIGGER"),
+INTERPRET_MMA_CONFIG = {"kernel": "mma", "num_warps": 4, "STAGES": 1, "SPLIT_K": 1, "GPS": 2}
+CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "TRIGGER", "maxnreg"),
                "fma": ("BLOCK_N", "BLOCK_W", "num_warps", "STAGES", "SPLIT_K")}
-XOPS = ("blockdiag", "shared")  # the x operand of the mma kernel: _x_operand, or _x_shared + _shared_x_dots
 N_SM = 132  # H200; the split rule only needs the order of magnitude
 
 
@@ -777,18 +662,17 @@ def _pairs_view(x: torch.Tensor) -> torch.Tensor:
 
 
 # (BLOCK_M = next_pow2(M), N, K) -> config, for group 128: the fastest of the H200 sweep (TINYVILA_W4_SWEEP
-# prints this dict; session-3 run S3-5 with programmatic dependent launch on, per call replayed from a CUDA
-# graph, docs/perf_notes.md; 32/32 table checks passed). o and down moved to 8-warp 128-row programs; qkv
-# took the per-step zero-point terms (ZSTEP) in session 4's run S4-2 (32/32 checks passed).
+# prints this dict), per call replayed from a CUDA graph with programmatic dependent launch on (run S5-D,
+# docs/perf_notes.md). "S4": session 4's table, before the shared x operand and scalar-base addressing.
 GEMV_TABLE: dict[tuple[int, int, int], dict] = {  # H200 sweep, session 5 (run S5-D), per call graph-replayed
-    (1, 4096, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 8,
-                      "ZSTEP": 1, "XOP": "shared", "ADDR": 1},  # 7.87 us (S4: 9.15)
-    (1, 4096, 14336): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 2, "GPS": 8,
-                       "ZSTEP": 1, "XOP": "shared", "ADDR": 1},  # 15.75 us (S4: 17.8)
-    (1, 6144, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 8,
-                      "ZSTEP": 1, "XOP": "shared", "ADDR": 1},  # 8.24 us (S4: 10.4)
-    (1, 28672, 4096): {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 4,
-                       "ZSTEP": 1, "XOP": "shared", "ADDR": 1},  # 24.4 us (S4: 27.4)
+    (1, 4096, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1,
+                      "GPS": 8},  # 7.87 us (S4: 9.15)
+    (1, 4096, 14336): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 2,
+                       "GPS": 8},  # 15.75 us (S4: 17.8)
+    (1, 6144, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1,
+                      "GPS": 8},  # 8.24 us (S4: 10.4)
+    (1, 28672, 4096): {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1,
+                       "GPS": 4},  # 24.4 us (S4: 27.4)
 }
 
 
@@ -807,10 +691,9 @@ FORCE_FMA = os.environ.get("TINYVILA_W4_GEMV_KERNEL", "") == "fma"
 
 def gemv_config(M: int, N: int, K: int, G: int) -> dict:
     """The GPU launch config of an (M, K) x (N, K)^T call: GEMV_TABLE's entry, else a rule from that sweep
-    (run S5-D): 64-row programs of 4 warps, 8 groups per K step, per-step zero points, x as the shared mma
-    operand, scalar-base addressing (the winning form at every Llama-3-8B layer), split-K doubling while the
-    grid stays within one program per SM and every split keeps >= 4 K steps (down split 2: 15.75 us vs 18.1
-    at 4; o unsplit: 7.87 vs 8.55 at 2)."""
+    (run S5-D): 64-row programs of 4 warps, 8 groups per K step, split-K doubling while the grid stays within
+    one program per SM and every split keeps >= 4 K steps (down split 2: 15.75 us vs 18.1 at 4; o unsplit:
+    7.87 vs 8.55 at 2)."""
     key = (triton.next_power_of_2(M), N, K)
     if G == 128 and key in GEMV_TABLE and not (FORCE_FMA and GEMV_TABLE[key]["kernel"] == "mma"):
         return dict(GEMV_TABLE[key])
@@ -822,7 +705,7 @@ def gemv_config(M: int, N: int, K: int, G: int) -> dict:
         while row_blocks * split * 2 <= N_SM and steps >= 4 * 2 * split:
             split *= 2
         return {"kernel": "mma", "BLOCK_N": block_n, "num_warps": warps, "STAGES": stages, "SPLIT_K": split,
-                "GPS": gps, "ZSTEP": 1, "XOP": "shared", "ADDR": 1}
+                "GPS": gps}
     R = 4 if M <= 2 else (2 if M <= 4 else 1)  # fp32 rows per thread; v stays live across the M rows
     return {"kernel": "fma", "BLOCK_N": 4 * R, "BLOCK_W": 128, "num_warps": 4, "STAGES": 4, "SPLIT_K": 1}
 
@@ -947,26 +830,12 @@ def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residua
     s_pairs = (K // G) % 2 == 0 and scales.data_ptr() % 4 == 0  # 4-byte scale loads (see _load_scales)
     # Split K into SPLIT_K ranges of whole tiles (none empty: the split count shrinks for short K).
     if kernel == "mma":
-        # GPS groups per step, all of them in the 8 columns of one dot (GPS BM <= 8); pairs of scales per load.
+        # GPS groups per step, each in BM of the dots' 8 columns (GPS BM <= 8); pairs of scales per load.
         gps = min(cfg.get("GPS", 1), 8 // triton.next_power_of_2(M)) if s_pairs else 1
         cfg["GPS"] = groups_per_step(gps, K // G)
-        cfg["CHAINS"] = min(cfg.get("CHAINS", 1), cfg["GPS"])
-        if cfg["CHAINS"] & (cfg["CHAINS"] - 1):
-            raise ValueError(f"CHAINS={cfg['CHAINS']} must be a power of two")
-        cfg["ZSTEP"] = bool(cfg.get("ZSTEP", 0))
-        if cfg["ZSTEP"] and cfg["CHAINS"] > 1:
-            raise ValueError("ZSTEP takes CHAINS = 1")
-        cfg["ADDR"] = int(cfg.get("ADDR", 0))
-        if cfg["ADDR"] not in (0, 1):
-            raise ValueError(f"ADDR={cfg['ADDR']} must be 0 or 1")
-        cfg["XOP"] = cfg.get("XOP", "blockdiag")
         cfg["TRIGGER"] = int(cfg.get("TRIGGER", SILU_TRIGGER if silu else TRIGGER))
         if cfg["TRIGGER"] not in (0, 1, 2):
             raise ValueError(f"TRIGGER={cfg['TRIGGER']} must be 0, 1 or 2")
-        if cfg["XOP"] not in XOPS:
-            raise ValueError(f"XOP={cfg['XOP']!r} must be one of {XOPS}")
-        if cfg["XOP"] == "shared" and cfg["CHAINS"] > 1:
-            raise ValueError("XOP 'shared' takes CHAINS = 1")
         bw = 16 * cfg["GPS"]  # one K step: GPS groups of 16 words
     else:
         bw = max(cfg["BLOCK_W"], G // 8)  # a tile holds whole groups
@@ -1007,13 +876,9 @@ def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residua
     tail = (K8, K // G, w_split, split)
     if kernel == "mma":
         x32 = _pairs_view(x)  # x as int32 pairs: 4-byte elements, which Triton pipelines with cp.async
-        # Zero-point prologue: as many groups per step as ~64 registers per thread allow (x: BM GB 64 words,
-        # scales and zeros: BN GB values over 32 num_warps threads), so one or two round trips cover them.
-        nw, bm = cfg["num_warps"], meta["BLOCK_M"]
-        corr_gb = min(triton.next_power_of_2(w_split // 16), max(1, min(32 * nw // bm, 2048 * nw // block_n)))
         _w4a16_gemv_mma_kernel[(row_blocks, split)](x32, qweight, sc, zeros, b, out, ws, locks, *epi_args,
                                                     *shape_args, x32.stride(0), out.stride(0), *tail, **meta,
-                                                    UPCAST_DOT=not on_gpu, CORR_GB=corr_gb, **cfg)
+                                                    UPCAST_DOT=not on_gpu, **cfg)
     else:
         cfg["BLOCK_W"] = bw
         even = N % cfg["BLOCK_N"] == 0 and K8 % bw == 0  # no masks needed

@@ -24,8 +24,8 @@ Programmatic dependent launch (csrc_triton/pdl.py) off and on, M=1 (~30 s):
 per shape: per-call time of 16 back-to-back GEMVs, and of 16 (add+RMSNorm -> GEMV) pairs, the decode step's
 pattern (the norm's output is the GEMV's input), both replayed from a CUDA graph, each output checked.
 
-GEMV config sweep (replaces the rows above; ~70 s on an H200 for M = 1: ~30 variants compiled in 12 worker
-processes in ~10 s, ~190 configs timed, then the chosen table checked at fp16/bf16, M = 1, 2, 4, 8):
+GEMV config sweep (replaces the rows above; for M = 1: 22 variants compiled in 12 worker processes, 136 configs
+timed, then the chosen table checked at fp16/bf16, M = 1, 2, 4, 8; session 5's ~190 configs took ~70 s on an H200):
 
     TINYVILA_W4_SWEEP=1 [TINYVILA_W4_TABLE_OUT=table.txt] PYTHONPATH=. python scripts/bench_kernels.py --only w4a16
 
@@ -220,36 +220,27 @@ def gemm_sweep(ms: list[int], iters: int = 30) -> list[dict]:
 GEMV_SWEEP_ENV = "TINYVILA_W4_SWEEP"
 GEMV_TABLE_OUT_ENV = "TINYVILA_W4_TABLE_OUT"  # where the sweep also writes its GEMV_TABLE literal
 N_SM = 132
-# Tensor-core tiles the sweep times: (num_warps, BLOCK_N rows, GPS groups per K step, STAGES in flight, CHAINS
-# independent dots per step). All compile for sm_90 without spills (ptxas, Triton 3.6: 114-231 registers,
-# 21-150 KB of shared memory). Run H1b-1 (2026-11-30) timed the CHAINS = 1 tiles with 1-2 warps and 4 warps
-# at 64 / 128 rows: 4-warp programs of 64-128 rows with GPS = 4 won; this list keeps the winners and
-# adds 8-warp programs and 2-4 independent mma chains per step; the last three (a sixth entry, ZSTEP = 1:
-# zero-point terms per K step) were added in session 4, whose run S4-2 picked one of them for qkv.
-GEMV_SWEEP_TILES = [(2, 32, 8, 3, 1), (2, 64, 4, 3, 1), (2, 64, 4, 3, 2), (4, 64, 8, 3, 1), (4, 64, 8, 3, 4),
-                    (4, 64, 4, 2, 1), (4, 64, 4, 3, 1), (4, 64, 4, 3, 2), (4, 64, 4, 3, 4), (4, 128, 4, 3, 1),
-                    (4, 128, 4, 3, 2), (8, 128, 2, 3, 1), (8, 128, 4, 3, 1), (8, 128, 4, 3, 2), (8, 256, 2, 3, 1),
-                    (8, 256, 4, 2, 1), (4, 64, 8, 3, 1, 1), (4, 128, 4, 3, 1, 1), (8, 128, 2, 3, 1, 1),
-                    # session 5: the shared x operand (7th entry x = 1; offline sm_90a SASS: 648 instead of 849
-                    # instructions per K step of the gate_up tile, 168 instead of 190 registers, with ADDR 1), the
-                    # last one capped at 168 registers (9th entry) so that 3 of its programs fit an SM
-                    (4, 64, 8, 3, 1, 1, 1, 1), (4, 64, 4, 3, 1, 0, 1, 1), (4, 128, 4, 3, 1, 0, 1, 1),
-                    (8, 128, 2, 3, 1, 0, 1, 1), (8, 128, 4, 3, 1, 0, 1, 1), (4, 128, 4, 3, 1, 1, 1, 1, 168)]
+# Tensor-core tiles the sweep times: (num_warps, BLOCK_N rows, GPS groups per K step, STAGES in flight[, maxnreg]):
+# the tiles of the earlier sweeps (runs H1b-1, S4-2, S5-D; docs/perf_notes.md), several of them timed there only
+# in kernel forms since removed. The last is capped at 168 registers so that 3 of its programs fit an SM (S5-D:
+# gate_up 32.5 us, 24.4 uncapped).
+GEMV_SWEEP_TILES = [(2, 32, 8, 3), (2, 64, 4, 3), (4, 64, 8, 3), (4, 64, 4, 2), (4, 64, 4, 3), (4, 128, 4, 3),
+                    (8, 128, 2, 3), (8, 128, 4, 3), (8, 256, 2, 3), (8, 256, 4, 2), (4, 128, 4, 3, 168)]
 GEMV_SWEEP_SPLITS = (1, 2, 4, 8)
-# TINYVILA_W4_SWEEP_TILES="w,n,g,s,c[,z[,x[,a[,r]]]];..." replaces GEMV_SWEEP_TILES for one run: the same
-# tuple order, optionally followed by ZSTEP (z, 0/1), XOP (x, 0: "blockdiag", 1: "shared"), ADDR (a, 0/1) and
-# maxnreg (r; 0: no cap), each 0 (the launcher's default) when left out.
+# TINYVILA_W4_SWEEP_TILES="w,n,g,s[,r];..." replaces GEMV_SWEEP_TILES for one run: the same tuple order, the
+# register cap r (0 or left out: none) last.
 GEMV_TILES_ENV = "TINYVILA_W4_SWEEP_TILES"
 
 
 def gemv_sweep_tiles() -> list[tuple[int, ...]]:
-    """GEMV_SWEEP_TILES, or the tiles named in $TINYVILA_W4_SWEEP_TILES, as 9-tuples (w, n, g, s, c, z, x, a, r)."""
+    """GEMV_SWEEP_TILES, or the tiles named in $TINYVILA_W4_SWEEP_TILES, as 5-tuples (w, n, g, s, r)."""
     spec = os.environ.get(GEMV_TILES_ENV, "").strip()
     tiles = GEMV_SWEEP_TILES if not spec else [tuple(int(v) for v in t.split(",")) for t in spec.split(";") if t.strip()]
-    if any(not 5 <= len(t) <= 9 for t in tiles):
-        raise ValueError(f"{GEMV_TILES_ENV} wants 'warps,rows,gps,stages,chains[,zstep[,xop[,addr[,maxnreg]]]]' "
-                         f"tiles separated by ';', got {spec!r}")
-    return [tuple(t) + (0,) * (9 - len(t)) for t in tiles]
+    # a 5th number below 32 is no register cap: most likely a tile of the older form (w,n,g,s,chains,...)
+    if any(not 4 <= len(t) <= 5 or (len(t) == 5 and 0 < t[4] < 32) for t in tiles):
+        raise ValueError(f"{GEMV_TILES_ENV} wants 'warps,rows,gps,stages[,maxnreg]' tiles separated by ';' "
+                         f"(maxnreg 0 or >= 32), got {spec!r}")
+    return [tuple(t) + (0,) * (5 - len(t)) for t in tiles]
 
 
 def gemv_sweep_configs(N: int, K: int, M: int = 1) -> list[dict]:
@@ -260,26 +251,21 @@ def gemv_sweep_configs(N: int, K: int, M: int = 1) -> list[dict]:
 
     groups = K // GROUP
     out = [gemv_config(M, N, K, GROUP)]
-    for warps, bn, gps, stages, chains, zstep, xop, addr, maxnreg in gemv_sweep_tiles():
+    for warps, bn, gps, stages, maxnreg in gemv_sweep_tiles():
         for split in GEMV_SWEEP_SPLITS:
             if groups // split >= 2 * gps and (split == 1 or -(-N // bn) * split <= 8 * N_SM):
                 cfg = {"kernel": "mma", "BLOCK_N": bn, "num_warps": warps, "STAGES": stages, "SPLIT_K": split,
-                       "GPS": gps, "CHAINS": chains}
-                cfg.update({"ZSTEP": 1} if zstep else {}, **({"XOP": "shared"} if xop else {}),
-                           **({"ADDR": 1} if addr else {}), **({"maxnreg": maxnreg} if maxnreg else {}))
-                out.append(cfg)
-    defaults = {"CHAINS": 1, "XOP": "blockdiag", "ADDR": 0}  # the launcher's defaults
-    unique = {tuple(sorted({**defaults, **c}.items())): c for c in out}
+                       "GPS": gps}
+                out.append({**cfg, "maxnreg": maxnreg} if maxnreg else cfg)
+    unique = {tuple(sorted(c.items())): c for c in out}  # the launcher's pick is not timed twice
     return list(unique.values())
 
 
 def gemv_config_name(cfg: dict) -> str:
     if cfg["kernel"] == "mma":
-        chains = f" c{cfg['CHAINS']}" if cfg.get("CHAINS", 1) > 1 else ""
-        extra = (" z" if cfg.get("ZSTEP") else "") + (" xs" if cfg.get("XOP") == "shared" else "")
-        extra += (" a1" if cfg.get("ADDR") else "") + (f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
+        cap = f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
         return (f"mma w{cfg['num_warps']} n{cfg.get('BLOCK_N', 16 * cfg['num_warps'])} g{cfg.get('GPS', 1)} "
-                f"s{cfg['STAGES']}{chains} k{cfg['SPLIT_K']}{extra}")
+                f"s{cfg['STAGES']} k{cfg['SPLIT_K']}{cap}")
     return f"fma n{cfg['BLOCK_N']} b{cfg['BLOCK_W']} w{cfg['num_warps']} s{cfg['STAGES']} k{cfg['SPLIT_K']}"
 
 

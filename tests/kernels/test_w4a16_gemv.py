@@ -2,12 +2,12 @@
 
 On CPU both kernels run under TRITON_INTERPRET=1 at small odd shapes: "fma" (M in {1, 3, 8}, groups
 32/64/128, fp16/bf16, bias, partial tiles, split-K) and "mma" (G = 128: row counts that are not a multiple
-of the row tile, split-K ranges of unequal length, 1-8 groups per K step with the block-diagonal and the
-shared x operand (XOP), both address forms (ADDR), 1-4 independent dots per step, 1-2 row tiles per warp);
-the PTX unpacking blocks are checked bit for bit by a small emulator. On CUDA the same cases run with both
-nibble unpackings (plain shifts, and the PTX that is the GPU default), plus Llama-3-8B layer shapes (M = 1,
-2, 8, fp16/bf16) with the launcher's own configs (gemv_config) and with the other XOP/ADDR, every config
-of the bench sweep at one real shape, split-K determinism and CUDA-graph replay.
+of the row tile, split-K ranges of unequal length, 1-8 groups per K step, 1-2 row tiles per warp), the fused
+residual/norm epilogue, the normalising prologue and the SwiGLU epilogue; the PTX unpacking blocks are
+checked bit for bit by a small emulator. On CUDA the same cases run with both nibble unpackings (plain
+shifts, and the PTX that is the GPU default), plus Llama-3-8B layer shapes (M = 1, 2, 8, fp16/bf16) with the
+launcher's own configs (gemv_config), every config of the bench sweep at one real shape, split-K
+determinism and CUDA-graph replay.
 """
 
 import os
@@ -54,20 +54,14 @@ def test_fma_small(M, G, dtype, unpack):
     assert_w4_close(run(a, config=FMA, unpack=unpack), a)
 
 
-# The mma kernel's x operand (XOP) and address form (ADDR): (XOP, ADDR) pairs the tests run.
-XOP_ADDR = [("blockdiag", 1), ("shared", 1), ("shared", 0)]  # ADDR is independent of XOP
-XOPS = ["blockdiag", "shared"]
-
-
 @pytest.mark.parametrize("unpack", UNPACKS)
-@pytest.mark.parametrize("xop,addr", XOP_ADDR)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,split", [(1, 1), (1, 3), (3, 2), (8, 1), (5, 4)])
-def test_mma_small(M, split, dtype, xop, addr, unpack):
+def test_mma_small(M, split, dtype, unpack):
     """N = 100: a partial row tile (rows wrap, the store drops them); K = 640: 5 groups, so splits of 3 and 4
     get ranges of 2, 2, 1 and 2, 2, 1 (the last program may see a shorter range); bias on."""
     a = make(M, 100, 640, 128, dtype, seed=M * 100 + split, bias=True, device=DEVICE)
-    assert_w4_close(run(a, config={**MMA, "SPLIT_K": split, "XOP": xop, "ADDR": addr}, unpack=unpack), a)
+    assert_w4_close(run(a, config={**MMA, "SPLIT_K": split}, unpack=unpack), a)
 
 
 @pytest.mark.parametrize("unpack", UNPACKS)
@@ -78,46 +72,14 @@ def test_mma_small(M, split, dtype, xop, addr, unpack):
     (3, 40, 1024, 2, 3, 1, 16, torch.bfloat16),  # splits of 3, 3, 2 groups -> of 4, 4 (whole steps)
     (8, 33, 512, 8, 2, 1, 16, torch.float16),  # BM = 8: one group per step, B = x^T
     (1, 16, 1792, 8, 8, 1, 16, torch.float16),  # 14 groups: GPS 2, ranges of 2 groups
+    (3, 70, 1024, 2, 2, 1, 16, torch.bfloat16),  # BM = 4: two groups of 4 columns; split-K partials
+    (2, 50, 768, 8, 3, 1, 16, torch.bfloat16),  # GPS capped to 2, BM = 2, unequal split ranges
 ])
-@pytest.mark.parametrize("xop", XOPS)
-def test_mma_groups_per_step(M, N, K, gps, split, warps, block_n, dtype, xop, unpack):
-    """GPS groups per K step at every M bucket: one dot against the block-diagonal x operand (8 columns), or
-    GPS dots against the shared one (each keeping its group's columns)."""
+def test_mma_groups_per_step(M, N, K, gps, split, warps, block_n, dtype, unpack):
+    """GPS groups per K step at every M bucket: GPS dots against the step's x, each keeping its group's
+    columns, plus that step's x-only terms in the same columns (columns past GPS BM must add nothing)."""
     a = make(M, N, K, 128, dtype, seed=N + K + gps, bias=True, device=DEVICE)
-    cfg = {"kernel": "mma", "BLOCK_N": block_n, "num_warps": warps, "STAGES": 1, "SPLIT_K": split, "GPS": gps,
-           "XOP": xop}
-    assert_w4_close(run(a, config=cfg, unpack=unpack), a)
-
-
-@pytest.mark.parametrize("unpack", UNPACKS)
-@pytest.mark.parametrize("M,N,K,gps,chains,split,dtype", [
-    (1, 100, 1024, 8, 2, 1, torch.float16),  # two dots of 4 groups, columns 0-3 and 4-7
-    (1, 70, 1024, 4, 4, 2, torch.bfloat16),  # four dots of one group each
-    (2, 50, 768, 8, 2, 3, torch.float16),  # GPS capped to 2 (6 groups), one group per dot, BM = 2
-])
-def test_mma_independent_chains(M, N, K, gps, chains, split, dtype, unpack):
-    """CHAINS separate dots per K step (independent mma accumulations), each filling its groups' columns."""
-    a = make(M, N, K, 128, dtype, seed=N + K + chains, bias=True, device=DEVICE)
-    cfg = {"kernel": "mma", "BLOCK_N": 32, "num_warps": 1, "STAGES": 1, "SPLIT_K": split, "GPS": gps,
-           "CHAINS": chains}
-    assert_w4_close(run(a, config=cfg, unpack=unpack), a)
-
-
-@pytest.mark.parametrize("unpack", UNPACKS)
-@pytest.mark.parametrize("M,N,K,gps,split,dtype", [
-    (1, 100, 1024, 8, 1, torch.float16),  # one step of 8 groups: all columns carry a group
-    (3, 70, 1024, 2, 2, torch.bfloat16),  # BM = 4: two groups of 4 columns; split-K partials
-    (1, 100, 1024, 4, 2, torch.float16),  # GPS 4 < 8 columns: the repeated columns must add nothing
-    (2, 50, 768, 8, 3, torch.bfloat16),  # GPS capped to 2, BM = 2, unequal split ranges
-    (8, 33, 512, 8, 1, torch.float16),  # BM = 8: one group per step
-])
-@pytest.mark.parametrize("xop", XOPS)
-def test_mma_step_zero_terms(M, N, K, gps, split, dtype, xop, unpack):
-    """ZSTEP: the x-only terms of each K step's groups added in that step (no prologue over the program's
-    groups), in the columns of those groups only."""
-    a = make(M, N, K, 128, dtype, seed=N + K + gps, bias=True, device=DEVICE)
-    cfg = {"kernel": "mma", "BLOCK_N": 16, "num_warps": 1, "STAGES": 1, "SPLIT_K": split, "GPS": gps, "ZSTEP": 1,
-           "XOP": xop}
+    cfg = {"kernel": "mma", "BLOCK_N": block_n, "num_warps": warps, "STAGES": 1, "SPLIT_K": split, "GPS": gps}
     assert_w4_close(run(a, config=cfg, unpack=unpack), a)
 
 
@@ -213,21 +175,6 @@ def test_llama3_8b_shapes(K, N, M, dtype):
     assert_w4_close(run(a), a)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
-@pytest.mark.parametrize("xop,addr,M,dtype", [("shared", 1, 1, torch.float16), ("shared", 1, 2, torch.bfloat16),
-                                              ("shared", 1, 8, torch.float16), ("shared", 0, 1, torch.bfloat16),
-                                              ("blockdiag", 0, 1, torch.float16)])
-@pytest.mark.parametrize("K,N", LLAMA3_8B)
-def test_llama3_8b_shapes_x_operands(K, N, xop, addr, M, dtype):
-    """The launcher's config at every Llama-3-8B shape with the shared x operand and the loop-carried pointers
-    (the sweep times both; the table may pick either), PTX unpacking: one compiled variant per case."""
-    a = make(M, N, K, 128, dtype, seed=K + N + M + 1, device=DEVICE)
-    cfg = {**gemv_config(M, N, K, 128), "XOP": xop, "ADDR": addr, "CHAINS": 1}
-    if cfg["kernel"] != "mma":
-        pytest.skip("TINYVILA_W4_GEMV_KERNEL=fma forces the fma kernel")
-    assert_w4_close(run(a, config=cfg), a)
-
-
 def _bench_module():
     import sys
     from pathlib import Path
@@ -243,21 +190,22 @@ def _sweep_configs() -> list[dict]:
 
 
 def test_sweep_tiles_from_the_environment(monkeypatch):
-    """TINYVILA_W4_SWEEP_TILES: 5-9 numbers per tile; the x operand, address form and register cap reach the
-    configs (left out: the launcher's defaults, so the table's own config is not timed twice)."""
+    """TINYVILA_W4_SWEEP_TILES: 4-5 numbers per tile; the register cap reaches the configs, and the table's own
+    config (the same tile at split 1) is timed once."""
     bench = _bench_module()
-    monkeypatch.setenv(bench.GEMV_TILES_ENV, "4,128,4,3,1;4,128,4,3,1,1,1,1,168;8,128,2,3,1,0,0,1")
+    monkeypatch.setenv(bench.GEMV_TILES_ENV, "4,128,4,3;4,128,4,3,168;8,128,2,3,0")
     cfgs = bench.gemv_sweep_configs(28672, 4096)
     names = [bench.gemv_config_name(c) for c in cfgs]
-    assert names == ["mma w4 n128 g4 s3 k1 z xs a1", "mma w4 n128 g4 s3 k1", "mma w4 n128 g4 s3 k2",
-                     "mma w4 n128 g4 s3 k4", "mma w4 n128 g4 s3 k1 z xs a1 r168", "mma w4 n128 g4 s3 k2 z xs a1 r168",
-                     "mma w4 n128 g4 s3 k4 z xs a1 r168", "mma w8 n128 g2 s3 k1 a1", "mma w8 n128 g2 s3 k2 a1",
-                     "mma w8 n128 g2 s3 k4 a1"]  # the first: the table's config; k8: > 8 programs per SM
-    assert cfgs[4] == {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 4,
-                       "CHAINS": 1, "ZSTEP": 1, "XOP": "shared", "ADDR": 1, "maxnreg": 168}
-    monkeypatch.setenv(bench.GEMV_TILES_ENV, "4,128,4,3,1,0,0,0,0,1")
-    with pytest.raises(ValueError, match="warps,rows"):
-        bench.gemv_sweep_tiles()
+    assert names == ["mma w4 n128 g4 s3 k1", "mma w4 n128 g4 s3 k2", "mma w4 n128 g4 s3 k4",
+                     "mma w4 n128 g4 s3 k1 r168", "mma w4 n128 g4 s3 k2 r168", "mma w4 n128 g4 s3 k4 r168",
+                     "mma w8 n128 g2 s3 k1", "mma w8 n128 g2 s3 k2", "mma w8 n128 g2 s3 k4"]  # k8: > 8 programs per SM
+    assert cfgs[0] == gemv_config(1, 28672, 4096, 128)
+    assert cfgs[3] == {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 4,
+                       "maxnreg": 168}
+    for bad in ("4,128,4,3,1", "4,128,4,3,1,0", "4,128,4"):  # the removed 5-9 number form (chains, ...); too few
+        monkeypatch.setenv(bench.GEMV_TILES_ENV, bad)
+        with pytest.raises(ValueError, match="warps,rows"):
+            bench.gemv_sweep_tiles()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiles every sweep config: GPU only")
@@ -313,15 +261,11 @@ def test_bad_inputs_are_clear_errors():
         w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "BLOCK_W": 16})
     with pytest.raises(ValueError, match="multiple of 16 num_warps"):
         w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "BLOCK_N": 32})
-    c = make(1, 16, 512, 128, torch.float16, seed=0, device=DEVICE)
-    with pytest.raises(ValueError, match="power of two"):
-        w4a16_gemv(c["x"], c["qweight"], c["scales"], c["zeros"], config={**MMA, "GPS": 4, "CHAINS": 3})
-    with pytest.raises(ValueError, match="XOP"):
-        w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "XOP": "diag"})
-    with pytest.raises(ValueError, match="takes CHAINS = 1"):
-        w4a16_gemv(c["x"], c["qweight"], c["scales"], c["zeros"], config={**MMA, "GPS": 4, "CHAINS": 2, "XOP": "shared"})
-    with pytest.raises(ValueError, match="ADDR"):
-        w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "ADDR": 2})
+    for removed in ("CHAINS", "ZSTEP", "XOP", "ADDR"):  # keys of kernel forms since removed: a clear error
+        with pytest.raises(ValueError, match=f"unknown config keys \\['{removed}'\\]"):
+            w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, removed: 1})
+    with pytest.raises(ValueError, match="TRIGGER=3"):
+        w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "TRIGGER": 3})
 
 
 # -- the fused residual/norm epilogue (w4a16_gemv_norm) and the normalising prologue (prenorm) ---------------
