@@ -28,6 +28,18 @@ from .rounding import round_to
 
 
 @triton.jit
+def rope_halves(x1, x2, c1, c2, s1, s2, dtype: tl.constexpr):
+    """Rotate-half RoPE of the pairs (x1, x2) = (dim d, dim d + D/2), all fp32 -> (o1, o2) fp32 holding
+    dtype values: ops.rope's three PyTorch ops, each result rounded to the dtype (x*cos, rot(x)*sin, the sum);
+    round(-a) = -round(a), so the first half's sum with the rounded (-x2*sin1) is the difference below. The
+    roundings also keep the compiler from contracting a product and a sum into one FMA, which would round
+    differently. Shared with the qkv GEMV's RoPE epilogue (csrc_triton/w4a16_gemv.py, EPI 3)."""
+    o1 = round_to(round_to(x1 * c1, dtype) - round_to(x2 * s1, dtype), dtype)
+    o2 = round_to(round_to(x2 * c2, dtype) + round_to(x1 * s2, dtype), dtype)
+    return o1, o2
+
+
+@triton.jit
 def _store_kv(k_ptr, v_ptr, slot_ptr, b, t, kh, offs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
               stride_vs, k_lo, k_hi, v_lo, v_hi, is_k, HALF: tl.constexpr):
     """Rotated k and raw v halves of (b, kh, token t) at sequence slot slot_ptr[t] of one cache pair."""
@@ -62,11 +74,8 @@ def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, k
     c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + t * stride_st + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + t * stride_st + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
-    # ops.rope: x*cos + cat(-x2, x1)*sin, three fp16 ops; round(-a) = -round(a), so the first half's
-    # sum of the rounded (-x2*sin1) is the difference below. The roundings also keep the compiler
-    # from contracting a product and a sum into one FMA, which would round differently.
-    o1 = round_to(round_to(x1 * c1, dtype) - round_to(x2 * s1, dtype), dtype).to(dtype)
-    o2 = round_to(round_to(x2 * c2, dtype) + round_to(x1 * s2, dtype), dtype).to(dtype)
+    o1, o2 = rope_halves(x1, x2, c1, c2, s1, s2, dtype)  # ops.rope: x*cos + cat(-x2, x1)*sin, its roundings
+    o1, o2 = o1.to(dtype), o2.to(dtype)
     is_q = mask & (heads[:, None] < H)
     q_dst = q_ptr + ((b * H + heads[:, None]) * T + t) * (2 * HALF) + offs[None, :]  # (B, H, T, D) contiguous
     tl.store(q_dst, o1, mask=is_q)

@@ -29,6 +29,9 @@ last to arrive at its row block's counter sums the partials in split order (dete
 arrives last), adds the bias, stores y and resets the counter. No host sync, no autotuning, no per-call
 allocation (workspace and counters persist per device), so a call can be captured in a CUDA graph after
 one eager call of the same shape. One CUDA stream at a time per device (shared counters).
+Epilogues (EPI, _store_y): 0 plain; 1 residual add + the next RMSNorm's share (w4a16_gemv_norm); 2 SwiGLU
+(w4a16_gemv_silu); 3 RoPE of q and k + the KV-cache write of k and v (w4a16_gemv_rope, its own kernel entry
+_w4a16_gemv_rope_kernel). 2 and 3 (mma only) give each program rows that pair up by a row map (_mma_tile).
 Configs: a fixed table (GEMV_TABLE, else a rule: gemv_config) from the H200 sweep (scripts/benches/w4a16.py,
 TINYVILA_W4_SWEEP=1).
 Limits: M <= 8 (larger M: w4a16_gemm), K % G == 0, N * K / 8 < 2^31.
@@ -43,6 +46,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .rope_qkv import _check as _rope_check
+from .rope_qkv import rope_halves
 from .rounding import round_to
 from .silu_mul import silu_mul_math
 
@@ -207,8 +212,68 @@ def _prenorm_rows(pin_ptr, NP, norm_d, eps, M, BLOCK_M: tl.constexpr, NPB: tl.co
 
 
 @triton.jit
+def _store_kv_rows(pair, b, t, kh, vh, m_ok, d, k_lo, k_hi, v_lo, v_hi, is_k, is_v, HALF_D: tl.constexpr):
+    """k halves (rotated) of KV head kh and v halves (raw) of KV head vh, rows (b, t) of tokens m (BM,), dims d
+    and d + D/2 (BN/2,), into one cache pair at its slots: pair = (k_ptr, v_ptr, slot_ptr, 3 k strides (b, h, s),
+    3 v strides). A program holds k rows or v rows, never both (is_k, is_v: scalar)."""
+    k_ptr, v_ptr, slot_ptr, skb, skh, sks, svb, svh, svs = pair
+    slot = tl.load(slot_ptr + t, mask=m_ok, other=0).to(tl.int64)  # (BM,) slot of each token's position
+    k_dst = (k_ptr + b * skb + kh * skh + slot * sks)[:, None] + d[None, :]  # (BM, BN/2)
+    tl.store(k_dst, k_lo, mask=m_ok[:, None] & is_k)
+    tl.store(k_dst + HALF_D, k_hi, mask=m_ok[:, None] & is_k)
+    v_dst = (v_ptr + b * svb + vh * svh + slot * svs)[:, None] + d[None, :]
+    tl.store(v_dst, v_lo, mask=m_ok[:, None] & is_v)
+    tl.store(v_dst + HALF_D, v_hi, mask=m_ok[:, None] & is_v)
+
+
+@triton.jit
+def _store_rope(out, offs_m, rows, pid_n, M, bias_ptr, q_ptr, HAS_BIAS: tl.constexpr, rope, D: tl.constexpr,
+                SECOND: tl.constexpr):
+    """EPI 3: out (BM, BN) fp32 of rows `rows` = [head h dims d | head h dims d + D/2] (d = c BN/2 + i, the
+    program's chunk c of the head; _mma_tile's row map) -> y = out + bias cast to the dtype exactly as the plain
+    GEMV stores it, then as csrc_triton/rope_qkv.py does with y as its qkv: q heads [0, H) rotated to q (B, H, T, D)
+    contiguous; k heads [H, H + Hkv) rotated and v heads [H + Hkv, H + 2 Hkv) raw to k/v caches (B, Hkv, S, D) at
+    slots[t], and to the second pair at its own slots when SECOND. Token m = b T + t. rope = ((cos, sin (T, D),
+    T, cos/sin row strides, H, Hkv), first cache pair, second cache pair) (see _store_kv_rows)."""
+    BM: tl.constexpr = out.shape[0]
+    HALF: tl.constexpr = out.shape[1] // 2
+    dt: tl.constexpr = q_ptr.dtype.element_ty
+    tables, pair, pair2 = rope
+    cos_ptr, sin_ptr, T, stride_ct, stride_st, H, HKV = tables
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+    # The plain store's cast, not round_to: the interpreter's bf16 cast truncates, and the results must equal
+    # rope_qkv run on what the plain GEMV stored (on the GPU both are cvt.rn, the same).
+    y = out.to(dt).to(tl.float32)
+    x1, x2 = tl.split(tl.permute(tl.reshape(y, (BM, 2, HALF)), (0, 2, 1)))  # (BM, BN/2): dims d, d + D/2
+    head = pid_n // (D // (2 * HALF))  # D / BN programs per head
+    d = (pid_n % (D // (2 * HALF))) * HALF + tl.arange(0, HALF)
+    m_ok = offs_m < M
+    b, t = offs_m // T, offs_m % T
+    cs = t[:, None] * stride_ct + d[None, :]
+    ss = t[:, None] * stride_st + d[None, :]
+    c1 = tl.load(cos_ptr + cs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + D // 2, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + ss, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + ss + D // 2, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    o1, o2 = rope_halves(x1, x2, c1, c2, s1, s2, dt)  # rope_qkv's roundings: the same bits
+    o1, o2 = o1.to(dt), o2.to(dt)
+    q_dst = q_ptr + (((b * H + head) * T + t) * D)[:, None] + d[None, :]  # (B, H, T, D) contiguous
+    tl.store(q_dst, o1, mask=m_ok[:, None] & (head < H))
+    tl.store(q_dst + D // 2, o2, mask=m_ok[:, None] & (head < H))
+    is_k = (head >= H) & (head < H + HKV)
+    is_v = head >= H + HKV
+    kh, vh = head - H, head - H - HKV  # out of range on the other kinds of head, whose stores are masked off
+    v1, v2 = x1.to(dt), x2.to(dt)
+    _store_kv_rows(pair, b, t, kh, vh, m_ok, d, o1, o2, v1, v2, is_k, is_v, D // 2)
+    if SECOND:  # the packed decode buffer of a SparseVILA turn also receives the new token
+        _store_kv_rows(pair2, b, t, kh, vh, m_ok, d, o1, o2, v1, v2, is_k, is_v, D // 2)
+
+
+@triton.jit
 def _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr, pid_n, res_ptr,
-             g_ptr, xg_ptr, pout_ptr, EPI: tl.constexpr):
+             g_ptr, xg_ptr, pout_ptr, EPI: tl.constexpr, rope=None, ROPE_D: tl.constexpr = 0,
+             SECOND: tl.constexpr = False):
     """out (BM, BN) fp32 (+ bias) -> y rows offs_m < M, columns offs_n < N, rounded once to y's dtype.
     EPI 1 (the residual stream's add and the next RMSNorm's share of it): y = o rounded to the dtype
     (o = out + bias, as EPI 0 stores it), h = res + y (fp32 sum rounded once: PyTorch's add) goes to y_ptr,
@@ -216,7 +281,12 @@ def _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl
     pout[pid_n, m] (stride 8), for the consumer's _prenorm_rows.
     EPI 2 (SwiGLU, the fused gate/up projection): the tile's columns are BN / 2 gate rows then the same BN / 2
     up rows (_mma_tile's row map); y (M, N / 2) = silu(gate) * up of the rounded outputs, PyTorch's roundings
-    (csrc_triton/silu_mul.py), columns pid_n BN / 2 + j. No bias (the launcher checks)."""
+    (csrc_triton/silu_mul.py), columns pid_n BN / 2 + j. No bias (the launcher checks).
+    EPI 3 (RoPE and the KV-cache write, the fused qkv projection): offs_n are the tile's rows (_mma_tile's row
+    map: BN / 2 dims of one head's first half, then the same dims of its second half); see _store_rope."""
+    if EPI == 3:
+        _store_rope(out, offs_m, offs_n, pid_n, M, bias_ptr, y_ptr, HAS_BIAS, rope, ROPE_D, SECOND)
+        return
     if EPI == 2:
         BM: tl.constexpr = out.shape[0]
         HALF: tl.constexpr = out.shape[1] // 2
@@ -247,7 +317,8 @@ def _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl
 def _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, SPLIT_K,
             res_ptr, g_ptr, xg_ptr, pout_ptr, r,
             HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FENCE: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, EPI: tl.constexpr, PRENORM: tl.constexpr):
+            BLOCK_N: tl.constexpr, EPI: tl.constexpr, PRENORM: tl.constexpr, rope=None, ROPE_D: tl.constexpr = 0,
+            SECOND: tl.constexpr = False):
     """out (BM, BN): this program's fp32 sum for rows offs_m, output columns offs_n (any order) -> y.
     PRENORM: x was gamma * h of an RMSNorm left unnormalised, so out (linear in x) is scaled by each row's
     r = rsqrt(mean(h^2) + eps) (_prenorm_rows, loaded before the K loop so its round trip hides under the
@@ -258,7 +329,7 @@ def _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr,
         out = out * r[:, None]
     if not SPLIT:
         _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, pid_n, res_ptr, g_ptr, xg_ptr,
-                 pout_ptr, EPI)
+                 pout_ptr, EPI, rope, ROPE_D, SECOND)
     else:
         ws_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         tl.store(ws_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], out, mask=ws_mask)
@@ -272,7 +343,7 @@ def _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr,
                 total += tl.load(ws_ptr + (k * M + offs_m[:, None]) * N + offs_n[None, :], mask=ws_mask,
                                  other=0.0, cache_modifier=".cg")
             _store_y(y_ptr, bias_ptr, total, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, pid_n, res_ptr, g_ptr,
-                     xg_ptr, pout_ptr, EPI)
+                     xg_ptr, pout_ptr, EPI, rope, ROPE_D, SECOND)
             tl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next call (or graph replay)
 
 
@@ -518,7 +589,7 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
               UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
               EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, TRIGGER: tl.constexpr = 0,
-              PDL: tl.constexpr = False):
+              PDL: tl.constexpr = False, rope=None, ROPE_D: tl.constexpr = 0, SECOND: tl.constexpr = False):
     """Row block pid_n, K split pid_k of the mma kernel: y (or its split-K partial) for BLOCK_N rows. Each K
     step: GPS groups' words -> A (_mma_operand), GPS dots against the step's x (_shared_x_dots), scaled per
     group and column (_step_scales), plus the step's x-only terms (_step_zero_terms)."""
@@ -530,6 +601,13 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
         HALF: tl.constexpr = BLOCK_N // 2
         i = tl.arange(0, BLOCK_N)
         rows = (pid_n * HALF + i % HALF) % (N // 2) + tl.where(i >= HALF, N // 2, 0)
+    elif EPI == 3:  # RoPE: BN / 2 dims d of one head's first half, then dims d + D / 2 (the epilogue pairs them)
+        HALF: tl.constexpr = BLOCK_N // 2
+        CHUNKS: tl.constexpr = ROPE_D // BLOCK_N  # programs per head
+        i = tl.arange(0, BLOCK_N)
+        rows = ((pid_n // CHUNKS) * ROPE_D + (pid_n % CHUNKS) * HALF + i % HALF
+                + tl.where(i >= HALF, ROPE_D // 2, 0))
+        cols = rows  # the bias and the split-K partials are indexed by row (all rows < N: no wrap)
     else:
         rows = cols % N  # rows past N wrap around instead of being masked (unmasked loads); the store drops them
     if PRENORM:  # before the K loop: its round trip overlaps the weights'
@@ -562,7 +640,8 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
     # Fold the column blocks (groups; zero past GPS) into BLOCK_M columns.
     out = tl.sum(tl.reshape(acc, (BLOCK_N, 8 // BLOCK_M, BLOCK_M)), axis=1) * U_INV  # (BN, BM)
     _finish(tl.trans(out), offs_m, cols, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, SPLIT_K,
-            res_ptr, g_ptr, xg_ptr, pout_ptr, r, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N, EPI, PRENORM)
+            res_ptr, g_ptr, xg_ptr, pout_ptr, r, HAS_BIAS, SPLIT, FENCE, BLOCK_M, BLOCK_N, EPI, PRENORM, rope, ROPE_D,
+            SECOND)
 
 
 @triton.jit
@@ -590,6 +669,33 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
               res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
               M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
               UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, TRIGGER, PDL)
+    if TRIGGER == 2:
+        pdl.launch_dependents(PDL)
+
+
+@triton.jit
+def _w4a16_gemv_rope_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, q_ptr, ws_ptr, lock_ptr, res_ptr, g_ptr,
+                            xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps, M, N, stride_xm, stride_ym, K8, NG,
+                            W_SPLIT, SPLIT_K, cos_ptr, sin_ptr, T, stride_ct, stride_st, H, HKV,
+                            k_ptr, v_ptr, slot_ptr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                            k2_ptr, v2_ptr, slot2_ptr, stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h,
+                            stride_v2s, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr,
+                            S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                            BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
+                            EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, TRIGGER: tl.constexpr,
+                            PDL: tl.constexpr, ROPE_D: tl.constexpr, SECOND: tl.constexpr):
+    # The mma kernel with the RoPE epilogue (EPI 3, _store_rope): its own entry point, so the plain kernel's
+    # signature (and so its compiled code) stays as it was. q_ptr takes y's place.
+    pdl.wait(PDL)
+    if TRIGGER == 0:
+        pdl.launch_dependents(PDL)
+    rope = ((cos_ptr, sin_ptr, T, stride_ct, stride_st, H, HKV),
+            (k_ptr, v_ptr, slot_ptr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs),
+            (k2_ptr, v2_ptr, slot2_ptr, stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h, stride_v2s))
+    _mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, q_ptr, ws_ptr, lock_ptr,
+              res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
+              M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
+              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, TRIGGER, PDL, rope, ROPE_D, SECOND)
     if TRIGGER == 2:
         pdl.launch_dependents(PDL)
 
@@ -792,6 +898,45 @@ def silu_ok(N: int, K: int, G: int, config: dict) -> bool:
     return (N // 2) % half == 0
 
 
+def w4a16_gemv_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv_heads: int, *,
+                    second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    prenorm: tuple[torch.Tensor, float] | None = None, config: dict | None = None,
+                    unpack: int | None = None) -> torch.Tensor:
+    """RoPE and the KV-cache write fused into the qkv GEMV: x (B T, K) (token m = b T + t, B T <= 8), qweight the
+    fused [q heads | k heads | v heads] (N = (H + 2 Hkv) D, K) -> rotated q (B, H, T, D) contiguous; rotated k and
+    raw v go to k_cache, v_cache (B, Hkv, S, D) at slots (T,) and to second = (k2, v2, slots2) when given: bit for
+    bit csrc_triton.rope_qkv.rope_qkv(w4a16_gemv(x, ...).view(B, T, N), ...) (same config), one launch. cos, sin
+    (T, D); bias (N,) (Qwen2) added before the rounding, as in the plain GEMV. Needs the mma kernel with BLOCK_N / 2
+    dividing D / 2 (rope_ok). prenorm as in w4a16_gemv."""
+    M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
+    T = cos.shape[0] if cos.dim() == 2 else 0
+    if T == 0 or M % T:
+        raise ValueError(f"w4a16_gemv_rope: x's {M} rows are not B x T tokens with T = {T} rows of cos")
+    qkv = x.new_empty(1).expand(M // T, T, N)  # shape, dtype and device of the GEMV's output for rope_qkv's checks
+    D = _rope_check(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads)
+    if second is not None:
+        _rope_check(qkv, cos, sin, *second, n_heads, n_kv_heads)
+    cfg = config if config is not None else _default_config(x, M, N, K, G)
+    if not rope_ok(N, K, G, cfg, D):
+        raise ValueError(f"w4a16_gemv_rope needs the mma kernel (G=128) and half its BLOCK_N dividing D/2={D // 2}; "
+                         f"got G={G}, config {cfg}")
+    q = torch.empty(M // T, n_heads, T, D, dtype=x.dtype, device=x.device)
+    _gemv(x, qweight, scales, zeros, bias, q, cfg, unpack, prenorm, None, None,
+          rope=(cos, sin, T, n_heads, n_kv_heads, D, (k_cache, v_cache, slots), second))
+    return q
+
+
+def rope_ok(N: int, K: int, G: int, config: dict, head_dim: int) -> bool:
+    """Whether the qkv GEMV can end in RoPE and the cache write (w4a16_gemv_rope) under `config`: the mma kernel
+    and whole half-tiles per half head (BLOCK_N / 2 divides D / 2), so a program's rows pair d with d + D / 2."""
+    if config.get("kernel", "fma") != "mma" or not mma_ok(K, G) or head_dim % 2 or N % head_dim:
+        return False
+    half = config.get("BLOCK_N", 16 * config["num_warps"]) // 2
+    return (head_dim // 2) % half == 0
+
+
 def _default_config(x: torch.Tensor, M: int, N: int, K: int, G: int) -> dict:
     """The config a call runs when none is pinned: gemv_config on the GPU, the interpreter's otherwise."""
     if x.is_cuda and not INTERPRET:
@@ -800,15 +945,16 @@ def _default_config(x: torch.Tensor, M: int, N: int, K: int, G: int) -> dict:
 
 
 def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residual, gamma,
-          silu: bool = False) -> tuple[torch.Tensor, ...]:
-    """The launcher of w4a16_gemv (residual None: -> (y,)), w4a16_gemv_norm (-> (h, xg, part)) and
-    w4a16_gemv_silu (silu: out is (M, N / 2))."""
+          silu: bool = False, rope: tuple | None = None) -> tuple[torch.Tensor, ...]:
+    """The launcher of w4a16_gemv (residual None: -> (y,)), w4a16_gemv_norm (-> (h, xg, part)), w4a16_gemv_silu
+    (silu: out is (M, N / 2)) and w4a16_gemv_rope (rope = (cos, sin, T, H, Hkv, D, (k, v, slots), second):
+    out is q (B, H, T, D), checked by the caller)."""
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
     if M > MAX_M:
         raise ValueError(f"w4a16_gemv takes at most {MAX_M} rows, got {M}; use w4a16_gemm")
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    elif out.shape != (M, N // 2 if silu else N) or out.dtype != x.dtype or out.stride(1) != 1:
+    elif rope is None and (out.shape != (M, N // 2 if silu else N) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be ({M}, {N}) {x.dtype} with unit stride along N")
     K8 = K // 8
     if N * K8 >= 2**31:
@@ -822,6 +968,8 @@ def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residua
         config = _default_config(x, M, N, K, G)
     cfg = dict(config)
     kernel = cfg.pop("kernel", "fma")
+    if rope is not None and kernel != "mma":
+        raise ValueError("the RoPE epilogue needs the mma kernel")
     if kernel == "mma" and not mma_ok(K, G):
         raise ValueError(f"the mma kernel needs G == 128 and K % 128 == 0 (G={G}, K={K})")
     unknown = set(cfg) - set(CONFIG_KEYS[kernel])
@@ -868,13 +1016,22 @@ def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residua
         np_in = pin.shape[0]
     epi_args = (res, g, xg, pout, pin, np_in, nd, eps)
     meta = dict(BLOCK_M=triton.next_power_of_2(M), HAS_BIAS=bias is not None, UNPACK=unpack, S_PAIRS=s_pairs,
-                FENCE=on_gpu, SPLIT=split > 1, EPI=2 if silu else int(residual is not None), PRENORM=prenorm is not None,
+                FENCE=on_gpu, SPLIT=split > 1, EPI=3 if rope else 2 if silu else int(residual is not None),
+                PRENORM=prenorm is not None,
                 NPB=triton.next_power_of_2(np_in), **pdl.options(x.device))
     sc = scales.view(torch.int32) if s_pairs else scales
     b = bias if bias is not None else scales
     shape_args = (M, N)
     tail = (K8, K // G, w_split, split)
-    if kernel == "mma":
+    if rope is not None:
+        cos, sin, T, H, Hkv, D, pair, second = rope
+        caches = [a for k, v, sl in (pair, second or pair) for a in (k, v, sl, *k.stride()[:3], *v.stride()[:3])]
+        x32 = _pairs_view(x)
+        _w4a16_gemv_rope_kernel[(row_blocks, split)](x32, qweight, sc, zeros, b, out, ws, locks, *epi_args, *shape_args,
+                                                     x32.stride(0), out.stride(0), *tail, cos, sin, T, cos.stride(0),
+                                                     sin.stride(0), H, Hkv, *caches, **meta, UPCAST_DOT=not on_gpu,
+                                                     ROPE_D=D, SECOND=second is not None, **cfg)
+    elif kernel == "mma":
         x32 = _pairs_view(x)  # x as int32 pairs: 4-byte elements, which Triton pipelines with cp.async
         _w4a16_gemv_mma_kernel[(row_blocks, split)](x32, qweight, sc, zeros, b, out, ws, locks, *epi_args,
                                                     *shape_args, x32.stride(0), out.stride(0), *tail, **meta,

@@ -41,7 +41,8 @@ def parse_args(argv):
                    help="also time the graph step under settings, e.g. 'pdl=0,pdl=1' (programmatic dependent "
                         "launch, csrc_triton/pdl.py) or 'lmhead=cublas,lmhead=triton' (ops.DENSE_GEMV) or "
                         "'norm=plain,norm=fused' / 'silu=...' (ops.FUSED_NORM_GEMV, ops.FUSED_SILU: RMSNorms / SwiGLU "
-                        "in separate launches, or fused into the W4 GEMVs)")
+                        "in separate launches, or fused into the W4 GEMVs) or 'rope=kernel,rope=gemv' "
+                        "(ops.FUSED_ROPE_GEMV: RoPE + KV write in the rope_qkv launch, or in the qkv GEMV's epilogue)")
     return p.parse_args(argv)
 
 
@@ -95,17 +96,19 @@ def _patch(setting: str):
         return mock.patch.object(ops, "DENSE_GEMV", value == "triton")
     if key == "silu" and value in ("plain", "fused"):
         return mock.patch.object(ops, "FUSED_SILU", value == "fused")
+    if key == "rope" and value in ("kernel", "gemv"):
+        return mock.patch.object(ops, "FUSED_ROPE_GEMV", value == "gemv")
     if key == "norm" and value in ("plain", "fused"):
         return mock.patch.object(ops, "FUSED_NORM_GEMV", "off" if value == "plain" else "auto")
     if key in ("trigger", "silutrigger") and value in ("0", "1", "2"):
         return mock.patch.object(w4a16_gemv, "TRIGGER" if key == "trigger" else "SILU_TRIGGER", int(value))
     raise SystemExit(f"--variants: unknown setting {setting!r} (pdl=0|1, lmhead=cublas|triton, norm|silu=plain|fused, "
-                     "trigger|silutrigger=0|1|2)")
+                     "rope=kernel|gemv, trigger|silutrigger=0|1|2)")
 
 
 def variants(text, args) -> dict[str, float]:
     """Graph tok/s per variant: settings 'pdl=P', 'lmhead=cublas|triton', 'norm=plain|fused', 'silu=plain|fused',
-    'trigger=T' / 'silutrigger=T' (when a W4 GEMV lets the next PDL kernel start: csrc_triton/w4a16_gemv.py),
+    'rope=kernel|gemv', 'trigger=T' / 'silutrigger=T' (when a W4 GEMV lets the next PDL kernel start: csrc_triton/w4a16_gemv.py),
     several joined by '+' (a fresh Decoder, so fresh graphs, for each); restores the settings afterwards."""
     out = {}
     for spec in args.variants.split(","):

@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python scripts/w4_gemv_sass.py OUTDIR   (no GPU needed; compare two OUTDIRs with diff -r)
 
-The launcher (`_gemv`, through w4a16_gemv / w4a16_gemv_norm / w4a16_gemv_silu with gemv_config's config)
+The launcher (`_gemv`, through w4a16_gemv / w4a16_gemv_norm / w4a16_gemv_silu / w4a16_gemv_rope with
+gemv_config's config; the RoPE epilogue has its own kernel entry, _w4a16_gemv_rope_kernel)
 runs on CPU tensors with the kernel object swapped for a recorder; the recorded call is then bound with
 Triton's own JIT binder (the same specialisation: 16-divisible ints/pointers, constexprs) for a CUDA sm_90
 backend, with the GPU-only constexprs the launcher would pass on the H200 (UNPACK 1, FENCE, UPCAST_DOT
@@ -28,6 +29,7 @@ from csrc_triton import w4a16_gemv as g
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ROPE = dict(H=32, Hkv=8, D=128, S=1024)  # Llama-3-8B attention: the qkv GEMV's RoPE epilogue
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 GPU_CONSTS = dict(UNPACK=1, FENCE=True, UPCAST_DOT=False, PDL=True, launch_pdl=True)
 
@@ -43,7 +45,7 @@ class Recorder:
 
 
 def record(mode: str, M: int, N: int, K: int, dtype, bias: bool):
-    """Runs the launcher for one production call; returns the recorded (grid, args, kwargs)."""
+    """Runs the launcher for one production call; returns (config, kernel, the recorded (grid, args, kwargs))."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(M, K, generator=gen).to(dtype)
     qw = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32, generator=gen)
@@ -53,10 +55,19 @@ def record(mode: str, M: int, N: int, K: int, dtype, bias: bool):
     cfg = g.gemv_config(M, N, K, 128)
     # the producer of the partial sums: a 64-row-block GEMV over 4096 columns (o / down)
     pn = (torch.rand(64, 8, generator=gen), 1e-5) if "prenorm" in mode else None
-    rec = Recorder(g._w4a16_gemv_mma_kernel)
-    g._w4a16_gemv_mma_kernel = rec
+    name = "_w4a16_gemv_rope_kernel" if mode.startswith("rope") else "_w4a16_gemv_mma_kernel"
+    rec = Recorder(getattr(g, name))
+    setattr(g, name, rec)
     try:
-        if mode.startswith("norm"):
+        if mode.startswith("rope"):
+            H, Hkv, D, S = ROPE["H"], ROPE["Hkv"], ROPE["D"], ROPE["S"]
+            cos, sin = torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)
+            kv = [torch.empty(M, Hkv, S, D, dtype=dtype) for _ in range(4)]
+            slots = torch.zeros(1, dtype=torch.long)
+            second = (kv[2], kv[3], slots) if "second" in mode else None
+            g.w4a16_gemv_rope(x, qw, s, z, b, cos, sin, kv[0], kv[1], slots, H, Hkv, second=second, config=cfg,
+                              unpack=0, prenorm=pn)
+        elif mode.startswith("norm"):
             res, gam = torch.randn(M, N).to(dtype), torch.randn(N).to(dtype)
             g.w4a16_gemv_norm(x, qw, s, z, b, res, gam, config=cfg, unpack=0, prenorm=pn)
         elif mode.startswith("silu"):
@@ -64,9 +75,9 @@ def record(mode: str, M: int, N: int, K: int, dtype, bias: bool):
         else:
             g.w4a16_gemv(x, qw, s, z, b, config=cfg, unpack=0, prenorm=pn)
     finally:
-        g._w4a16_gemv_mma_kernel = rec.fn
+        setattr(g, name, rec.fn)
     (call,) = rec.calls
-    return cfg, call
+    return cfg, rec.fn, call
 
 
 def compile_call(fn, args, kwargs):
@@ -123,6 +134,10 @@ def cases():
                 if name == "qkv":
                     yield f"{name} M{M} {dn} prenorm", "prenorm", M, N, K, dtype, False
                     yield f"{name} M{M} {dn} prenorm+bias", "prenorm", M, N, K, dtype, True
+                    if ROPE_CASES:
+                        yield f"{name} M{M} {dn} rope+prenorm", "rope prenorm", M, N, K, dtype, False
+                        yield f"{name} M{M} {dn} rope+prenorm+second", "rope prenorm second", M, N, K, dtype, False
+                        yield f"{name} M{M} {dn} rope+prenorm+bias", "rope prenorm", M, N, K, dtype, True
                 if name in ("o", "down"):
                     yield f"{name} M{M} {dn} norm", "norm", M, N, K, dtype, False
                     yield f"{name} M{M} {dn} norm+prenorm", "norm prenorm", M, N, K, dtype, False
@@ -131,12 +146,15 @@ def cases():
                     yield f"{name} M{M} {dn} silu", "silu", M, N, K, dtype, False
 
 
+# TINYVILA_SASS_ROPE=0 leaves out the RoPE epilogue's cases (a before/after diff against an older OUTDIR).
+ROPE_CASES = os.environ.get("TINYVILA_SASS_ROPE", "1") == "1"
+
+
 def main(outdir: str):
     os.makedirs(outdir, exist_ok=True)
-    fn = g._w4a16_gemv_mma_kernel
     index, compiled = {}, {}
     for label, mode, M, N, K, dtype, bias in cases():
-        cfg, (grid, args, kwargs) = record(mode, M, N, K, dtype, bias)
+        cfg, fn, (grid, args, kwargs) = record(mode, M, N, K, dtype, bias)
         ident, src = compile_call(fn, args, kwargs)
         key = hashlib.sha1(ident.encode()).hexdigest()[:12]
         if key not in compiled:

@@ -147,17 +147,23 @@ class KVCache:
         and store k, v at slots start..start+T-1 (a decode step's `StepIndex`: its slot, and its row of
         the packed buffer when one is active); returns the rotated q (B, H, T, Dh). Keys are cached
         rotated at their logical position, so packing never re-rotates. One fused kernel on CUDA."""
-        Hkv = self.k[layer].shape[1]
+        k, v, slots, second = self.write_targets(layer, start, qkv.shape[1])
+        return ops.rope_qkv(qkv, cos, sin, k, v, slots, n_heads, k.shape[1], second=second)
+
+    def write_targets(self, layer: int, start: int | StepIndex, T: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+        """Where rope_write stores T new rows of `layer`: (k, v, slots, second), the arguments of ops.rope_qkv
+        (and of ops.w4a16_linear_rope, which does the same inside the qkv GEMV): the layer's caches, the slots
+        (T,) on the device, and (packed k, packed v, rows) while a packed decode buffer is active."""
         if isinstance(start, StepIndex):
             p = self.packed
             second = None if p is None else (p.k[layer], p.v[layer], start.row)
-            return ops.rope_qkv(qkv, cos, sin, self.k[layer], self.v[layer], start.slot, n_heads, Hkv, second=second)
+            return self.k[layer], self.v[layer], start.slot, second
         if self.packed is not None:
             raise RuntimeError("a packed decode buffer is active: decode steps go through a StepIndex; "
                                "unpack() before a prefill")
-        T = qkv.shape[1]
         self.check(start, T)
-        return ops.rope_qkv(qkv, cos, sin, self.k[layer], self.v[layer], self.slots(start, T), n_heads, Hkv)
+        return self.k[layer], self.v[layer], self.slots(start, T), None
 
     def slots(self, start: int, T: int) -> torch.Tensor:
         """Slots start..start+T-1 as a (T,) int64 device tensor, made once per prefill (not once per

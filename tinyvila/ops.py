@@ -277,6 +277,34 @@ def w4a16_linear_silu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 FUSED_SILU = True  # SwiGLU in the gate/up GEMV's epilogue where it can be (False: a separate launch)
 
+
+def w4a16_linear_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv_heads: int, *,
+                      second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                      norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """rope_qkv(w4a16_linear(x, ...), ...) for the fused qkv projection: x (B, T, K) -> rotated q (B, H, T, D), k and
+    v stored as rope_qkv stores them; the same bits. On CUDA fp16/bf16 at decode row counts one launch where
+    FUSED_ROPE_GEMV is on and the kernel allows (csrc_triton.w4a16_gemv.rope_ok: the mma kernel, half its row
+    tile dividing D / 2), else the two ops."""
+    B, T, K = x.shape
+    M, N = B * T, qweight.shape[0]
+    if (FUSED_ROPE_GEMV and _fused_kernels(x) and M <= GEMV_MAX_M and scales.dim() == 2 and scales.shape[1]
+            and K % scales.shape[1] == 0 and N % (n_heads + 2 * n_kv_heads) == 0):
+        from csrc_triton.w4a16_gemv import gemv_config, rope_ok, w4a16_gemv_rope
+
+        G, D = K // scales.shape[1], N // (n_heads + 2 * n_kv_heads)
+        if G in (32, 64, 128) and rope_ok(N, K, G, gemv_config(M, N, K, G), D):
+            return w4a16_gemv_rope(x.reshape(M, K).contiguous(), qweight, scales, zeros, bias, cos, sin, k_cache,
+                                   v_cache, slots, n_heads, n_kv_heads, second=second, prenorm=norm)
+    return rope_qkv(w4a16_linear(x, qweight, scales, zeros, bias, norm=norm), cos, sin, k_cache, v_cache, slots,
+                    n_heads, n_kv_heads, second=second)
+
+
+# RoPE and the KV-cache write in the qkv GEMV's epilogue (Block.forward_fused, w4a16_linear_rope; False: the
+# rope_qkv launch after the GEMV). Off until measured on the H200 (profile_decode.py --variants rope=...).
+FUSED_ROPE_GEMV = False
+
 # The fused norm/GEMV decode chain (NormedRows): "auto" on CUDA fp16/bf16 at decode row counts, "on" also
 # elsewhere (the PyTorch forms above: tests of the wiring on CPU), "off" never (A/B measurements).
 FUSED_NORM_GEMV = "auto"

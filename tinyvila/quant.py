@@ -124,6 +124,14 @@ class W4A16Linear(nn.Module):
         same launch where the kernel allows: ops.w4a16_linear_silu)."""
         return ops.w4a16_linear_silu(rows.xg, self.qweight, self.scales, self.zeros, self.bias, norm=rows.norm())
 
+    def forward_normed_rope(self, rows: ops.NormedRows, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv_heads: int,
+                            second: tuple | None = None) -> torch.Tensor:
+        """This fused qkv linear applied to RMSNorm(rows.h) * weight, then RoPE and the KV-cache write
+        (ops.w4a16_linear_rope: one launch where the kernel allows) -> rotated q (B, H, T, D)."""
+        return ops.w4a16_linear_rope(rows.xg, self.qweight, self.scales, self.zeros, self.bias, cos, sin, k_cache,
+                                     v_cache, slots, n_heads, n_kv_heads, second=second, norm=rows.norm())
+
     def forward_norm_out(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                          eps: float) -> ops.NormedRows:
         """residual + this linear(x), with the next RMSNorm (norm_weight, eps) prepared in the same launch

@@ -98,9 +98,23 @@ class Attention(nn.Module):
     def heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
               start: int | StepIndex) -> torch.Tensor:
         """The projected q, k, v (B, T, qkv_dim) -> the heads' outputs (B, T, H * Dh), before wo."""
-        B, T, _ = qkv.shape
         # RoPE on q and k, k and v stored at their slots: one fused kernel on CUDA.
         q = cache.rope_write(self.layer, start, qkv, cos, sin, self.n_heads)  # (B, H, T, D)
+        return self._attend(q, cache, start)
+
+    def heads_normed(self, rows: ops.NormedRows, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                     start: int | StepIndex) -> torch.Tensor:
+        """heads() of wqkv (W4) applied to RMSNorm(rows.h) * weight (Block.forward_fused). With
+        ops.FUSED_ROPE_GEMV, RoPE and the cache write ride in the qkv GEMV's launch (ops.w4a16_linear_rope)."""
+        if not ops.FUSED_ROPE_GEMV:
+            return self.heads(self.wqkv.forward_normed(rows), cos, sin, cache, start)
+        k, v, slots, second = cache.write_targets(self.layer, start, rows.xg.shape[1])
+        q = self.wqkv.forward_normed_rope(rows, cos, sin, k, v, slots, self.n_heads, self.n_kv_heads, second)
+        return self._attend(q, cache, start)  # q: (B, H, T, D)
+
+    def _attend(self, q: torch.Tensor, cache: KVCache, start: int | StepIndex) -> torch.Tensor:
+        """Rotated q (B, H, T, D), its k and v already cached -> (B, T, H * D)."""
+        B, _, T, _ = q.shape
         # Dense, scored (SparseVILA question) or packed-decode attention.
         o = cache.attend(self.layer, start, q)  # (B, H, T, D)
         return o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
@@ -151,14 +165,15 @@ class Block(nn.Module):
         """The decode form of forward_residual (W4 layers, ops.fused_norm_gemv): both norms live in the
         GEMVs (ops.NormedRows): wo's and w2's launches add their output to the stream and prepare the next
         norm (the MLP's, then `next_norm`, the next layer's attention norm), which qkv's and w13's launches
-        apply; w13's launch also ends in SwiGLU where the kernel allows (ops.w4a16_linear_silu). x: the stream
+        apply; w13's launch also ends in SwiGLU where the kernel allows (ops.w4a16_linear_silu), and qkv's in RoPE
+        and the cache write with ops.FUSED_ROPE_GEMV (Attention.heads_normed). x: the stream
         from the previous layer's w2 (NormedRows), or a plain stream (the first layer:
         its norm runs on its own). -> NormedRows for the next layer, or (MLP output, stream) like
         forward_residual when next_norm is None (the final norm then adds them)."""
         if not isinstance(x, ops.NormedRows):
             xn, h = self.attn_norm.add_norm(x, None)
             x = ops.NormedRows(h, xn, None, self.attn_norm.eps)
-        o = self.attn.heads(self.attn.wqkv.forward_normed(x), cos, sin, cache, start)
+        o = self.attn.heads_normed(x, cos, sin, cache, start)
         rows = self.attn.wo.forward_norm_out(o, x.h, self.mlp_norm.weight, self.mlp_norm.eps)
         act = self.mlp.w13.forward_normed_silu(rows)
         if next_norm is None:
