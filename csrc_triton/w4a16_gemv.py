@@ -787,7 +787,8 @@ GEMV_TABLE: dict[tuple[int, int, int], dict] = {  # H200 sweep, session 5 (run S
 # step at 1K (profile_decode.py --variants): the SwiGLU GEMV triggering at once let the next (down) GEMV's
 # programs take SM slots early and cost ~15 us a layer (340.7 tok/s, vs 413.5 with a separate SiLU launch);
 # triggering after its K loop 419.7 (at the end 417.9). Every GEMV after its loop: 377.7 (the early start is
-# worth keeping elsewhere). The (gate/up, down) pair alone: 46.0 us at once, 40.2 after the loop, 40.9 plain.
+# worth keeping elsewhere). The (gate/up, down) pair alone (scripts/gemv_pdl_pair.py): 46.0 us at once, 40.2
+# after the loop, 40.9 plain.
 TRIGGER = 0
 SILU_TRIGGER = 1
 

@@ -266,9 +266,10 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    cfg = dict(config or _auto_config(M, N, K, a.device, _tma_ok(a, b) and _aligned(c, residual)))
+    tma_ab = _tma_ok(a, b)  # once per call: the dispatch and the launch both need it
+    cfg = dict(config or _auto_config(M, N, K, a.device, tma_ab and _aligned(c, residual)))
     tma = cfg.pop("TMA", None)
-    tma = _tma_ok(a, b) if tma is None else tma
+    tma = tma_ab if tma is None else tma
     if cfg.pop("PERSISTENT", False):
         _launch_persistent(a, b, a_scale, b_scale, bias, residual, c, tma, cfg)
         return c

@@ -256,6 +256,19 @@ def w4a16_linear_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return NormedRows(h.view(shape), xg.view(shape), part, float(eps))
 
 
+def _epilogue_gemv_config(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> tuple[dict, int] | None:
+    """(the W4 GEMV's launch config, group size) for x2 (M, K) when a fused-epilogue GEMV may run (CUDA
+    fp16/bf16, at most GEMV_MAX_M rows, a valid group), else None: computed once and passed to the launcher."""
+    M, K = x2.shape
+    if not (x2.is_cuda and x2.dtype in (torch.float16, torch.bfloat16) and M <= GEMV_MAX_M and scales.dim() == 2
+            and scales.shape[1] and K % scales.shape[1] == 0 and K // scales.shape[1] in (32, 64, 128)):
+        return None
+    from csrc_triton.w4a16_gemv import gemv_config
+
+    G = K // scales.shape[1]
+    return gemv_config(M, qweight.shape[0], K, G), G
+
+
 def w4a16_linear_silu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       bias: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None
                       ) -> torch.Tensor:
@@ -263,14 +276,14 @@ def w4a16_linear_silu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     the same bits. At decode row counts on CUDA one launch where the GEMV can end in SwiGLU
     (csrc_triton.w4a16_gemv.silu_ok: the mma kernel, no bias; FUSED_SILU), else the two ops."""
     x2 = x.reshape(-1, x.shape[-1])
-    M, N, K = x2.shape[0], qweight.shape[0], x2.shape[1]
-    if (FUSED_SILU and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and bias is None
-            and M <= GEMV_MAX_M and scales.dim() == 2 and scales.shape[1] and K % scales.shape[1] == 0):
-        from csrc_triton.w4a16_gemv import gemv_config, silu_ok, w4a16_gemv_silu
+    N, K = qweight.shape[0], x2.shape[1]
+    fit = _epilogue_gemv_config(x2, qweight, scales) if FUSED_SILU and bias is None else None
+    if fit is not None:
+        from csrc_triton.w4a16_gemv import silu_ok, w4a16_gemv_silu
 
-        G = K // scales.shape[1]
-        if G in (32, 64, 128) and silu_ok(N, K, G, gemv_config(M, N, K, G)):
-            y = w4a16_gemv_silu(x2.contiguous(), qweight, scales, zeros, prenorm=norm)
+        cfg, G = fit
+        if silu_ok(N, K, G, cfg):
+            y = w4a16_gemv_silu(x2.contiguous(), qweight, scales, zeros, prenorm=norm, config=cfg)
             return y.reshape(*x.shape[:-1], N // 2)
     return silu_mul(w4a16_linear(x, qweight, scales, zeros, bias, norm=norm))
 
@@ -288,15 +301,17 @@ def w4a16_linear_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     FUSED_ROPE_GEMV is on and the kernel allows (csrc_triton.w4a16_gemv.rope_ok: the mma kernel, half its row
     tile dividing D / 2), else the two ops."""
     B, T, K = x.shape
-    M, N = B * T, qweight.shape[0]
-    if (FUSED_ROPE_GEMV and _fused_kernels(x) and M <= GEMV_MAX_M and scales.dim() == 2 and scales.shape[1]
-            and K % scales.shape[1] == 0 and N % (n_heads + 2 * n_kv_heads) == 0):
-        from csrc_triton.w4a16_gemv import gemv_config, rope_ok, w4a16_gemv_rope
+    N = qweight.shape[0]
+    fit = (_epilogue_gemv_config(x.reshape(B * T, K), qweight, scales)
+           if FUSED_ROPE_GEMV and N % (n_heads + 2 * n_kv_heads) == 0 else None)
+    if fit is not None:
+        from csrc_triton.w4a16_gemv import rope_ok, w4a16_gemv_rope
 
-        G, D = K // scales.shape[1], N // (n_heads + 2 * n_kv_heads)
-        if G in (32, 64, 128) and rope_ok(N, K, G, gemv_config(M, N, K, G), D):
-            return w4a16_gemv_rope(x.reshape(M, K).contiguous(), qweight, scales, zeros, bias, cos, sin, k_cache,
-                                   v_cache, slots, n_heads, n_kv_heads, second=second, prenorm=norm)
+        cfg, G = fit
+        D = N // (n_heads + 2 * n_kv_heads)
+        if rope_ok(N, K, G, cfg, D):
+            return w4a16_gemv_rope(x.reshape(B * T, K).contiguous(), qweight, scales, zeros, bias, cos, sin, k_cache,
+                                   v_cache, slots, n_heads, n_kv_heads, second=second, prenorm=norm, config=cfg)
     return rope_qkv(w4a16_linear(x, qweight, scales, zeros, bias, norm=norm), cos, sin, k_cache, v_cache, slots,
                     n_heads, n_kv_heads, second=second)
 

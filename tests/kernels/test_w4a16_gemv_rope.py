@@ -169,6 +169,17 @@ def w4_model(tmp_path_factory):
     return load_model(folder, dtype=torch.float32)
 
 
+def _count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """Wrap owner.name so that each call adds one to the returned one-element list."""
+    calls, fn = [0], getattr(owner, name)
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return fn(*a, **k)
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def _decode(model, fused_rope: bool, monkeypatch, steps: int = 3):
     """Prefill 10 tokens, `steps` greedy decode steps on the fused norm chain -> (logits, w4a16_linear_rope calls)."""
     from tinyvila import ops
@@ -176,13 +187,7 @@ def _decode(model, fused_rope: bool, monkeypatch, steps: int = 3):
 
     monkeypatch.setattr(ops, "FUSED_NORM_GEMV", "on")
     monkeypatch.setattr(ops, "FUSED_ROPE_GEMV", fused_rope)
-    calls = [0]
-    fn = ops.w4a16_linear_rope
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return fn(*a, **k)
-    monkeypatch.setattr(ops, "w4a16_linear_rope", counted)
+    calls = _count_calls(monkeypatch, ops, "w4a16_linear_rope")
     text = model.text
     dec = Decoder(text, cuda_graph=False)
     logits = dec.prefill(text.embed(torch.arange(3, 13)[None]))
@@ -212,13 +217,7 @@ def test_graph_decode_same_logits_with_rope_in_the_gemv(name, monkeypatch):
     from tinyvila import ops
 
     text = _tiny_w4_text(name)
-    calls = [0]
-    fn = gemv_mod.w4a16_gemv_rope
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return fn(*a, **k)
-    monkeypatch.setattr(gemv_mod, "w4a16_gemv_rope", counted)
+    calls = _count_calls(monkeypatch, gemv_mod, "w4a16_gemv_rope")
     out = {}
     for on in (False, True):
         monkeypatch.setattr(ops, "FUSED_ROPE_GEMV", on)
