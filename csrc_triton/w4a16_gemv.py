@@ -48,6 +48,7 @@ import triton.language as tl
 from . import pdl
 from .rope_qkv import _check as _rope_check
 from .rope_qkv import rope_halves
+from .rounding import INTERPRET as ROUND_INTERPRET  # the interpreter flag as a constexpr, for jit code
 from .rounding import round_to
 from .silu_mul import silu_mul_math
 
@@ -227,6 +228,28 @@ def _store_kv_rows(pair, b, t, kh, vh, m_ok, d, k_lo, k_hi, v_lo, v_hi, is_k, is
 
 
 @triton.jit
+def _rope_halves_as_rope_qkv(x1, x2, c1, c2, s1, s2, dtype: tl.constexpr):
+    """rope_qkv.rope_halves as the rope_qkv kernel computes it, for the RoPE epilogue: (x1, x2, cos and sin halves,
+    all fp32 holding dtype values) -> (o1, o2) fp32 holding dtype values.
+    Interpreter: rope_halves itself (ops.rope's roundings of each product and of the sum).
+    GPU: what rope_halves compiles to in the rope_qkv kernel (sm_90a, triton 3.6: LLVM narrows the fp32 ops on
+    widened 16-bit values to 16-bit ops, and the backend then contracts the first product of each sum into it,
+    so that product is never rounded), written out so that no compiler choice is left:
+        o1 = fma(x1, cos1, -rn(x2 sin1))        o2 = fma(x2, cos2, rn(x1 sin2))    (fma.rn.{f16,bf16}, one rounding)
+    Compiled from rope_halves here, the choice followed the layouts instead: where x1 and x2 reached it through
+    different layout conversions (x1 as 16-bit values, x2 as fp32: M >= 3, two 16-row tiles per warp, no split),
+    x1 sin2 was fused in place of x2 cos2, and q and k differed from GEMV + rope_qkv by an ulp (H200, BLOCK_N 128).
+    (-1.0 * p, not -p: Triton's unary minus is 0 - p, which would turn -0 into +0; LLVM makes it an fneg.)"""
+    if ROUND_INTERPRET:
+        o1, o2 = rope_halves(x1, x2, c1, c2, s1, s2, dtype)
+    else:
+        a1, a2 = x1.to(dtype), x2.to(dtype)  # exact (the inputs hold dtype values): these casts fold away
+        o1 = tl.fma(a1, c1.to(dtype), (a2 * s1.to(dtype)) * -1.0).to(tl.float32)
+        o2 = tl.fma(a2, c2.to(dtype), a1 * s2.to(dtype)).to(tl.float32)
+    return o1, o2
+
+
+@triton.jit
 def _store_rope(out, offs_m, rows, pid_n, M, bias_ptr, q_ptr, HAS_BIAS: tl.constexpr, rope, D: tl.constexpr,
                 SECOND: tl.constexpr):
     """EPI 3: out (BM, BN) fp32 of rows `rows` = [head h dims d | head h dims d + D/2] (d = c BN/2 + i, the
@@ -256,7 +279,7 @@ def _store_rope(out, offs_m, rows, pid_n, M, bias_ptr, q_ptr, HAS_BIAS: tl.const
     c2 = tl.load(cos_ptr + cs + D // 2, mask=m_ok[:, None], other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + ss, mask=m_ok[:, None], other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + ss + D // 2, mask=m_ok[:, None], other=0.0).to(tl.float32)
-    o1, o2 = rope_halves(x1, x2, c1, c2, s1, s2, dt)  # rope_qkv's roundings: the same bits
+    o1, o2 = _rope_halves_as_rope_qkv(x1, x2, c1, c2, s1, s2, dt)  # rope_qkv's arithmetic: the same bits
     o1, o2 = o1.to(dt), o2.to(dt)
     q_dst = q_ptr + (((b * H + head) * T + t) * D)[:, None] + d[None, :]  # (B, H, T, D) contiguous
     tl.store(q_dst, o1, mask=m_ok[:, None] & (head < H))
@@ -931,11 +954,14 @@ def w4a16_gemv_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 def rope_ok(N: int, K: int, G: int, config: dict, head_dim: int) -> bool:
     """Whether the qkv GEMV can end in RoPE and the cache write (w4a16_gemv_rope) under `config`: the mma kernel
-    and whole half-tiles per half head (BLOCK_N / 2 divides D / 2), so a program's rows pair d with d + D / 2."""
+    with one 16-row tile per warp (BLOCK_N = 16 num_warps, the launcher's tiles) and whole half-tiles per half head
+    (BLOCK_N / 2 divides D / 2), so a program's rows pair d with d + D / 2. Two tiles per warp are refused: there
+    the epilogue's halves reach RoPE through different layout conversions and, on the H200 (session 7), a few q
+    values came out 1 ulp away from GEMV + rope_qkv (bf16, M 8) even with RoPE's FMAs spelled out."""
     if config.get("kernel", "fma") != "mma" or not mma_ok(K, G) or head_dim % 2 or N % head_dim:
         return False
-    half = config.get("BLOCK_N", 16 * config["num_warps"]) // 2
-    return (head_dim // 2) % half == 0
+    block_n = config.get("BLOCK_N", 16 * config["num_warps"])
+    return block_n == 16 * config["num_warps"] and (head_dim // 2) % (block_n // 2) == 0
 
 
 def _default_config(x: torch.Tensor, M: int, N: int, K: int, G: int) -> dict:

@@ -113,6 +113,49 @@ def test_greedy_rejects_a_batch_past_the_context():
     assert dec.length == 23
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_steps_reading_the_rope_table_equal_steps_computing_it(explicit, dtype, monkeypatch):
+    """The steps read cos/sin from the decoder's table (StepIndex.rope): the same tokens, logits and cache bits
+    as computing them every step. Explicit positions with gaps run past max_seq_len, so the table grows."""
+    vlm = tiny(dtype)
+    pos = torch.arange(23) * 5 + 5 if explicit else None  # the last prompt token sits at 115 > max_seq_len 64
+    runs = []
+    for table in (True, False):
+        if not table:  # no table: TextModel.forward computes rope_cos_sin at the step's position
+            monkeypatch.setattr(Decoder, "_cover_rope", lambda self, st, end: None)
+        dec = Decoder(vlm.model.text, max_seq_len=64)
+        logits = dec.prefill(prompt(vlm), pos)
+        toks = list(generate(dec, logits, SamplingParams(max_new_tokens=20), batch=6))
+        runs.append((toks, dec.step(7), dec.cache.k_stack.clone(), dec.cache.step_index().rope))
+    (toks, logits, k, rope), (toks0, logits0, k0, rope0) = runs
+    assert toks == toks0 and torch.equal(logits, logits0) and torch.equal(k, k0)
+    assert rope0 is None and rope.shape[1] == (244 if explicit else 64)  # gaps: 122 rows, then twice that
+
+
+@pytest.mark.parametrize("keep", [1.0, 0.5])
+def test_step_index_after_a_run_of_steps(keep):
+    """After n greedy steps every counter moved by n: slot, packed row, position, the attention lengths (the
+    next step's: row + 1 over a packed buffer, slot + 1 else), the record count; the token is the last one."""
+    vlm = tiny()
+    dec = Decoder(vlm.model.text)
+    cache = dec.cache
+    if keep < 1:  # a scored question over 16 visual slots, then a packed buffer of half of them
+        for kind, a, b in (("system", 0, 3), ("visual", 3, 19), ("question", 19, 23)):
+            cache.add_span(kind, a, b)
+        cache.begin_scoring(19)
+    dec.prefill(prompt(vlm))
+    if keep < 1:
+        cache.pack(keep, dec.length)
+    dropped = 8 if keep < 1 else 0
+    out = dec.greedy(5, 9)
+    st = cache.step_index()
+    slot, row, pos = 23 + 9, 23 + 9 - dropped, 23 + 9
+    assert (st.slot.tolist(), st.row.tolist(), st.pos.tolist()) == ([slot], [row], [pos])
+    assert st.lengths.tolist() == [(row if keep < 1 else slot) + 1]
+    assert dec._count.tolist() == [9] and dec._token.tolist() == [[out[-1]]] and dec.length == 23 + 9
+
+
 # -- CUDA graphs -----------------------------------------------------------------------------------
 def graph_vs_eager(vlm, sparsity, rounds=2, n_new=24):
     """The same two-turn chat with graph replay and with eager steps: identical tokens."""
@@ -154,3 +197,21 @@ def test_graph_step_logits_match_eager():
         logits = [d.step(t) for d in decs]
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-3, atol=1e-3)
     assert decs[1].length == decs[0].length == 27
+
+
+@gpu
+def test_graph_replay_with_gapped_positions_equals_eager():
+    """Explicit positions past max_seq_len: the step graphs read a RoPE table that grows between batches
+    (and are captured again then); tokens and the next step's logits equal eager steps'."""
+    vlm = tiny("float16", "cuda", llm="w4a16", group_size=32)
+    pos = torch.arange(23, device="cuda") * 5 + 5
+    runs = []
+    for graph in (False, True):
+        dec = Decoder(vlm.model.text, max_seq_len=64, cuda_graph=graph)
+        dec.pad_prefill = True  # the same (padded) first prefill on both sides
+        logits = dec.prefill(prompt(vlm), pos)
+        toks = list(generate(dec, logits, SamplingParams(max_new_tokens=30), batch=8))
+        runs.append((toks, dec.step(7), dec))
+    (eager, le, _), (replayed, lg, dec) = runs
+    assert replayed == eager and dec._graphs and dec.cache.step_index().rope.shape[1] == 2 * (116 + 8)
+    torch.testing.assert_close(lg, le, rtol=1e-3, atol=1e-3)

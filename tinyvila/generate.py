@@ -19,7 +19,7 @@ import torch
 from . import ops
 from .cuda_graph import capture
 from .errors import ContextLimitError
-from .text import KVCache
+from .text import KVCache, StepIndex, rope_table
 
 PREFILL_CHUNK = 4096  # prompt tokens per prefill pass: bounds activation memory for long videos
 MAX_BATCH = 64        # greedy tokens per host synchronisation, at most
@@ -96,8 +96,10 @@ class Decoder:
     tensors (`KVCache.step_index`) and advance them themselves, so on CUDA one step is captured in a
     CUDA graph (per decode buffer and vocabulary limit) and replayed per token with no host work;
     greedy decoding also takes its argmax inside the graph and the host reads the new tokens once per
-    batch (`greedy`). `cuda_graph=False` (or TINYVILA_CUDA_GRAPH=0, or an fp32 model) runs the same
-    step eagerly.
+    batch (`greedy`). Besides the layers, the lm_head and the logits' fp32 cast, a step launches only
+    the embedding gather, one gather of its cos/sin from a RoPE table built once (`_cover_rope`), and the
+    argmax, whose final program also records the token and advances every counter (ops.argmax_step).
+    `cuda_graph=False` (or TINYVILA_CUDA_GRAPH=0, or an fp32 model) runs the same step eagerly.
 
     The first turn's prefill (empty cache: system + image + question in one pass) is host-bound too
     (~25 launches per layer), so with `cuda_graph` it replays a CUDA graph as well: the T rows padded at
@@ -307,11 +309,24 @@ class Decoder:
         return self._out[:n].tolist()
 
     def _begin(self, token: int, n: int) -> None:
+        """Before n decode steps (eager, host values): the step index at the cache's end, a RoPE table that
+        covers their positions, the input token, and an empty record."""
         self.check_room(n)
-        dropped = self.cache.packed.dropped if self.cache.packed is not None else 0
-        self.cache.step_index().set(self.length, self.length - dropped, self.position)
+        st = self.cache.begin_steps(self.length, self.position)
+        self._cover_rope(st, self.position + n)
         self._token.fill_(token)
         self._count.zero_()
+
+    def _cover_rope(self, st: StepIndex, end: int) -> None:
+        """Give the steps a RoPE table (text.rope_table) with the rows of positions 0..end-1. The first
+        covers the whole cache (every position, unless explicit positions left gaps); one too short is
+        replaced by one twice as long, which drops the captured step graphs (they read the old table)."""
+        have = 0 if st.rope is None else st.rope.shape[1]
+        if have >= end:
+            return
+        w = self.model.embed.weight
+        st.rope = rope_table(self.model.cfg, max(end, self.max_len, 2 * have), w.dtype, w.device)
+        self._graphs.clear()
 
     def _set_length(self, length: int) -> None:
         """Move the end of the cache within the current decode run (positions are contiguous there)."""
@@ -320,18 +335,15 @@ class Decoder:
 
     def _step(self, vocab_size: int | None) -> torch.Tensor:
         """One decode step from the device state: logits (V,) of `_token` at the step index; the argmax
-        becomes the next `_token` and is recorded in `_out`; the index advances. Device ops only."""
+        becomes the next `_token` and is recorded in `_out[_count]`; `_count` and the index advance.
+        Device ops only; on CUDA that tail is the argmax's two launches (ops.argmax_step)."""
         cache, st = self.cache, self.cache.step_index()
         if cache.key_mask is not None:  # permanent-pruning baselines decode through the masked prefill path
             logits = self.model(self.model.embed(self._token), cache, self.length + int(self._count),
                                 last_only=True, positions=st.pos)[0, -1]
         else:
             logits = self.model(self.model.embed(self._token), cache, st)[0, -1]  # (V,)
-        nxt = ops.argmax(logits[:vocab_size])
-        self._token.copy_(nxt.view(1, 1))
-        self._out.index_copy_(0, self._count, nxt)
-        self._count.add_(1)
-        st.advance()
+        ops.argmax_step(logits[:vocab_size], self._token, self._out, self._count, st.index, st.lengths)
         return logits
 
     def _run(self, vocab_size: int | None) -> torch.Tensor:

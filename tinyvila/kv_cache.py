@@ -41,29 +41,37 @@ class StepIndex:
     """Where one decode step writes and reads, as device tensors: what a captured CUDA graph of the
     step reads and then advances itself, so replaying it needs no host work per token.
 
-    `slot` (1,) int64 is the full-cache slot the new token's K/V go to, `row` (1,) int64 its row in
-    the packed buffer (when one is active), `pos` (1,) int64 its RoPE position, and `lengths` (B,)
-    int32 the keys the step attends over (slot + 1, or row + 1 over a packed buffer), set by
-    `KVCache.begin_step` at the top of each step.
+    `index` (3,) int64 holds the full-cache slot the new token's K/V go to, its row in the packed buffer
+    (when one is active) and its RoPE position: `slot`, `row`, `pos`, (1,) views. `lengths` (B,) int32 is
+    the keys the step attends over (slot + 1, or row + 1 over a packed buffer). `KVCache.begin_steps` sets
+    them before a run of steps; each step adds 1 to all of them inside its argmax launch (ops.argmax_step),
+    which is why the three live in one tensor and the lengths move with them rather than being recomputed.
+    `rope` (2, P, Dh): cos and sin of positions 0..P-1 in the activation dtype (text.rope_table, the values
+    rope_cos_sin gives), which the step reads at `pos` instead of recomputing them (None: it computes them).
     """
 
-    slot: torch.Tensor
-    row: torch.Tensor
-    pos: torch.Tensor
+    index: torch.Tensor
     lengths: torch.Tensor
+    rope: torch.Tensor | None = None
 
-    def set(self, slot: int, row: int, pos: int) -> None:
-        self.slot.fill_(slot)
-        self.row.fill_(row)
-        self.pos.fill_(pos)
+    @property
+    def slot(self) -> torch.Tensor:
+        return self.index[0:1]
+
+    @property
+    def row(self) -> torch.Tensor:
+        return self.index[1:2]
+
+    @property
+    def pos(self) -> torch.Tensor:
+        return self.index[2:3]
+
+    def set(self, slot: int, row: int, pos: int, length: int) -> None:
+        for t, value in ((self.slot, slot), (self.row, row), (self.pos, pos), (self.lengths, length)):
+            t.fill_(value)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.slot, self.row, self.pos, self.lengths
-
-    def advance(self) -> None:
-        self.slot.add_(1)
-        self.row.add_(1)
-        self.pos.add_(1)
+        return self.index, self.lengths
 
 
 @dataclass
@@ -346,13 +354,19 @@ class KVCache:
         """The cache's one StepIndex (made on first use, then reused: a captured graph holds it)."""
         if self._step is None:
             dev = self.k[0].device
-            self._step = StepIndex(*(torch.zeros(1, dtype=torch.long, device=dev) for _ in range(3)),
+            self._step = StepIndex(torch.zeros(3, dtype=torch.long, device=dev),
                                    torch.zeros(self.batch, dtype=torch.int32, device=dev))
         return self._step
 
-    def begin_step(self, st: StepIndex) -> None:
-        """Top of a decode step: the lengths its attention reads (device ops only: capturable)."""
-        st.lengths.copy_((st.row if self.packed is not None else st.slot).expand(self.batch) + 1)
+    def begin_steps(self, slot: int, pos: int) -> StepIndex:
+        """Before a run of decode steps (host values, eager): the first writes full-cache slot `slot`
+        (and the matching packed row when a packed buffer is active) at RoPE position `pos`, and attends
+        over the keys up to and including it; each step then advances the index itself."""
+        p = self.packed
+        row = slot - (p.dropped if p is not None else 0)
+        st = self.step_index()
+        st.set(slot, row, pos, (row if p is not None else slot) + 1)
+        return st
 
     def _attend_step(self, layer: int, st: StepIndex, q: torch.Tensor) -> torch.Tensor:
         """One decode token q (B, H, 1, Dh), rotated at `st.pos`, over the first `st.lengths` keys of the

@@ -162,15 +162,21 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax of a 1-D float tensor (the first maximal index; NaN counts as maximal) as a (1,) int64
-    tensor. On CUDA: csrc_triton/argmax (two launches, graph-capturable; PyTorch's one-stage argmax of the
-    128256 Llama-3 logits took 27.5 us of a ~2.6 ms decode step on the H200); elsewhere torch.argmax."""
-    if x.is_cuda and x.dim() == 1 and x.is_floating_point() and x.stride(0) == 1:
-        from csrc_triton.argmax import argmax as kernel
+def argmax_step(logits: torch.Tensor, token: torch.Tensor, out: torch.Tensor, count: torch.Tensor,
+                steps: torch.Tensor, lengths: torch.Tensor) -> None:
+    """The tail of a greedy decode step, in place: i = argmax(logits) (torch.argmax's first maximal index, NaN
+    counting as maximal) becomes the next input token (one int64) and out[count] (out (R,) int64, count one int64
+    in 0..R-1); then count, steps (S,) int64 and lengths (B,) int32 each += 1. On CUDA:
+    csrc_triton/argmax.argmax_step, two launches doing all of it (graph-capturable; PyTorch's one-stage argmax of
+    the 128256 Llama-3 logits alone took 27.5 us of a ~2.6 ms step on the H200); elsewhere its PyTorch
+    reference (those six ops)."""
+    if logits.is_cuda and logits.dim() == 1 and logits.is_floating_point() and logits.stride(0) == 1:
+        from csrc_triton.argmax import argmax_step as kernel
 
-        return kernel(x)
-    return torch.argmax(x).view(1)
+        return kernel(logits, token, out, count, steps, lengths)
+    from csrc_triton.argmax import argmax_step_ref
+
+    return argmax_step_ref(logits, token, out, count, steps, lengths)
 
 
 DENSE_GEMV = True  # the lm_head GEMV on CUDA (False: cuBLAS everywhere)
@@ -317,8 +323,9 @@ def w4a16_linear_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 
 # RoPE and the KV-cache write in the qkv GEMV's epilogue (Block.forward_fused, w4a16_linear_rope; False: the
-# rope_qkv launch after the GEMV). Off until measured on the H200 (profile_decode.py --variants rope=...).
-FUSED_ROPE_GEMV = False
+# rope_qkv launch after the GEMV). H200, session 7 (profile_decode.py --variants rope=kernel,rope=gemv, twice):
+# graph step 416.1 / 416.7 tok/s with the rope_qkv launch, 420.5 / 422.7 with it in the GEMV's epilogue.
+FUSED_ROPE_GEMV = True
 
 # The fused norm/GEMV decode chain (NormedRows): "auto" on CUDA fp16/bf16 at decode row counts, "on" also
 # elsewhere (the PyTorch forms above: tests of the wiring on CPU), "off" never (A/B measurements).

@@ -58,6 +58,13 @@ def rope_cos_sin(cfg: TextConfig, positions: torch.Tensor, dtype: torch.dtype,
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def rope_table(cfg: TextConfig, n: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """cos and sin of positions 0..n-1 -> (2, n, Dh) in `dtype`: a decode step reads its row (StepIndex.rope)
+    instead of running rope_cos_sin's seven tiny kernels every step. The same ops over all n positions, each
+    elementwise, so row p equals rope_cos_sin(cfg, [p]) bit for bit (tests/test_rope_table.py)."""
+    return torch.stack(rope_cos_sin(cfg, torch.arange(n, device=device), dtype))
+
+
 # -- KV cache ------------------------------------------------------------------------------------
 # The cache (spans, retrieval scoring, packed decode) lives in kv_cache.py; re-exported here.
 from tinyvila.kv_cache import KVCache, StepIndex  # noqa: E402
@@ -207,16 +214,20 @@ class TextModel(nn.Module):
         returns only those rows' logits (B, R, V): a CUDA-graph prefill padded past its last real row
         selects that row by device index, which a replay can change and a host slice could not.
         A `StepIndex` as `start` runs one decode token (T = 1) at the slot, position and packed row
-        held in its device tensors: no host values, so the step can be captured in a CUDA graph.
+        held in its device tensors: no host values, so the step can be captured in a CUDA graph; its cos
+        and sin are the row `pos` of its RoPE table when it has one (`StepIndex.rope`).
         """
-        if isinstance(start, StepIndex):
-            positions = start.pos
-            cache.begin_step(start)
+        table = None
+        if isinstance(start, StepIndex):  # its lengths are this step's (KVCache.begin_steps, ops.argmax_step)
+            positions, table = start.pos, start.rope
         else:
             self._check_inputs(h, cache, start, positions)
             if positions is None:  # the slots themselves (one tensor, shared with the cache writes)
                 positions = cache.slots(start, h.shape[1])
-        cos, sin = rope_cos_sin(self.cfg, positions, h.dtype, self.inv_freq(h.device))  # (T, Dh) each
+        if table is not None and table.dtype == h.dtype:
+            cos, sin = table.index_select(1, positions)  # (1, Dh) each: the step's row, one gather
+        else:
+            cos, sin = rope_cos_sin(self.cfg, positions, h.dtype, self.inv_freq(h.device))  # (T, Dh) each
         x, residual = h, None  # the residual stream is residual + x; each add fuses into the next norm
         if self._fused_decode(h):
             for i, block in enumerate(self.layers):

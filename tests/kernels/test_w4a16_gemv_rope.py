@@ -3,11 +3,15 @@ launches it replaces: w4a16_gemv (same config), then csrc_triton.rope_qkv.rope_q
 
 Bit for bit: q, the k/v caches and the second (packed) pair, at the given slots; the caches are poisoned with NaN
 so a missing or misplaced write fails, and their other slots must stay NaN. Both sides store the GEMV's value
-with the same cast (under the interpreter a bf16 cast truncates, on both sides) and share RoPE's rounding code
-(rope_qkv.rope_halves). CPU: the interpreter at small shapes (H 4, Hkv 2, D 64/128, K 256/512, M 1 and 3, T 1 and
-3, fp16/bf16, bias, prenorm, second pair, split-K, 1 or 2 programs per head). CUDA: Llama-3-8B's qkv (H 32, Hkv 8,
-D 128, K 4096) with the launcher's own config, and a CUDA-graph replay with the slot advanced. Also the decoder's
-wiring (ops.FUSED_ROPE_GEMV in Block.forward_fused) through ops' PyTorch forms on CPU.
+with the same cast (under the interpreter a bf16 cast truncates, on both sides). RoPE's arithmetic: under the
+interpreter both run rope_qkv.rope_halves; on the GPU the epilogue runs the FMA form rope_halves compiles to in
+rope_qkv (w4a16_gemv._rope_halves_as_rope_qkv), which the interpreter cannot check: the GPU cases below do,
+at the launcher's tile and other one-tile-per-warp tiles (two 16-row tiles per warp are refused by rope_ok).
+CPU: the interpreter at small shapes (H 4, Hkv 2, D 64/128, K 256/512, M 1 and 3, T 1 and 3,
+fp16/bf16, bias, prenorm, second pair, split-K, 1 or 2 programs per head). CUDA: Llama-3-8B's qkv (H 32, Hkv 8,
+D 128, K 4096) with the launcher's own config and with other configs rope_ok accepts, and a CUDA-graph replay with
+the slot advanced. Also the decoder's wiring (ops.FUSED_ROPE_GEMV in Block.forward_fused) through ops' PyTorch
+forms on CPU.
 """
 
 import dataclasses
@@ -84,7 +88,7 @@ CASES = [  # B, T, D, K, bias, prenorm, second, config
     (3, 1, 64, 256, True, False, True, MMA),
     (1, 3, 128, 256, True, True, True, MMA),
     (1, 1, 64, 512, True, True, True, {**MMA, "SPLIT_K": 2}),  # split-K: the last program's epilogue
-    (3, 1, 128, 256, False, True, True, {**MMA, "BLOCK_N": 128}),  # one program per head, 2 tiles per warp
+    (3, 1, 128, 256, False, True, True, {**MMA, "BLOCK_N": 32, "num_warps": 2}),  # 2 warps, 2 programs a head
 ]
 
 
@@ -103,6 +107,8 @@ def test_rope_ok_and_rejects():
     assert not gemv_mod.rope_ok(1024, 256, 128, FMA, 128)  # the fma kernel has no row map
     assert not gemv_mod.rope_ok(8 * 48, 256, 128, MMA, 48)  # D / 2 = 24 is not whole half-tiles of 32 rows
     assert not gemv_mod.rope_ok(1024, 256, 128, {**MMA, "BLOCK_N": 128}, 64)
+    for bn, w in ((128, 4), (64, 2), (32, 1)):  # two 16-row tiles per warp: refused (rope_ok's docstring)
+        assert not gemv_mod.rope_ok(6144, 4096, 128, {**MMA, "BLOCK_N": bn, "num_warps": w}, 128)
     H, Hkv, D = 4, 2, 32
     a, cos, sin, slots, rows, poison, pn = setup(1, 1, H, Hkv, D, 256, torch.float16, False, False, False, seed=5)
     args = (a["x"], a["qweight"], a["scales"], a["zeros"], a["bias"])
@@ -127,6 +133,24 @@ def test_llama3_8b_qkv(B, T, bias, second, dtype):
     a, cos, sin, slots, rows, poison, _ = setup(B, T, H, Hkv, D, 4096, dtype, bias, False, second, seed=B + 40)
     pn = (torch.rand(64, 8, device=DEVICE) * 50, 1e-5)
     mine, ref = both(a, cos, sin, slots, rows, poison, pn, H, Hkv, cfg, B, T)
+    assert_same(mine, ref, slots, rows)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [3, 8])
+@pytest.mark.parametrize("tile", [(128, 8), (32, 2), (64, 4)], ids=lambda t: f"BN{t[0]}w{t[1]}")
+def test_llama3_8b_qkv_other_configs(tile, M, dtype):
+    """Llama-3-8B's qkv under other configs rope_ok accepts (one 16-row tile per warp; one or four programs a
+    head) besides the launcher's BLOCK_N 64 with 4 warps, M >= 3. Two tiles per warp (BLOCK_N = 32 num_warps),
+    refused by rope_ok, is where the epilogue's x1 and x2 reached RoPE through different layout conversions and
+    came out 1 ulp off (session 7: fp16 and bf16 before the FMA form, 2 of 32768 bf16 values at M 8 after)."""
+    H, Hkv, D = 32, 8, 128
+    cfg = {"kernel": "mma", "BLOCK_N": tile[0], "num_warps": tile[1], "STAGES": 3, "SPLIT_K": 1, "GPS": 8}
+    assert gemv_mod.rope_ok(6144, 4096, 128, cfg, D)
+    a, cos, sin, slots, rows, poison, _ = setup(M, 1, H, Hkv, D, 4096, dtype, False, False, True, seed=M + 60)
+    pn = (torch.rand(64, 8, device=DEVICE) * 50, 1e-5)
+    mine, ref = both(a, cos, sin, slots, rows, poison, pn, H, Hkv, cfg, M, 1)
     assert_same(mine, ref, slots, rows)
 
 
