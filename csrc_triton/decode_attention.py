@@ -16,12 +16,19 @@ device length. K, V are read once. D <= 256.
 
 The counters live in a per-device int32 workspace allocated (zeroed) on the first call, which must
 therefore happen outside a CUDA graph capture; calls on one device must not overlap on two streams.
+
+`Variant` holds switches aimed at the fixed cost of a call (~4.5 us of the 5.7 us at 1K on the H200: the
+chain PDL wait -> length load -> query load, shared-memory store and barrier -> first K/V loads -> tiles ->
+partial stores -> release + atomic -> LSE loads -> partial loads -> output store). They shorten that chain:
+reading the length and asking L2 for the split's K/V before the PDL wait, the query staged with the tiles,
+one round trip in the merge. All off (the default) compiles to the same sm_90a code as before they existed.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -50,38 +57,102 @@ MIN_SPLIT = 128  # keys per split at least: below that the per-program prologue/
 MERGE_ELEMS = 8192  # fp32 partial elements the merging program holds per step (64 registers at 4 warps)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """Switches that cut the fixed cost of a call (issues 6, 7), timed side by side by
+    scripts/benches/decode_attention.py (DECODE_SWEEP=variants). All off is the kernel as measured in S5.
+
+    grid_b: the grid is (Hkv, splits, B), so the length load waits for no integer division.
+    early: the length, split bounds and addresses are computed before the PDL wait. Contract: `lengths`
+        was not written by the immediately preceding kernel (in the decode step it is written at the top
+        of the step, several kernels earlier; PDL waits are transitive: a kernel starts only after its
+        predecessor waited, i.e. after every kernel before that one completed).
+    prefetch: K/V tiles of each split asked into L2 (prefetch.global.L2) before the PDL wait, so HBM
+        streams them while the preceding kernel finishes. Without `early` the length is read once before
+        the wait for the prefetch addresses only and again after it (past L1) for the attention.
+    merge_once: the merging program loads every split's LSE and partial in one round trip (up to
+        MERGE_S splits; more splits keep the stepped merge).
+    q_loop: the query is loaded inside the key loop, so the pipeliner stages it with each tile's K/V
+        (cp.async) instead of a load + shared-memory store + barrier that the first tile's loads wait on.
+    """
+
+    grid_b: bool = False
+    early: bool = False
+    prefetch: int = 0
+    merge_once: bool = False
+    q_loop: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> Variant:
+        """'grid_b,early,prefetch=2,merge_once,q_loop' (any subset; '' or 'default' is all off)."""
+        kw = {}
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            if item == "default":
+                continue
+            name, _, value = item.partition("=")
+            if name not in cls.__dataclass_fields__:
+                raise ValueError(f"decode_attention: unknown variant switch {name!r} in {spec!r}")
+            kw[name] = int(value) if name == "prefetch" else (value or "1") not in ("0", "false")
+        return cls(**kw)
+
+
+# The variant `decode_attention` launches when none is passed (ops.decode_attention passes none): the module
+# switch for the decode step, set in code (`csrc_triton.decode_attention.VARIANT = Variant(...)`) or, for an
+# A/B of a whole program without edits, from TINYVILA_DECODE_ATTN (Variant.parse's form; "default" = all off)
+# at import. Unset: every switch on. H200, session 7 (run S7-C, DECODE_SWEEP=variants, graph-replayed, us,
+# all off -> all on): 1K 5.71 -> 4.93, 1K keys in a 4K buffer (the decode step's) 6.11 -> 5.06, 8K 12.6 ->
+# 12.2, 32K 36.1 -> 34.7, keep 0.1 / 0.25 of 32K 9.58 -> 8.32 / 13.2 -> 12.6; the best at every length but
+# 8K and keep 0.25, where all but the prefetch was 2-5% faster still (11.9, 12.0).
+ALL_ON = Variant(grid_b=True, early=True, prefetch=2, merge_once=True, q_loop=True)
+VARIANT = Variant.parse(os.environ["TINYVILA_DECODE_ATTN"]) if "TINYVILA_DECODE_ATTN" in os.environ else ALL_ON
+
+
 @triton.jit
 def _merge_splits(o_part_ptr, lse_ptr, out_ptr, s_outb, s_outh, b, g, H, N_SPLITS,
                   N_REP: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                  MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr, ONCE: tl.constexpr = False):
     """out[b, h] = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the splits of the n_rep heads
-    of group g. Loads bypass L1 (.cg): the partials were written by other SMs during this launch."""
+    of group g. Loads bypass L1 (.cg): the partials were written by other SMs during this launch.
+    ONCE (Variant.merge_once): up to MERGE_S splits are merged from one round trip of loads."""
     offs_r = tl.arange(0, BLOCK_R)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = offs_r < N_REP
     d_ok = offs_d < D
     row0 = (b * H + g * N_REP + offs_r) * N_SPLITS  # (BLOCK_R,) first partial of each head
-    lse = tl.load(lse_ptr + row0[:, None] + offs_s[None, :], cache_modifier=".cg",
-                  mask=r_ok[:, None] & (offs_s < N_SPLITS)[None, :], other=float("-inf"))  # (BLOCK_R, BLOCK_S)
-    # Split 0 always holds keys (length >= 1), so m is finite on real heads; padded heads get 0.
-    m = tl.max(lse, axis=1)
-    m = tl.where(r_ok, m, 0.0)
-    denom = tl.sum(tl.exp2(lse - m[:, None]), axis=1)
-    denom = tl.where(r_ok, denom, 1.0)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s0 in range(0, N_SPLITS, MERGE_S):  # one step for <= MERGE_S splits: the loads overlap
-        s = s0 + tl.arange(0, MERGE_S)
-        ok = r_ok[:, None] & (s < N_SPLITS)[None, :]  # (BLOCK_R, MERGE_S)
-        w = tl.exp2(tl.load(lse_ptr + row0[:, None] + s[None, :], mask=ok, other=float("-inf"),
-                            cache_modifier=".cg") - m[:, None])
-        o = tl.load(o_part_ptr + (row0[:, None, None] + s[None, :, None]) * D + offs_d[None, None, :],
-                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
-                    cache_modifier=".cg")  # (BLOCK_R, MERGE_S, BLOCK_D)
-        acc += tl.sum(o * w[:, :, None], axis=1)
-    o = acc / denom[:, None]
+    if ONCE and BLOCK_S <= MERGE_S:
+        # Every LSE and partial in ONE step: the loads do not depend on each other, so they share one
+        # L2 round trip (the stepped form loads the LSEs for the max first, then the partials).
+        ok = r_ok[:, None] & (offs_s < N_SPLITS)[None, :]  # (BLOCK_R, BLOCK_S)
+        lse = tl.load(lse_ptr + row0[:, None] + offs_s[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(o_part_ptr + (row0[:, None, None] + offs_s[None, :, None]) * D + offs_d[None, None, :],
+                        mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
+                        cache_modifier=".cg")  # (BLOCK_R, BLOCK_S, BLOCK_D)
+        m = tl.where(r_ok, tl.max(lse, axis=1), 0.0)  # finite on real heads: split 0 holds keys
+        w = tl.exp2(lse - m[:, None])
+        denom = tl.where(r_ok, tl.sum(w, axis=1), 1.0)
+        res = tl.sum(parts * w[:, :, None], axis=1) / denom[:, None]
+    else:
+        lse = tl.load(lse_ptr + row0[:, None] + offs_s[None, :], cache_modifier=".cg",
+                      mask=r_ok[:, None] & (offs_s < N_SPLITS)[None, :], other=float("-inf"))  # (BLOCK_R, BLOCK_S)
+        # Split 0 always holds keys (length >= 1), so m is finite on real heads; padded heads get 0.
+        m = tl.max(lse, axis=1)
+        m = tl.where(r_ok, m, 0.0)
+        denom = tl.sum(tl.exp2(lse - m[:, None]), axis=1)
+        denom = tl.where(r_ok, denom, 1.0)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for s0 in range(0, N_SPLITS, MERGE_S):  # one step for <= MERGE_S splits: the loads overlap
+            s = s0 + tl.arange(0, MERGE_S)
+            ok = r_ok[:, None] & (s < N_SPLITS)[None, :]  # (BLOCK_R, MERGE_S)
+            w = tl.exp2(tl.load(lse_ptr + row0[:, None] + s[None, :], mask=ok, other=float("-inf"),
+                                cache_modifier=".cg") - m[:, None])
+            o = tl.load(o_part_ptr + (row0[:, None, None] + s[None, :, None]) * D + offs_d[None, None, :],
+                        mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
+                        cache_modifier=".cg")  # (BLOCK_R, MERGE_S, BLOCK_D)
+            acc += tl.sum(o * w[:, :, None], axis=1)
+        res = acc / denom[:, None]
     heads = g * N_REP + offs_r
-    tl.store(out_ptr + b * s_outb + heads[:, None] * s_outh + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + b * s_outb + heads[:, None] * s_outh + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
              mask=r_ok[:, None] & d_ok[None, :])
 
 
@@ -91,6 +162,15 @@ def _load_tile(ptrs, d_ok, EVEN_D: tl.constexpr):
     if EVEN_D:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=d_ok, other=0.0)
+
+
+@triton.jit
+def _load_q(ptrs, ok, UPCAST: tl.constexpr):
+    """The query rows of a group (BLOCK_H, BLOCK_D); padding rows load zeros."""
+    q = tl.load(ptrs, mask=ok, other=0.0)
+    if UPCAST:  # the CPU interpreter multiplies bf16 wrongly; it runs the dots in fp32 instead
+        q = q.to(tl.float32)
+    return q
 
 
 @triton.jit
@@ -114,6 +194,48 @@ def _attend(q, kt, v, m_i, l_i, acc, scale_log2, offs_n, n_valid, UPCAST: tl.con
 
 
 @triton.jit
+def _program(HKV, GRID_B: tl.constexpr):
+    """(b, g, b * HKV + g, split) of this program. GRID_B: the grid is (Hkv, splits, B), so no integer
+    division by the runtime HKV stands before the length load; else (B * Hkv, splits)."""
+    if GRID_B:
+        g = tl.program_id(0)
+        split = tl.program_id(1)
+        b = tl.program_id(2)
+        return b, g, b * HKV + g, split
+    bg = tl.program_id(0)
+    split = tl.program_id(1)
+    return bg // HKV, bg % HKV, bg, split
+
+
+@triton.jit
+def _split_rows(length, split, N_SPLITS, BLOCK_N: tl.constexpr):
+    """Split s covers whole BLOCK_N tiles [start, end) of the valid keys."""
+    tiles = tl.cdiv(length, BLOCK_N)
+    per_split = tl.cdiv(tiles, N_SPLITS)
+    start = split * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, length)
+    return start, end
+
+
+@triton.jit
+def _prefetch_l2(base, stride_n, start, end, D: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+                 LINES: tl.constexpr, ELEMS: tl.constexpr, ASM: tl.constexpr):
+    """prefetch.global.L2 of every 128-byte line of rows [start, min(end, start + TILES * BLOCK_N)) (LINES
+    lines of ELEMS elements per row, padded to a power of two). A prefetch has no effect on what any load
+    returns (L2 is the point of coherence; L1 is not filled), so it may run before the PDL wait, even
+    over the row the preceding kernel writes: the HBM reads overlap that kernel's tail."""
+    idx = tl.arange(0, BLOCK_N * LINES)
+    col = (idx % LINES) * ELEMS
+    row = start + idx // LINES
+    for t in tl.static_range(TILES):
+        ok = (row + t * BLOCK_N < end) & (col < D)
+        ptrs = base + (row + t * BLOCK_N) * stride_n + col
+        if ASM:  # the interpreter has no inline asm (there the prefetch is a no-op)
+            tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+                                      "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr, out_ptr, cnt_ptr,
     sqb, sqh, skb, skh, skl, svb, svh, svl, s_outb, s_outh,
@@ -121,18 +243,31 @@ def _decode_attention_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
     FUSED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    GRID_B: tl.constexpr = False, EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    MERGE_ONCE: tl.constexpr = False, PF_LINES: tl.constexpr = 2, PF_ELEMS: tl.constexpr = 64,
+    Q_LOOP: tl.constexpr = False, ASM: tl.constexpr = True,
 ):
-    pdl.enter(PDL)  # a decode-step kernel: may start early, reads nothing before the previous one is done
-    bg = tl.program_id(0)
-    split = tl.program_id(1)
-    b = bg // HKV
-    g = bg % HKV
-    length = tl.load(len_ptr + b)
-    # Split s covers whole BLOCK_N tiles [start, end) of the valid keys.
-    tiles = tl.cdiv(length, BLOCK_N)
-    per_split = tl.cdiv(tiles, N_SPLITS)
-    start = split * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, length)
+    if EARLY or PREFETCH > 0:
+        # Before the PDL wait: only what the preceding kernel cannot have written. The split's rows
+        # come from the length (see Variant: EARLY trusts this read; otherwise it only steers the
+        # L2 prefetch, whose lines are re-fetched coherently by the loads after the wait).
+        b, g, bg, split = _program(HKV, GRID_B)
+        length = tl.load(len_ptr + b)
+        start, end = _split_rows(length, split, N_SPLITS, BLOCK_N)
+        if PREFETCH > 0:
+            _prefetch_l2(k_ptr + b.to(tl.int64) * skb + g * skh, skl, start, end, D, BLOCK_N, PREFETCH,
+                         PF_LINES, PF_ELEMS, ASM)
+            _prefetch_l2(v_ptr + b.to(tl.int64) * svb + g * svh, svl, start, end, D, BLOCK_N, PREFETCH,
+                         PF_LINES, PF_ELEMS, ASM)
+        pdl.enter(PDL)
+        if not EARLY:  # the length may have changed under the early read: read it again past L1
+            length = tl.load(len_ptr + b, cache_modifier=".cg")
+            start, end = _split_rows(length, split, N_SPLITS, BLOCK_N)
+    else:
+        pdl.enter(PDL)  # a decode-step kernel: may start early, reads nothing before the previous one is done
+        b, g, bg, split = _program(HKV, GRID_B)
+        length = tl.load(len_ptr + b)
+        start, end = _split_rows(length, split, N_SPLITS, BLOCK_N)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -142,10 +277,10 @@ def _decode_attention_kernel(
     d_ok = offs_d < D
     heads = g * N_REP + offs_h
     # Rows past N_REP are padding so tl.dot sees M >= 16; they load zeros and are never stored.
-    q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + offs_d[None, :],
-                mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_H, BLOCK_D)
-    if UPCAST:  # the CPU interpreter multiplies bf16 wrongly; it runs the dots in fp32 instead
-        q = q.to(tl.float32)
+    q_ptrs = q_ptr + b * sqb + heads[:, None] * sqh + offs_d[None, :]  # (BLOCK_H, BLOCK_D)
+    q_ok = h_ok[:, None] & d_ok[None, :]
+    if not Q_LOOP:
+        q = _load_q(q_ptrs, q_ok, UPCAST)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -160,14 +295,23 @@ def _decode_attention_kernel(
     for n0 in range(start, full_end, BLOCK_N):
         kt = _load_tile(k_base + n0 * skl + k_off, d_ok[:, None], D == BLOCK_D)
         v = _load_tile(v_base + n0 * svl + v_off, d_ok[None, :], D == BLOCK_D)
-        m_i, l_i, acc = _attend(q, kt, v, m_i, l_i, acc, scale_log2, offs_n, BLOCK_N, UPCAST)
+        if Q_LOOP:  # pipelined with the tile (cp.async), not a round trip before the first tile's loads;
+            # the mask (always true) depends on n0 only so that the load is not hoisted out of the loop
+            qn = _load_q(q_ptrs, q_ok & (n0 >= start), UPCAST)
+        else:
+            qn = q
+        m_i, l_i, acc = _attend(qn, kt, v, m_i, l_i, acc, scale_log2, offs_n, BLOCK_N, UPCAST)
     if full_end < end:
         kp = k_base + full_end * skl + k_off
         vp = v_base + full_end * svl + v_off
         n_ok = full_end + offs_n < end
         kt = tl.load(kp, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(vp, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        m_i, l_i, acc = _attend(q, kt, v, m_i, l_i, acc, scale_log2, offs_n, end - full_end, UPCAST)
+        if Q_LOOP:
+            qn = _load_q(q_ptrs, q_ok, UPCAST)
+        else:
+            qn = q
+        m_i, l_i, acc = _attend(qn, kt, v, m_i, l_i, acc, scale_log2, offs_n, end - full_end, UPCAST)
     # An empty split (start >= length) leaves l_i = 0: it stores lse = -inf and o = 0.
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
@@ -188,7 +332,7 @@ def _decode_attention_kernel(
             arrived = tl.atomic_add(cnt_ptr + bg, 1, sem="acq_rel", scope="gpu")
             if arrived == N_SPLITS - 1:  # the last program of (b, g): all partials are visible
                 _merge_splits(o_ptr, lse_ptr, out_ptr, s_outb, s_outh, b, g, H, N_SPLITS, N_REP, D,
-                              BLOCK_R, BLOCK_S, MERGE_S, BLOCK_D)
+                              BLOCK_R, BLOCK_S, MERGE_S, BLOCK_D, MERGE_ONCE)
                 tl.store(cnt_ptr + bg, 0)  # ready for the next launch (kernel boundary orders it)
 
 
@@ -275,13 +419,15 @@ def _check(q, k, v, lengths, out):
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                      scale: float | None = None, n_splits: int | None = None,
                      block_n: int | None = None, out: torch.Tensor | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None, fused: bool = True) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None, fused: bool = True,
+                     variant: Variant | None = None) -> torch.Tensor:
     """q (B, H, D) x k, v (B, Hkv, L_max, D), lengths (B,) int32 on q's device -> (B, H, D) in q's dtype.
 
     `out` (like q) receives the result when given (a captured graph's fixed output buffer).
     block_n, num_warps, num_stages, n_splits and fused (merge in the same launch) are tuning knobs; left
     None they come from the buffer length (default_config: the H200 sweep of scripts/benches/
-    decode_attention.py, DECODE_SWEEP=decode, run S4-1 in docs/perf_notes.md).
+    decode_attention.py, DECODE_SWEEP=decode, run S4-1 in docs/perf_notes.md). `variant` (default: the
+    module's VARIANT) picks the fixed-cost switches of `Variant`.
     """
     _check(q, k, v, lengths, out)
     B, H, D = q.shape
@@ -298,14 +444,21 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     cnt = _counters(q.device, B * Hkv) if fused and n_splits > 1 else lengths  # unused when not fused
     block_d = max(16, triton.next_power_of_2(D))
     block_r, block_s = triton.next_power_of_2(n_rep), triton.next_power_of_2(n_splits)
-    _decode_attention_kernel[(B * Hkv, n_splits)](
+    var = VARIANT if variant is None else variant
+    grid = (Hkv, n_splits, B) if var.grid_b else (B * Hkv, n_splits)
+    extra = {}
+    if var != Variant():  # the default launch passes none of these: its compiled kernel is unchanged
+        per_line = 128 // q.element_size()  # elements in a 128-byte line (the prefetch granule)
+        extra = dict(GRID_B=var.grid_b, EARLY=var.early, PREFETCH=var.prefetch, MERGE_ONCE=var.merge_once, Q_LOOP=var.q_loop,
+                     PF_LINES=triton.next_power_of_2(-(-D // per_line)), PF_ELEMS=per_line, ASM=not _interpreting())
+    _decode_attention_kernel[grid](
         q, k, v, lengths, o_part, lse, out, cnt,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), scale * LOG2E, Hkv, H, n_splits,
         N_REP=n_rep, D=D, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_R=block_r, BLOCK_S=block_s, MERGE_S=min(block_s, max(1, MERGE_ELEMS // (block_r * block_d))),
         FUSED=fused, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages, **pdl.options(q.device),
+        num_warps=num_warps, num_stages=num_stages, **pdl.options(q.device), **extra,
     )
     if n_splits > 1 and not fused:
         _decode_attention_reduce_kernel[(B * H,)](

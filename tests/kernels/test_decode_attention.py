@@ -1,5 +1,6 @@
 """csrc_triton.decode_attention against its reference: lengths 1..5000, GQA, split counts, fp16/bf16,
-the fused split merge (last-arriving program, self-resetting counters) and the two-kernel merge.
+the fused split merge (last-arriving program, self-resetting counters) and the two-kernel merge, and
+each fixed-cost `Variant` (alone and all together) on the same cases.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 at small head counts; on CUDA the same cases run
 plus Llama-3-8B shapes (32 query heads, 8 KV heads, D=128) and a CUDA-graph replay.
@@ -13,10 +14,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from csrc_triton.decode_attention import _COUNTERS, decode_attention, decode_attention_ref  # noqa: E402
+from csrc_triton.decode_attention import _COUNTERS, Variant, decode_attention, decode_attention_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# Each switch alone, and all of them (the interpreter runs the logic; the L2 prefetch asm is GPU-only).
+VARIANTS = {
+    "grid_b": Variant(grid_b=True), "early": Variant(early=True), "prefetch": Variant(prefetch=2),
+    "merge_once": Variant(merge_once=True), "q_loop": Variant(q_loop=True),
+    "all": Variant(grid_b=True, early=True, prefetch=2, merge_once=True, q_loop=True),
+}
 
 
 def make(B, H, Hkv, L_max, D, dtype, lengths, seed=0):
@@ -41,13 +48,25 @@ def check(q, k, v, lens, **kw):
     assert err <= 2 * torch_err + FLOOR[q.dtype], (err, torch_err)
 
 
+@pytest.mark.parametrize("variant", ["default", "all"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lengths,n_splits", [
     ([1, 5], 1), ([1, 5], 4), ([123, 64], 3), ([217, 1], 8), ([3000, 1000], 16), ([5000, 4097], 7),
 ])
-def test_lengths_and_splits(dtype, lengths, n_splits):
+def test_lengths_and_splits(dtype, lengths, n_splits, variant):
     q, k, v, lens = make(2, 4, 1, max(lengths) + 9, 64, dtype, lengths)
-    check(q, k, v, lens, n_splits=n_splits)
+    check(q, k, v, lens, n_splits=n_splits, variant=VARIANTS.get(variant, Variant()))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("lengths,n_splits,block_n", [
+    ([217, 1], 8, 32), ([1000, 300], 5, 64), ([300, 129], 3, 128), ([2000, 77], 40, 16),
+])
+def test_variants(name, lengths, n_splits, block_n):
+    """Every switch alone on whole and partial tiles, empty splits, one key, and 40 splits (more than
+    merge_once takes in one step at D = 64: the stepped merge runs)."""
+    q, k, v, lens = make(2, 8, 2, max(lengths) + 5, 64, torch.bfloat16, lengths, seed=11)
+    check(q, k, v, lens, n_splits=n_splits, block_n=block_n, variant=VARIANTS[name])
 
 
 @pytest.mark.parametrize("lengths,n_splits", [([217, 1], 8), ([1000, 300], 5)])
@@ -56,20 +75,22 @@ def test_two_kernel_merge(lengths, n_splits):
     check(q, k, v, lens, n_splits=n_splits, fused=False)
 
 
-def test_fused_merge_leaves_its_counters_at_zero():
+@pytest.mark.parametrize("variant", ["default", "all"])
+def test_fused_merge_leaves_its_counters_at_zero(variant):
     """Each call must reset what it counted, else the next call (or graph replay) never merges and
     leaves the poisoned output unwritten; 20 splits (2 merge steps at D=128, one of them empty)
     and 3 heads per group."""
     q, k, v, lens = make(1, 6, 2, 300, 128, torch.float16, [300], seed=5)
     for n_splits in (20, 3, 20):
-        check(q, k, v, lens, n_splits=n_splits, block_n=16)
+        check(q, k, v, lens, n_splits=n_splits, block_n=16, variant=VARIANTS.get(variant, Variant()))
         assert not _COUNTERS[str(q.device)].any()
 
 
+@pytest.mark.parametrize("variant", ["default", "all"])
 @pytest.mark.parametrize("H,Hkv,D", [(4, 4, 32), (8, 2, 64), (7, 1, 16), (12, 3, 80)])
-def test_gqa_ratios_and_head_dims(H, Hkv, D):
+def test_gqa_ratios_and_head_dims(H, Hkv, D, variant):
     q, k, v, lens = make(1, H, Hkv, 300, D, torch.float16, [257])
-    check(q, k, v, lens, n_splits=3)
+    check(q, k, v, lens, n_splits=3, variant=VARIANTS.get(variant, Variant()))
 
 
 @pytest.mark.parametrize("block_n,lengths", [(16, [77, 300]), (32, [300, 1]), (128, [129, 300])])
@@ -100,43 +121,57 @@ def test_default_splits_fit_one_wave(per_sm, n_programs):
             assert splits * n_programs <= per_sm * _sm_count(dev)
 
 
-def test_length_is_read_from_the_device_tensor():
+@pytest.mark.parametrize("variant", ["default", "early", "prefetch", "all"])
+def test_length_is_read_from_the_device_tensor(variant):
+    var = VARIANTS.get(variant, Variant())
     q, k, v, lens = make(1, 4, 2, 200, 32, torch.float16, [200])
-    a = decode_attention(q, k, v, lens, n_splits=4)
+    a = decode_attention(q, k, v, lens, n_splits=4, variant=var)
     lens.fill_(37)
-    b = decode_attention(q, k, v, lens, n_splits=4)
+    b = decode_attention(q, k, v, lens, n_splits=4, variant=var)
     torch.testing.assert_close(b, decode_attention_ref(q.float(), k.float(), v.float(), lens).half(),
                                atol=2e-3, rtol=0)
     assert not torch.allclose(a, b)
 
 
+def test_variant_parse():
+    assert Variant.parse("") == Variant() == Variant.parse("default")
+    assert Variant.parse("grid_b,early,prefetch=2,merge_once,q_loop") == VARIANTS["all"]
+    assert Variant.parse("prefetch=4,q_loop=0") == Variant(prefetch=4)
+    with pytest.raises(ValueError, match="unknown variant switch"):
+        Variant.parse("erly")
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes and graphs need a GPU")
-@pytest.mark.parametrize("L", [1, 8191, 32768])
-def test_llama3_8b_shapes(L):
+@pytest.mark.parametrize("variant", ["default", "prefetch", "all"])
+@pytest.mark.parametrize("L", [1, 1000, 3277, 8191, 32768])
+def test_llama3_8b_shapes(L, variant):
     q, k, v, lens = make(1, 32, 8, L + 64, 128, torch.float16, [L])
-    check(q, k, v, lens)
+    check(q, k, v, lens, variant=VARIANTS.get(variant, Variant()))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need a GPU")
+@pytest.mark.parametrize("variant", ["default", "all"])
 @pytest.mark.parametrize("n_splits", [2, 16, 64, 200])
-def test_fused_merge_under_many_arrival_orders(n_splits):
+def test_fused_merge_under_many_arrival_orders(n_splits, variant):
     """On the GPU any program of a group can arrive last: back-to-back calls at many lengths."""
     q, k, v, lens = make(1, 32, 8, 20000, 128, torch.float16, [20000])
     for n in (20000, 8191, 4097, 129, 64, 1):
         lens.fill_(n)
-        check(q, k, v, lens, n_splits=n_splits)
+        check(q, k, v, lens, n_splits=n_splits, variant=VARIANTS.get(variant, Variant()))
     assert not _COUNTERS[str(q.device)].any()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-def test_cuda_graph_replay_follows_the_length():
+@pytest.mark.parametrize("variant", ["default", "all"])
+def test_cuda_graph_replay_follows_the_length(variant):
+    var = VARIANTS.get(variant, Variant())
     q, k, v, lens = make(1, 32, 8, 4096, 128, torch.bfloat16, [4096])
     out = torch.empty_like(q)
-    decode_attention(q, k, v, lens, out=out)  # compile outside the capture
+    decode_attention(q, k, v, lens, out=out, variant=var)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode_attention(q, k, v, lens, out=out)
+        decode_attention(q, k, v, lens, out=out, variant=var)
     for n in (4096, 1000, 17):
         lens.fill_(n)
         graph.replay()
