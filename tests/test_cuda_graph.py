@@ -10,12 +10,14 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from tinyvila import sparsity as sparse
 from tinyvila.config import ProjectorConfig, QuantConfig, SparsityConfig, preset
 from tinyvila.cuda_graph import GraphCache
+from tinyvila.image import preprocess, resize_uint8
 from tinyvila.loader import random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -103,6 +105,22 @@ def test_cpu_encode_images_is_eager():
     assert model._graphs is None  # nothing made, nothing captured on CPU
     want, want_idx = sparse.prune_top_k(model.vision, model.projector, px, idx.shape[1], model.cfg.vision.n_run_layers - 1)
     assert torch.equal(idx, want_idx) and torch.equal(out, want)
+
+
+def test_encode_images_takes_uint8_pixels():
+    """Resized uint8 pixels (image.resize_uint8, what Chat.add_image passes) encode to exactly what the
+    preprocessed float32 pixels do, dense and pruned; on the GPU too (graphs, upload of uint8)."""
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (50, 70, 3), dtype=np.uint8) for _ in range(2)]
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        model = random_model(preset("tiny-siglip-llama"), device=device)
+        model.vision.use_cuda_graphs()
+        vc = model.cfg.vision
+        for sp in (None, SparsityConfig(prefill_keep=0.5)):
+            with torch.inference_mode():
+                want = model.encode_images(preprocess(images, vc), sp, with_index=True)
+                got = model.encode_images(resize_uint8(images, vc), sp, with_index=True)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @gpu

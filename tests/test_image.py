@@ -13,7 +13,7 @@ from PIL import Image
 
 from tinyvila.config import PRESETS, VisionConfig
 from tinyvila.errors import ImageError
-from tinyvila.image import preprocess
+from tinyvila.image import normalise_pixels, preprocess, resize_uint8
 
 SIGLIP = VisionConfig(image_size=64)
 CLIP = PRESETS["tiny-clip-qwen2"].vision
@@ -124,3 +124,26 @@ def test_truncated_file(tmp_path):
 def test_empty_list_and_error_class():
     with pytest.raises(ValueError, match="empty list"):  # ImageError is also a ValueError
         preprocess([], SIGLIP)
+
+
+@pytest.mark.parametrize("cfg", [SIGLIP, CLIP], ids=["siglip", "clip"])
+def test_uint8_path_equals_preprocess(cfg):
+    """resize_uint8 then normalise_pixels (on the CPU here, on the GPU as well where there is one) gives
+    preprocess's float32 pixels bit for bit, for one image and a list."""
+    images = [_random(), _gradient(), _random(20, 33, seed=1)]
+    for x in (images[0], images):
+        u8 = resize_uint8(x, cfg)
+        assert u8.dtype == torch.uint8 and u8.shape == (len(x) if isinstance(x, list) else 1, cfg.image_size,
+                                                        cfg.image_size, 3)
+        want = preprocess(x, cfg)
+        got = normalise_pixels(u8, cfg)
+        assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, want)
+        if torch.cuda.is_available():
+            assert torch.equal(normalise_pixels(u8.cuda(), cfg).cpu(), want)
+
+
+def test_normalise_pixels_rejects_other_input():
+    with pytest.raises(ImageError, match="uint8 from resize_uint8"):
+        normalise_pixels(torch.zeros(1, 3, 8, 8), SIGLIP)
+    with pytest.raises(ImageError, match="uint8 from resize_uint8"):
+        normalise_pixels(torch.zeros(1, 8, 8, 4, dtype=torch.uint8), SIGLIP)

@@ -27,7 +27,7 @@ from .config import SparsityConfig, VLMConfig, preset
 from .errors import ContextLimitError, ModelNotFoundError
 from .generate import Decoder, SamplingParams, generate
 from .kv_cache import changed_range, turn_spans
-from .image import preprocess
+from .image import resize_uint8
 from .loader import build_synthetic, load_model, random_model, synthetic_tokenizer
 from .tokenizer import IMAGE_TOKEN, TEMPLATES, BPETokenizer, StreamDecoder, load_tokenizer, stop_ids, turn_ids
 from .vlm import VLM
@@ -187,7 +187,10 @@ class Chat:
     def add_image(self, image) -> None:
         """Encode an image (path, PIL image, HxWx3 uint8 array) now; it joins the next question."""
         model = self.vlm.model
-        pixels = preprocess(image, model.cfg.vision) if model.vision is not None else None
+        # Resized uint8 pixels: encode_images uploads a quarter of preprocess's float32 bytes and normalises them
+        # on the device to the same values (on some H200 hosts the CPU-side copy of the float32 pixels took
+        # ~10 ms: docs/perf_notes.md, session 7).
+        pixels = resize_uint8(image, model.cfg.vision) if model.vision is not None else None
         if pixels is None:
             raise ValueError(f"{self.vlm.folder}: this model is text-only and cannot take images")
         _sync(model.device)

@@ -19,6 +19,7 @@ from torch import nn
 from . import sparsity as sparse
 from .config import SparsityConfig, VLMConfig
 from .cuda_graph import GraphCache, GraphOwner
+from .image import normalise_pixels
 from .projector import Projector
 from .quant import swap_linears
 from .text import TextModel
@@ -51,11 +52,15 @@ class VLM(GraphOwner, nn.Module):
 
     def encode_images(self, pixels: torch.Tensor, sparsity: SparsityConfig | None = None,
                       with_index: bool = False):
-        """(N, C, S, S) preprocessed images -> (N, k, d) LLM-width embeddings, k = image_tokens, or
-        fewer when `sparsity.prefill_keep` < 1 (tinyvila/sparsity.py; 1.0 is exactly the dense path).
-        `with_index` also returns (N, k) long: each kept token's index in the image's token grid."""
+        """(N, C, S, S) preprocessed images (image.preprocess), or (N, S, S, C) uint8 resized ones
+        (image.resize_uint8: uploaded as they are and normalised on the model's device, the same values),
+        -> (N, k, d) LLM-width embeddings, k = image_tokens, or fewer when `sparsity.prefill_keep` < 1
+        (tinyvila/sparsity.py; 1.0 is exactly the dense path). `with_index` also returns (N, k) long: each
+        kept token's index in the image's token grid."""
         if self.vision is None:
             raise ValueError(f"this checkpoint ({self.cfg.text.arch}, text only) has no vision encoder")
+        if pixels.dtype == torch.uint8:
+            pixels = normalise_pixels(pixels.to(self.device), self.cfg.vision)
         pixels = pixels.to(self.device, self.dtype)
         # Long videos go through the encoder ENCODE_BATCH frames at a time: activation memory (and a
         # CUDA graph's pool) stays that of one batch, and one captured batch shape serves them all.
