@@ -21,7 +21,8 @@ therefore happen outside a CUDA graph capture; calls on one device must not over
 chain PDL wait -> length load -> query load, shared-memory store and barrier -> first K/V loads -> tiles ->
 partial stores -> release + atomic -> LSE loads -> partial loads -> output store). They shorten that chain:
 reading the length and asking L2 for the split's K/V before the PDL wait, the query staged with the tiles,
-one round trip in the merge. All off (the default) compiles to the same sm_90a code as before they existed.
+one round trip in the merge. All off compiles to the same sm_90a code as before they existed; all on is the
+default since session 7 (VARIANT, measured there).
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ class Variant:
 
     grid_b: the grid is (Hkv, splits, B), so the length load waits for no integer division.
     early: the length, split bounds and addresses are computed before the PDL wait. Contract: `lengths`
-        was not written by the immediately preceding kernel (in the decode step it is written at the top
-        of the step, several kernels earlier; PDL waits are transitive: a kernel starts only after its
-        predecessor waited, i.e. after every kernel before that one completed).
+        was written before the last kernel launched WITHOUT programmatic dependent launch started (such a
+        launch waits for everything before it to complete). In the decode step the previous step's
+        ops.argmax_step writes it, and the next step's embedding gather (a PyTorch kernel) runs before any
+        layer, so it holds at every layer's attention.
     prefetch: K/V tiles of each split asked into L2 (prefetch.global.L2) before the PDL wait, so HBM
         streams them while the preceding kernel finishes. Without `early` the length is read once before
         the wait for the prefetch addresses only and again after it (past L1) for the attention.

@@ -179,9 +179,7 @@ def _retrieval_salience_kernel(
 def _keys(k_base, idx_ptr, offs_n, n_ok, offs_d, d_ok, skl, SPAN: tl.constexpr):
     """Key tile (BLOCK_N, BLOCK_D) at cache slots idx[offs_n], or offs_n itself when SPAN (the launcher
     passes the cache from the span's first slot on, and no slot is read); 0 where not n_ok."""
-    slot = _slots(offs_n, n_ok, idx_ptr + offs_n, SPAN)
-    return tl.load(k_base + slot[:, None].to(tl.int64) * skl + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                   other=0.0)
+    return _key_tile(k_base, _slots(offs_n, n_ok, idx_ptr + offs_n, SPAN), n_ok, offs_d, d_ok, skl, True)
 
 
 @triton.jit

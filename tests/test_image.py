@@ -126,17 +126,26 @@ def test_empty_list_and_error_class():
         preprocess([], SIGLIP)
 
 
+def _hf_numpy(a: np.ndarray, cfg: VisionConfig) -> np.ndarray:
+    """HF's numpy arithmetic on one HxWx3 uint8 image: PIL bicubic resize, rescale in float64, cast to float32,
+    (x - mean) / std in float32 -> (C, S, S)."""
+    im = Image.fromarray(a).resize((cfg.image_size, cfg.image_size), resample=Image.BICUBIC)
+    x = (np.asarray(im).astype(np.float64) * cfg.rescale_factor).astype(np.float32)
+    mean, std = np.asarray(cfg.image_mean, dtype=np.float32), np.asarray(cfg.image_std, dtype=np.float32)
+    return ((x - mean) / std).transpose(2, 0, 1)
+
+
 @pytest.mark.parametrize("cfg", [SIGLIP, CLIP], ids=["siglip", "clip"])
-def test_uint8_path_equals_preprocess(cfg):
-    """resize_uint8 then normalise_pixels (on the CPU here, on the GPU as well where there is one) gives
-    preprocess's float32 pixels bit for bit, for one image and a list."""
+def test_uint8_path_is_hf_numpy_bit_for_bit(cfg):
+    """resize_uint8 then normalise_pixels (what preprocess is; on the GPU as well where there is one) gives
+    HF's numpy arithmetic bit for bit, for one image and a list."""
     images = [_random(), _gradient(), _random(20, 33, seed=1)]
     for x in (images[0], images):
         u8 = resize_uint8(x, cfg)
-        assert u8.dtype == torch.uint8 and u8.shape == (len(x) if isinstance(x, list) else 1, cfg.image_size,
-                                                        cfg.image_size, 3)
-        want = preprocess(x, cfg)
-        got = normalise_pixels(u8, cfg)
+        n = len(x) if isinstance(x, list) else 1
+        assert u8.dtype == torch.uint8 and u8.shape == (n, cfg.image_size, cfg.image_size, 3)
+        want = torch.from_numpy(np.stack([_hf_numpy(a, cfg) for a in (x if isinstance(x, list) else [x])]))
+        got = preprocess(x, cfg)
         assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, want)
         if torch.cuda.is_available():
             assert torch.equal(normalise_pixels(u8.cuda(), cfg).cpu(), want)

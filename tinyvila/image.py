@@ -11,6 +11,7 @@ pixels and normalises them on the GPU: a quarter of the bytes, and no float32 co
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -62,16 +63,8 @@ def _resize(im: Image.Image, cfg: VisionConfig) -> np.ndarray:
     return np.asarray(im.resize((s, s), resample=Image.BICUBIC))
 
 
-def _normalise(im: Image.Image, cfg: VisionConfig) -> np.ndarray:
-    """RGB PIL image -> (C, S, S) float32, exactly HF's resize / rescale / normalize."""
-    x = (_resize(im, cfg).astype(np.float64) * cfg.rescale_factor).astype(np.float32)  # (S, S, C)
-    mean = np.asarray(cfg.image_mean, dtype=np.float32)
-    std = np.asarray(cfg.image_std, dtype=np.float32)
-    return ((x - mean) / std).transpose(2, 0, 1)  # (C, S, S)
-
-
 def _each(images: ImageInput | list[ImageInput], cfg: VisionConfig, fn) -> list[np.ndarray]:
-    """fn(RGB PIL image, cfg) of every input image; the checks and error names preprocess documents."""
+    """fn(RGB PIL image, cfg) of every input image; the checks and error names `preprocess` documents."""
     items = images if isinstance(images, (list, tuple)) else [images]
     if not items:
         raise ImageError("images: empty list; pass at least one image")
@@ -87,7 +80,7 @@ def preprocess(images: ImageInput | list[ImageInput], cfg: VisionConfig) -> torc
     Each item is a PIL image (any mode: RGBA, L, P, ... are converted to RGB), a path to an image
     file, or an HxWx3 uint8 RGB array. Raises `ImageError` naming the file or list index at fault.
     """
-    return torch.from_numpy(np.stack(_each(images, cfg, _normalise)))
+    return normalise_pixels(resize_uint8(images, cfg), cfg)
 
 
 def resize_uint8(images: ImageInput | list[ImageInput], cfg: VisionConfig) -> torch.Tensor:
@@ -98,13 +91,19 @@ def resize_uint8(images: ImageInput | list[ImageInput], cfg: VisionConfig) -> to
 
 
 def normalise_pixels(pixels: torch.Tensor, cfg: VisionConfig) -> torch.Tensor:
-    """(N, S, S, C) uint8 from `resize_uint8`, on any device -> (N, C, S, S) float32 there, bit for bit what
-    `preprocess` gives: x * rescale_factor in float64, cast to float32, then (x - mean) / std in float32
-    (IEEE operations, correctly rounded on CPU and GPU alike)."""
+    """(N, S, S, C) uint8 from `resize_uint8`, on any device -> (N, C, S, S) float32 there: HF's rescale
+    and normalize, x * rescale_factor in float64, cast to float32, then (x - mean) / std in float32 (IEEE
+    operations, correctly rounded, so the CPU and the GPU give the same bits)."""
     if pixels.dtype != torch.uint8 or pixels.dim() != 4 or pixels.shape[3] != 3:
         raise ImageError(f"pixels: expected (N, S, S, 3) uint8 from resize_uint8, got {pixels.dtype} "
                          f"{tuple(pixels.shape)}")
     x = (pixels.to(torch.float64) * cfg.rescale_factor).to(torch.float32)
-    mean = torch.tensor(cfg.image_mean, dtype=torch.float32, device=pixels.device)
-    std = torch.tensor(cfg.image_std, dtype=torch.float32, device=pixels.device)
+    mean, std = _mean_std(tuple(cfg.image_mean), tuple(cfg.image_std), pixels.device)
     return ((x - mean) / std).permute(0, 3, 1, 2).contiguous()
+
+
+@functools.lru_cache(maxsize=16)
+def _mean_std(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normalisation constants as float32 tensors on `device`, made once (not a host copy per image)."""
+    return (torch.tensor(mean, dtype=torch.float32, device=device),
+            torch.tensor(std, dtype=torch.float32, device=device))

@@ -374,10 +374,6 @@ def offline(D: int = 80) -> None:
                   f"{st['bound'] / base:.3f}")
 
 
-if __name__ == "__main__" and "--offline" in sys.argv:
-    offline(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 80)
-
-
 class _HostOnlyDriver:
     """Stands in for Triton's CUDA driver on a machine without a GPU: device 0, stream 0, sm_90a."""
 
@@ -456,5 +452,7 @@ def host(calls: int = 10000) -> None:
           f"torch.empty {us(lambda: torch.empty(1, 16, 729), False):.1f} us")
 
 
-if __name__ == "__main__" and "--host" in sys.argv:
+if __name__ == "__main__" and "--offline" in sys.argv:
+    offline(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 80)
+elif __name__ == "__main__" and "--host" in sys.argv:
     host()
