@@ -126,6 +126,22 @@ def _tile_mass(q, lse2, kt, scale_log2, PRECISION: tl.constexpr, UPCAST: tl.cons
 
 
 @triton.jit
+def _program(k_ptr, skb, skh, HKV, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Where program (b * Hkv + g, chunk) works: batch b, KV group g, its key chunk, the head-dim offsets
+    (BLOCK_D,) and their mask (< D), and k_base, the address of k[b, g] (the batch offset in 64 bits:
+    B * Hkv * S * D can pass 2^31). Triton inlines it: both kernels compile to the same code as when each
+    spelled it out (sm_90a SASS compared)."""
+    bg = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = bg // HKV
+    g = bg % HKV
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    k_base = k_ptr + b.to(tl.int64) * skb + g * skh
+    return b, g, chunk, offs_d, d_ok, k_base
+
+
+@triton.jit
 def _retrieval_salience_kernel(
     q_ptr, k_ptr, idx_ptr, lse_ptr, out_ptr,
     sqb, sqh, sqt, skb, skh, skl, slb, slh, slt, sob, soh,
@@ -134,13 +150,7 @@ def _retrieval_salience_kernel(
     ONE_BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     KEY_ROWS: tl.constexpr, SPAN: tl.constexpr,
 ):
-    bg = tl.program_id(0)
-    chunk = tl.program_id(1)
-    b = bg // HKV
-    g = bg % HKV
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    k_base = k_ptr + b.to(tl.int64) * skb + g * skh
+    b, g, chunk, offs_d, d_ok, k_base = _program(k_ptr, skb, skh, HKV, D, BLOCK_D)
     if ONE_BLOCK:  # all n_rep*T rows in one tile: loaded once, reused by every key tile
         q, lse2 = _row_block(q_ptr, lse_ptr, b, g, 0, T, sqb, sqh, sqt, slb, slh, slt, N_REP, D, BLOCK_M, BLOCK_D)
     # A software pipeline of its own (launched with num_stages=1): the keys of tile j+1 and the
@@ -220,13 +230,7 @@ def _retrieval_salience_pipe_kernel(
     Whether the exponentials really issue under the wgmma is ptxas's choice: sm_90a, D=128, 64-key
     tiles, 4 warps, 3 stages, 256 rows: 62 and 52-61 of each half's 64 MUFU per thread do (stores and
     adds, gathered and span; 2 stages put none there for a span with `out`), 30/19 of 32 at 128 rows."""
-    bg = tl.program_id(0)
-    chunk = tl.program_id(1)
-    b = bg // HKV
-    g = bg % HKV
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    k_base = k_ptr + b.to(tl.int64) * skb + g * skh
+    b, g, chunk, offs_d, d_ok, k_base = _program(k_ptr, skb, skh, HKV, D, BLOCK_D)
     o_base = out_ptr + b * sob + g * soh
     qa, la = _row_block(q_ptr, lse_ptr, b, g, 0, T, sqb, sqh, sqt, slb, slh, slt, N_REP, D, HALF, BLOCK_D)
     qb, lb = _row_block(q_ptr, lse_ptr, b, g, HALF, T, sqb, sqh, sqt, slb, slh, slt, N_REP, D, HALF, BLOCK_D)

@@ -374,49 +374,20 @@ def offline(D: int = 80) -> None:
                   f"{st['bound'] / base:.3f}")
 
 
-class _HostOnlyDriver:
-    """Stands in for Triton's CUDA driver on a machine without a GPU: device 0, stream 0, sm_90a."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
-
-
-def _stub_compile(fn) -> None:
-    """Make Triton's dispatch of `fn` find a CompiledKernel whose launcher does nothing: Triton's whole
-    Python side runs (binding, specialisation, cache key, launch metadata), the C launch does not."""
-    from triton.compiler import CompiledKernel
-
-    def do_compile(key, signature, device, constexprs, options, attrs, warmup):
-        k = CompiledKernel.__new__(CompiledKernel)
-        k.module, k.function, k.src, k.name, k.packed_metadata = object(), 0, None, fn.__name__, (4, 1, 0)
-        k._run = lambda *args: None
-        fn.device_caches[device][0][key] = k
-        return k
-
-    fn._do_compile = do_compile
-
-
 def host(calls: int = 10000) -> None:
     """Host microseconds per prefill_salience call at 1 SigLIP frame, Triton's dispatch included and
     the C launch (cuLaunchKernelEx) stubbed, CPU tensors; its torch.empty / part.sum are CPU ops here."""
     import time
 
     from triton.runtime import driver
+    from triton_stub import HostOnlyDriver, stub_compile  # scripts/triton_stub.py (scripts/ is on the path)
 
     km = kernel_module
     assert not km._INTERPRET, "run without TRITON_INTERPRET: the launcher's compiled-kernel path is timed"
     saved = driver._active
-    driver.set_active(_HostOnlyDriver())
+    driver.set_active(HostOnlyDriver())
     for fn in (km._row_lse_kernel, km._prefill_salience_kernel):
-        _stub_compile(fn)
+        stub_compile(fn, lambda *args: None)  # the C launch does nothing
     q, k = (torch.randn(1, 16, 729, 72, dtype=torch.float16) for _ in "qk")
     lse = torch.randn(1, 16, 729)
     calls_by_mode = {"standalone": lambda: prefill_salience(q, k), "fused": lambda: prefill_salience(q, k, lse=lse),

@@ -134,8 +134,8 @@ def sweep(case, variants, q, k, lse, prefill_us, t0, rows, idx_of=None, accumula
               f"share {row['share_of_prefill']}", flush=True)
 
 
-def main():
-    t0 = time.time()
+def measure(t0: float) -> list[dict]:
+    """Every row of the module docstring, printed as measured."""
     rows = []
     q, k, v, lse = question(64)
     prefill_us = graph_us(functools.partial(ops.attention_lse, q, k, v, S))
@@ -152,6 +152,17 @@ def main():
         print(f"question prefill attention, T={T}: {pre:.2f} us (graph)", flush=True)
         sweep(f"T={T} all slots", variants, q, k, lse, pre, t0, rows)
     print(f"resident programs per SM of the compiled pipe configurations: {sorted(rs._RESIDENT.values())}")
+    return rows
+
+
+def run(args) -> list[dict]:
+    """scripts/bench_kernels.py's entry (`--only retrieval_variants`; --quick changes nothing)."""
+    return measure(time.time())
+
+
+def main():
+    t0 = time.time()
+    rows = measure(t0)
     git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
     print(json.dumps(dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else DEV, torch=torch.__version__,
                           triton=triton.__version__, commit=git("rev-parse", "--short", "HEAD"),

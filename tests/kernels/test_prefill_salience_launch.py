@@ -7,14 +7,18 @@ driver and compiled kernels whose launcher records its arguments; on CUDA the re
 without the direct launch, under CUDA-graph capture too, and must agree bit for bit.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import CompiledKernel
 from triton.runtime import JITFunction, driver
 
 import csrc_triton.prefill_salience as km
 from csrc_triton.prefill_salience import prefill_salience
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from triton_stub import HostOnlyDriver, stub_compile  # noqa: E402  (shared with the bench's --host timing)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -113,39 +117,18 @@ def test_plan_table_is_bounded(fresh_plans, monkeypatch):
 # --- the direct launch against Triton's dispatch, on CPU with a recording stub driver -------------------
 
 
-class _StubDriver:
-    """Triton's driver interface as dispatch uses it: device 0, a fixed stream, an sm_90 target."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 1234
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
 def _recording_kernels(monkeypatch) -> list[tuple]:
     """Swap both kernels for JITFunctions whose 'compiled' kernels record every launch instead of
     running: (kernel, via, grid, stream, function, packed metadata, kernel arguments), via being
     "triton" (dispatch passes launch metadata and hook chains) or "direct" (None, None, None)."""
     launches = []
-    monkeypatch.setattr(driver, "_active", _StubDriver())
+    # A stream other than 0, so that a direct launch passing a stream of its own instead of the driver's shows.
+    monkeypatch.setattr(driver, "_active", HostOnlyDriver(stream=1234))
     for name in ("_row_lse_kernel", "_prefill_salience_kernel"):
         fn = JITFunction(getattr(km, name).fn)
-
-        def do_compile(key, signature, device, constexprs, options, attrs, warmup, fn=fn, name=name):
-            k = CompiledKernel.__new__(CompiledKernel)
-            k.module, k.src, k.name, k.packed_metadata = object(), None, name, (4, 1, 0)
-            k.function = f"{name}#{len(fn.device_caches[device][0])}"  # one handle per compiled kernel
-            k._run = lambda gx, gy, gz, stream, function, packed, meta, enter, leave, *args, name=name: launches.append(
-                (name, "direct" if meta is None and enter is None and leave is None else "triton", (gx, gy, gz),
-                 stream, function, packed, args))
-            fn.device_caches[device][0][key] = k
-            return k
-
-        fn._do_compile = do_compile
+        stub_compile(fn, lambda gx, gy, gz, stream, function, packed, meta, enter, leave, *args, name=name: launches.append(
+            (name, "direct" if meta is None and enter is None and leave is None else "triton", (gx, gy, gz),
+             stream, function, packed, args)))
         monkeypatch.setattr(km, name, fn)
     return launches
 
