@@ -257,3 +257,51 @@ def test_fastv_one_pass_prunes_after_layer_k_minus_one(vlm):
 def test_decode_window_is_validated():
     with pytest.raises(ValueError, match="decode_window"):
         SparsityConfig(decode_window=-1)
+
+
+def spy_salience(monkeypatch):
+    """Record the idx argument of every retrieval-salience call (a range: the contiguous-span form)."""
+    calls, real = [], ops.retrieval_salience
+
+    def salience(q, k, idx, lse, out=None):
+        calls.append(idx)
+        return real(q, k, idx, lse, out=out)
+
+    monkeypatch.setattr(ops, "retrieval_salience", salience)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["chat", "eval"])
+def test_one_image_scores_as_a_range_with_the_slot_tensor_answers(vlm, monkeypatch, mode):
+    """One image is one run of retrievable slots: every question (first turn, a later one, an eval round)
+    scores it as a range, with the tokens, logits and selection of scoring it through the slot tensor."""
+    runs = []
+    for tensor in (False, True):
+        if tensor:
+            monkeypatch.setattr(KVCache, "retrievable_span", staticmethod(lambda host_idx: None))
+        calls = spy_salience(monkeypatch)
+        chat = vlm.chat(sampling=greedy(5), sparsity=SparsityConfig(decode_keep=0.3), mode=mode)
+        out = []
+        for k, q in enumerate(QUESTIONS[:3]):
+            out.append((ask(chat, q, image=k == 0), chat.last_logits, chat.decoder.cache._storage.idx.clone()))
+        n_layers = vlm.cfg.text.n_layers
+        assert len(calls) == 3 * n_layers and all(isinstance(c, range) != tensor for c in calls)
+        assert not tensor or all(c.numel() == vlm.cfg.image_tokens for c in calls)
+        runs.append(out)
+        monkeypatch.undo()
+    for (ta, la, ia), (tb, lb, ib) in zip(*runs):
+        assert ta == tb and torch.equal(la, lb) and torch.equal(ia, ib)
+
+
+def test_an_image_and_a_document_score_through_the_slot_tensor(vlm, monkeypatch):
+    """Two retrievable runs (an image, then a document after some text): the slot tensor, in slot order."""
+    calls = spy_salience(monkeypatch)
+    chat = vlm.chat(sampling=greedy(3), sparsity=SparsityConfig(decode_keep=0.3))
+    chat.add_document("The secret code word is banana. " * 4)
+    ask(chat, QUESTIONS[0], image=True)
+    runs = [(s.start, s.end) for s in chat.decoder.cache.spans if s.retrievable]
+    assert len(runs) == 2 and runs[0][1] < runs[1][0]
+    want = torch.cat([torch.arange(a, b) for a, b in runs])
+    assert len(calls) == vlm.cfg.text.n_layers
+    assert all(torch.is_tensor(c) and torch.equal(c.cpu().long(), want) for c in calls)
+    assert chat.stats.decode_rows == chat.stats.prefill_tokens - want.numel() + round(0.3 * want.numel())

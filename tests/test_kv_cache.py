@@ -5,6 +5,7 @@ equal to selecting and gathering layer by layer."""
 import pytest
 import torch
 
+from tinyvila import ops
 from tinyvila.config import TextConfig
 from tinyvila.kv_cache import KVCache
 from tinyvila.sparsity import decode_select
@@ -85,3 +86,109 @@ def test_packed_buffers_are_reused_across_turns():
     score_question(cache, 30, 36, seed=2)
     cache.pack(0.5, 36)  # needs no more capacity than the first turn: same storage
     assert cache.packed.k_stack is first and cache.packed.k[0].data_ptr() == first[0].data_ptr()
+
+
+# -- retrieval scoring: one run of slots is scored as a range (the kernel's contiguous-span form) -------------
+@pytest.mark.parametrize("spans,q_from,want", [
+    ([("system", 0, 3), ("visual", 3, 20)], 24, range(3, 20)),                    # one image
+    ([("visual", 3, 10), ("visual", 10, 20)], 24, range(3, 20)),                  # two adjacent images: one run
+    ([("visual", 3, 20), ("question", 20, 24), ("text", 24, 40)], 44, None),      # image + document: two runs
+    ([("visual", 3, 20), ("visual", 22, 30)], 30, None),                          # two images apart
+    ([("visual", 3, 20), ("question", 20, 24), ("visual", 24, 40)], 24, range(3, 20)),  # the second is not scored
+    ([("text", 5, 30)], 18, range(5, 18)),                                        # cut at q_from
+])
+def test_scoring_takes_a_range_exactly_when_the_slots_are_one_run(spans, q_from, want):
+    cache = filled_cache(batch=1)
+    for kind, a, b in spans:
+        cache.add_span(kind, a, b, retrievable=kind in ("visual", "text"))
+    n = cache.begin_scoring(q_from)
+    sc = cache.scoring
+    assert sc.span == want
+    assert sc.kernel_idx is (sc.idx if want is None else sc.span)
+    if want is not None:  # the same slots in the same order as the slot tensor (which pack() still uses)
+        assert n == len(want) and sc.idx.tolist() == list(want)
+
+
+def scored(cache, q, lse, q_from, chunks, tensor=False):
+    """Scores of every layer for question rows q (B, H, T, D) from slot q_from, prefilled in `chunks`
+    (row counts), through the range when the slots are one run (unless `tensor`) -> (scores, idx args)."""
+    calls = []
+    real = ops.retrieval_salience
+
+    def spy(q, k, idx, lse, out=None):
+        calls.append(idx)
+        return real(q, k, idx, lse, out=out)
+
+    n = cache.begin_scoring(q_from)
+    if tensor:
+        cache.scoring.span = None
+    ops.retrieval_salience = spy
+    try:
+        start = q_from
+        for T in chunks:
+            rows = slice(start - q_from, start - q_from + T)
+            for layer in range(cache.n_layers):
+                cache._score(layer, start, q[:, :, rows], cache.k[layer][:, :, :start + T], lse[layer][:, :, rows])
+            start += T
+    finally:
+        ops.retrieval_salience = real
+    assert all(cache.scoring.scored) and n == cache.scoring.idx.numel()
+    return cache.scoring.scores.clone(), calls
+
+
+@pytest.mark.parametrize("two_spans", [False, True])
+@pytest.mark.parametrize("chunks", [[6], [2, 4]])
+def test_range_scores_and_selection_equal_the_slot_tensor_ones(two_spans, chunks):
+    """A one-run cache scores through a range and gets the slot tensor's scores and selection bit for bit
+    (also accumulated over question chunks); a two-run cache keeps the tensor. On CPU the scores come from
+    the PyTorch reference (the kernels' range and gather forms: the GPU test below and
+    tests/kernels/test_retrieval_salience.py::test_span)."""
+    g = torch.Generator().manual_seed(3)
+    q, lse = torch.randn(1, 4, 6, 16, generator=g), torch.randn(3, 1, 4, 6, generator=g).abs() + 3
+    results = []
+    for tensor in (False, True):
+        cache = filled_cache(batch=1)
+        cache.add_span("system", 0, 3)
+        cache.add_span("visual", 3, 20)
+        if two_spans:
+            cache.add_span("question", 20, 24)
+            cache.add_span("text", 24, 40, retrievable=True)
+        q_from = 40 if two_spans else 20
+        scores, calls = scored(cache, q, lse, q_from, chunks, tensor)
+        assert len(calls) == 3 * len(chunks)
+        assert all(isinstance(c, range) != (tensor or two_spans) for c in calls)
+        cache.pack(0.3, q_from + 6, window=2)
+        results.append((scores, cache.packed.idx.clone(), cache.packed.k_stack[:, :, :, :cache.packed.rows].clone()))
+    (s0, i0, k0), (s1, i1, k1) = results
+    assert s0.min() > 0 and torch.equal(s0, s1) and torch.equal(i0, i1) and torch.equal(k0, k1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the retrieval kernel needs a GPU")
+@pytest.mark.parametrize("T,chunks", [(16, [16]), (64, [64]), (96, [64, 32]), (80, [80]), (256, [256])])
+def test_range_kernel_scores_equal_the_slot_tensor_ones_on_the_gpu(T, chunks):
+    """The Triton kernel at Llama-3-8B's head geometry (32 query / 8 KV heads of 128, fp16), through the
+    runtime's scoring call: the range form (keys read as one block) gives the gather form's scores and
+    selection bit for bit, for the one-block kernel (n_rep * T <= 256 rows, also a question in two chunks)
+    and the pipe kernel (T=80: 320 rows; T=256: 1024 rows, four launches)."""
+    cfg = TextConfig(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, max_seq_len=4096)
+    g = torch.Generator().manual_seed(0)
+    q_from, n_vis = 1500, 1470
+    q = (torch.randn(1, 32, T, 128, generator=g) * 0.5).half().cuda()
+    results = []
+    for tensor in (False, True):
+        cache = KVCache(cfg, dtype=torch.float16, device="cuda")
+        cache.k_stack.copy_(torch.randn(cache.k_stack.shape, generator=torch.Generator().manual_seed(1)).half())
+        cache.add_span("system", 0, 30)
+        cache.add_span("visual", 30, 30 + n_vis)
+        # the rows' true log-sum-exp over the keys they attend (the prefill attention's), so masses are O(1)
+        lse = []
+        for layer in range(2):
+            k = cache.k[layer][:, :, :q_from + T].repeat_interleave(4, dim=1).float()
+            s = q.float() @ k.transpose(-1, -2) / 128 ** 0.5
+            lse.append(torch.logsumexp(s, -1))
+        scores, calls = scored(cache, q, lse, q_from, chunks, tensor)
+        assert all(isinstance(c, range) != tensor for c in calls)
+        cache.pack(0.25, q_from + T)
+        results.append((scores, cache.packed.idx.clone()))
+    (s0, i0), (s1, i1) = results
+    assert s0.sum() > 0 and torch.equal(s0, s1) and torch.equal(i0, i1)

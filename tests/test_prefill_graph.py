@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from tinyvila import ops
 from tinyvila.api import from_config
 from tinyvila.config import QuantConfig, SparsityConfig, TextConfig, preset
 from tinyvila.errors import ContextLimitError
@@ -101,6 +102,12 @@ def test_padding_rows_do_not_change_real_rows():
 
 
 # -- SparseVILA: retrieval scoring during the first prefill -----------------------------------------
+# Two retrievable runs (scored through the slot tensor), question from slot 22, 18 retrievable slots; and
+# one long run (scored as a range).
+SPANS_A = [("system", 0, 2, False), ("visual", 2, 12, True), ("text", 12, 14, False), ("visual", 14, 22, True),
+           ("question", 22, None, False)]
+SPANS_C = [("system", 0, 5, False), ("visual", 5, 250, True), ("question", 250, None, False)]
+SPANS_D = [("system", 0, 5, False), ("visual", 5, 100, True), ("question", 100, None, False)]  # a long question
 # system | visual | visual | retrievable text (a document) | question from slot 20
 SCORED_SPANS = [("system", 0, 2, False), ("visual", 2, 9, True), ("visual", 11, 15, True),
                 ("text", 15, 20, True), ("question", 20, None, False)]
@@ -222,6 +229,83 @@ def test_a_chat_with_padded_first_turns_gives_the_same_tokens(sparsity):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
 
 
+def scored_case(dec, h, pos, spans):
+    """A first turn of h's rows with `spans` scored -> (logits, K/V of the real rows, scores)."""
+    dec.truncate(0)
+    n = h.shape[1]
+    begin_scored(dec, n, spans)
+    logits = dec.prefill(h, pos)
+    return logits, [x[:, :, :n] for x in dec.cache.k + dec.cache.v], dec.cache.scoring.scores
+
+
+def baked_graphs(dec, monkeypatch):
+    """Make `dec` replay CPU stand-ins for its prefill graphs (`cuda_graph` on): a replay reruns the padded
+    forward with the retrieval kernel's idx arguments of the capture, as a real graph replays its kernels
+    with the arguments baked in at capture (a range: its slots, the key view's offset; a slot tensor: the
+    graph's idx buffer, read afresh). Returns the captured buckets."""
+    real, captures, active = ops.retrieval_salience, [], []
+
+    def salience(q, k, idx, lse, out=None):
+        if active:
+            graph = active[-1]
+            if graph.capturing:
+                graph.idx.append(idx)
+            else:
+                idx, graph.calls = graph.idx[graph.calls], graph.calls + 1
+        return real(q, k, idx, lse, out=out)
+
+    class Graph:
+        def __init__(self, Tp):
+            self.Tp, self.idx, self.capturing = Tp, [], True
+            active.append(self)
+            self.out = dec._padded_forward(Tp)
+            active.pop()
+            self.capturing = False
+
+        def replay(self):
+            self.calls = 0
+            active.append(self)
+            self.out.copy_(dec._padded_forward(self.Tp))
+            active.pop()
+            assert self.calls == len(self.idx)
+
+    def capture(Tp):
+        captures.append(Tp)
+        graph = Graph(Tp)
+        return graph, graph.out
+
+    monkeypatch.setattr(ops, "retrieval_salience", salience)
+    dec.cuda_graph, dec._capture_prefill = True, capture
+    return captures
+
+
+# Two span layouts with the same question start (22) and retrievable count (18) as SPANS_A below, one run each.
+SPANS_B = [("system", 0, 4, False), ("visual", 4, 22, True), ("question", 22, None, False)]
+SPANS_B3 = [("system", 0, 3, False), ("visual", 3, 21, True), ("text", 21, 22, False), ("question", 22, None, False)]
+
+
+def test_a_graph_scored_over_one_span_is_not_replayed_for_another(monkeypatch):
+    """The scored graphs' key holds the span's first slot (-1: a slot tensor): the same bucket, question
+    start and retrievable count with another span, or with two runs, captures its own graph; the same span
+    replays. Scores, logits and selection equal the eager padded forward's bit for bit; a key without the
+    span would score the captured span's slots instead."""
+    vlm = tiny()
+    text = vlm.model.text
+    graph, eager = Decoder(text), padded(text)
+    captures = baked_graphs(graph, monkeypatch)
+    cases = [(25, SPANS_B, 4), (26, SPANS_B3, 3), (27, SPANS_A, -1), (28, SPANS_B, 4), (29, SPANS_A, -1),
+             (30, SPANS_B3, 3)]
+    for n, spans, first in cases:
+        h = embeds(vlm, n, seed=n)
+        (la, _, sa), (lb, _, sb) = scored_case(eager, h, None, spans), scored_case(graph, h, None, spans)
+        assert graph.cache.scoring.span == (None if first < 0 else range(first, first + 18))
+        assert torch.equal(lb, la) and torch.equal(sb, sa) and sa.min() > 0, spans
+        assert graph.cache.pack(0.25, n) == eager.cache.pack(0.25, n)
+        assert torch.equal(graph.cache.packed.idx, eager.cache.packed.idx)
+    assert captures == [32, 32, 32]  # B, B3 and A; the later cases replay them
+    assert sorted(graph._prefill_graphs) == [(32, 22, 18, -1), (32, 22, 18, 3), (32, 22, 18, 4)]
+
+
 # -- CUDA graphs -----------------------------------------------------------------------------------
 # Llama-3-8B's head geometry (head_dim 128, 4 query heads per KV head, theta 5e5) at a small width.
 SMALL_8B = TextConfig(vocab_size=1024, dim=512, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=1024,
@@ -257,7 +341,7 @@ def test_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
             assert torch.equal(y[:, :, :n], x[:, :, :n])
         # The graph's K/V serve the decode step (graph step vs eager step: test_decode_graph's tolerance).
         torch.testing.assert_close(graph.step(7), eager.step(7), rtol=1e-3, atol=1e-3)
-    assert captures == [32, 320] and sorted(graph._prefill_graphs) == [(32, 0, 0), (320, 0, 0)]
+    assert captures == [32, 320] and sorted(graph._prefill_graphs) == [(32, 0, 0, -1), (320, 0, 0, -1)]
 
 
 @gpu
@@ -291,34 +375,20 @@ def test_graph_prefill_then_greedy_decoding_matches_eager():
     assert outs[0] == outs[1]
 
 
-def scored_case(dec, h, pos, spans):
-    """A first turn of h's rows with `spans` scored -> (logits, K/V of the real rows, scores)."""
-    dec.truncate(0)
-    n = h.shape[1]
-    begin_scored(dec, n, spans)
-    logits = dec.prefill(h, pos)
-    return logits, [x[:, :, :n] for x in dec.cache.k + dec.cache.v], dec.cache.scoring.scores
-
-
-# Two span layouts with the same question start (22) and retrievable count (18): one graph, other slots.
-SPANS_A = [("system", 0, 2, False), ("visual", 2, 12, True), ("text", 12, 14, False), ("visual", 14, 22, True),
-           ("question", 22, None, False)]
-SPANS_B = [("system", 0, 4, False), ("visual", 4, 22, True), ("question", 22, None, False)]
-SPANS_C = [("system", 0, 5, False), ("visual", 5, 250, True), ("question", 250, None, False)]
-
-
 @gpu
 @pytest.mark.parametrize("quant", QUANTS)
 def test_scored_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
     """Scored first turns replayed from graphs against the same padded forward run eagerly: logits, K/V
     and scores bit for bit, then the same selection. Two questions in a row through each scored graph
-    (other inputs, lengths, positions, retrievable slots), and an unscored prefill of the same bucket."""
+    (other inputs, lengths, positions, retrievable slots), and an unscored prefill of the same bucket. One
+    retrievable run is scored as a range baked into its graph: another run with the same bucket, question
+    start and count (B, B3) captures its own graph, and so do two runs (A, a slot tensor)."""
     vlm = tiny("float16", "cuda", text=SMALL_8B, **quant)
     text = vlm.model.text
     graph, eager = Decoder(text), padded(text, cuda_graph=False)
     captures = count_captures(graph)
-    cases = [(25, 1, False, SPANS_A), (30, 2, True, SPANS_B), (300, 3, True, SPANS_C), (29, 4, False, None),
-             (290, 5, False, SPANS_C)]
+    cases = [(25, 1, False, SPANS_A), (30, 2, True, SPANS_B), (31, 6, False, SPANS_B3), (300, 3, True, SPANS_C),
+             (29, 4, False, None), (290, 5, False, SPANS_C), (27, 7, True, SPANS_B), (26, 8, False, SPANS_A)]
     for n, seed, explicit, spans in cases:
         h, pos = embeds(vlm, n, seed), gapped(n, "cuda") if explicit else None
         if spans is None:
@@ -334,8 +404,38 @@ def test_scored_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
         assert graph.cache.pack(0.25, n) == eager.cache.pack(0.25, n)
         assert torch.equal(graph.cache.packed.idx, eager.cache.packed.idx)
         torch.testing.assert_close(graph.step(7), eager.step(7), rtol=1e-3, atol=1e-3)
-    assert captures == [32, 320, 32]
-    assert sorted(graph._prefill_graphs) == [(32, 0, 0), (32, 22, 18), (320, 250, 245)]
+    assert captures == [32, 32, 32, 320, 32]
+    assert sorted(graph._prefill_graphs) == [(32, 0, 0, -1), (32, 22, 18, -1), (32, 22, 18, 3), (32, 22, 18, 4),
+                                             (320, 250, 245, 5)]
+
+
+@gpu
+@pytest.mark.parametrize("quant", QUANTS)
+def test_scored_graph_over_a_range_equals_the_slot_tensor_graph(quant):
+    """One retrievable run scored through a range (the kernel reads the keys as one block) against the same
+    graphs scoring the same slots through the slot tensor (span dropped): logits, scores, selection and the
+    next decode step bit for bit, in the one-block kernel (n_rep * question rows <= 256: B, B3, C) and the
+    pipe kernel (D: 220 padded question rows x 4 heads, four launches)."""
+    vlm = tiny("float16", "cuda", text=SMALL_8B, **quant)
+    text = vlm.model.text
+    runs = []
+    for tensor in (False, True):
+        dec, out = Decoder(text), []
+        for n, seed, spans in ((30, 1, SPANS_B), (300, 2, SPANS_C), (31, 3, SPANS_B3), (28, 4, SPANS_B),
+                               (300, 5, SPANS_D)):
+            dec.truncate(0)
+            begin_scored(dec, n, spans)
+            if tensor:
+                dec.cache.scoring.span = None
+            logits = dec.prefill(embeds(vlm, n, seed))
+            scores = dec.cache.scoring.scores.clone()
+            dec.cache.pack(0.25, n)
+            out.append((logits, scores, dec.cache.packed.idx.clone(), dec.step(7)))
+        # a range graph per run (B, B3, C, D); the slot tensor's graphs serve B and B3 alike
+        assert sorted(k[3] for k in dec._prefill_graphs) == ([-1] * 3 if tensor else [3, 4, 5, 5])
+        runs.append(out)
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert a[1].sum() > 0 and all(torch.equal(x, y) for x, y in zip(a, b)), i
 
 
 @gpu
@@ -384,7 +484,8 @@ def test_a_sparse_chat_answers_as_with_the_eager_scored_prefill(quant):
             out.append((list(chat.turns[-1][2]), None, chat.decoder.cache._storage.idx.clone()))
         runs.append(out)
         assert chat.stats.decode_rows > 0
-    assert len(chat.decoder._prefill_graphs) == 1 and next(iter(chat.decoder._prefill_graphs))[2] > 0
+    key = next(iter(chat.decoder._prefill_graphs))
+    assert len(chat.decoder._prefill_graphs) == 1 and key[2] > 0 and key[3] >= 0  # scored, one image's run: a range
     for (ta, la, ia), (tb, lb, ib) in zip(*runs):
         assert tb == ta and torch.equal(ib, ia)
         assert la is None or torch.equal(lb, la)

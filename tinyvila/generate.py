@@ -113,7 +113,9 @@ class Decoder:
     split-K.
 
     SparseVILA's scored first turn (retrieval scoring on, `KVCache.begin_scoring`) replays a graph
-    too, one per (bucket, first question row q_from, retrievable count N): its padding rows score
+    too, one per (bucket, first question row q_from, retrievable count N, span start): the span start is
+    the first slot when the retrievable slots are one run (the kernel reads them as one block from that
+    slot, baked into the graph), -1 when they are scored through the slot tensor. Its padding rows score
     nothing (their LSE is +inf, from the device index `last`) and the scores / retrievable slots live
     in buffers the graph keeps (`KVCache.use_scoring_buffers`); `pack` then runs eagerly after it.
     Other prefills (later turns, FastV, scoring whose question rows are not all in this prefill, a
@@ -139,10 +141,10 @@ class Decoder:
         self._count = torch.zeros(1, dtype=torch.long, device=w.device)
         self._graphs: dict[tuple, tuple] = {}
         self._pool = None
-        # First-turn prefill graphs: (padded bucket, q_from, N; 0, 0 unscored) -> (graph, logits,
-        # scoring buffers or None); their static inputs (made on first use).
+        # First-turn prefill graphs: (padded bucket, q_from, N, span start; 0, 0, -1 unscored) -> (graph,
+        # logits, scoring buffers or None); their static inputs (made on first use).
         self.pad_prefill = False
-        self._prefill_graphs: dict[tuple[int, int, int], tuple] = {}
+        self._prefill_graphs: dict[tuple[int, int, int, int], tuple] = {}
         self._pf: _PrefillInputs | None = None
 
     @property
@@ -237,7 +239,9 @@ class Decoder:
         """The padded prefill (static inputs filled) replayed from its graph, captured on first use;
         with scoring on, the graph's scoring buffers take the question's slots first."""
         sc = self.cache.scoring
-        key = (Tp, 0, 0) if sc is None else (Tp, sc.q_from, sc.idx.numel())
+        # A span's first slot is baked into the captured kernel (its key view's offset): never replay a
+        # span graph for another span, or for slots that are not one run (-1), nor the reverse.
+        key = (Tp, 0, 0, -1) if sc is None else (Tp, sc.q_from, sc.idx.numel(), -1 if sc.span is None else sc.span.start)
         entry = self._prefill_graphs.pop(key, None)  # re-inserted last: the dict's order is the LRU order
         if entry is None and len(self._prefill_graphs) >= PREFILL_GRAPHS:
             del self._prefill_graphs[next(iter(self._prefill_graphs))]

@@ -5,7 +5,8 @@ tensor per K and V (`k_stack`, `v_stack`), keys rotated at their logical positio
 The session records `Span`s (system, visual, text, question, answer) with a retrievable flag
 (visual by default). For SparseVILA decode sparsity (DESIGN.md sec. 3): while a
 question is prefilled with scoring on, every layer's attention also returns its log-sum-exp and the
-retrieval-salience kernel scores the retrievable slots; `pack` then keeps the top `decode_keep` of
+retrieval-salience kernel scores the retrievable slots (read as one block of keys when they are one
+run of consecutive slots, the usual single image or document); `pack` then keeps the top `decode_keep` of
 them per layer and KV head (`sparsity.decode_select`; text spans select runs, docs/sparsity.md) and
 gathers [non-retrievable | selected | rest] into one contiguous buffer per layer, which decode
 steps attend over (new K/V go to both buffers). `unpack` ends the turn; the
@@ -86,6 +87,13 @@ class _Scoring:
     fastv: float | None = None     # FastV-style pruning: keep fraction, applied after layer K-1
     pad: torch.Tensor | None = None  # (Tp - q_from,) bool, during a padded first-turn prefill: rows
                                      # from q_from that are padding (they add nothing: `pad_rows`)
+    span: range | None = None      # the slots of `idx` when they are one run start..stop-1: the kernel
+                                   # then reads the keys as one block, loading no slot (`retrievable_span`)
+
+    @property
+    def kernel_idx(self) -> torch.Tensor | range:
+        """What the retrieval kernel scores: the span when there is one, else the slot tensor."""
+        return self.idx if self.span is None else self.span
 
 
 @dataclass
@@ -231,10 +239,24 @@ class KVCache:
         idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
         return idx.to(self.k[0].device if device is None else device, torch.int32)
 
+    @staticmethod
+    def retrievable_span(host_idx: torch.Tensor) -> range | None:
+        """range(first, last + 1) when the slots host_idx (N,) (CPU, in scoring order) are one run of
+        consecutive slots, else None. The common case (one image's visual tokens or one document, or
+        adjacent images): the retrieval kernel then reads the keys as one contiguous block instead of
+        gathering them through a slot tensor (13% faster at a 64-token question over 32K keys, H200
+        S7-C), with the same sums in the same order. Host only: no device sync."""
+        n = host_idx.numel()
+        if not n or not bool((host_idx[1:] - host_idx[:-1] == 1).all()):
+            return None
+        first = int(host_idx[0])
+        return range(first, first + n)
+
     # -- retrieval scoring (during the question's prefill) --------------------------------------
     def begin_scoring(self, q_from: int) -> int:
         """Score the retrievable slots before `q_from` by the attention of the rows from `q_from` on,
-        in the next prefill calls. Returns the number of retrievable slots (0: nothing to score)."""
+        in the next prefill calls. Returns the number of retrievable slots (0: nothing to score).
+        When they are one run of slots, the kernel takes that range (`retrievable_span`), else the slots."""
         host_idx = self.retrievable_slots(q_from, device="cpu")
         N = host_idx.numel()
         if not N:
@@ -250,7 +272,7 @@ class KVCache:
         # pack() selects for every layer at once.
         scores = torch.zeros(self.n_layers, self.batch, self.k[0].shape[1], N, dtype=torch.float32, device=dev)
         self.scoring = _Scoring(host_idx.to(dev), q_from, scores, windowed.to(dev) if windowed.any() else None,
-                                host_idx, [False] * self.n_layers)
+                                host_idx, [False] * self.n_layers, span=self.retrievable_span(host_idx))
         return N
 
     def begin_fastv(self, last_row: int, keep: float) -> int:
@@ -270,7 +292,7 @@ class KVCache:
         lse = lse[:, :, r0:]
         if sc.pad is not None:  # padding rows take lse = +inf, so each adds exp(s - inf) = 0 exactly
             lse = lse.masked_fill(sc.pad, float("inf"))
-        ops.retrieval_salience(q[:, :, r0:], k_all, sc.idx, lse, out=sc.scores[layer])
+        ops.retrieval_salience(q[:, :, r0:], k_all, sc.kernel_idx, lse, out=sc.scores[layer])
         sc.scored[layer] = True
         if sc.fastv is not None and layer == FASTV_LAYER - 1:  # decided before layer K runs
             self.key_mask = fastv_keep_mask(sc.scores, sc.idx, self.max_seq_len, sc.fastv)
@@ -280,7 +302,10 @@ class KVCache:
     def use_scoring_buffers(self, idx: torch.Tensor, scores: torch.Tensor) -> None:
         """Score the current question into buffers the caller keeps, idx (N,) int32 (filled here with
         the retrievable slots) and scores (n_layers, B, Hkv, N) fp32 (zeroed by `pad_rows` inside the
-        pass), instead of begin_scoring's own: a CUDA-graph prefill bakes their addresses in."""
+        pass), instead of begin_scoring's own: a CUDA-graph prefill bakes their addresses in. A scoring
+        with a `span` reads no idx but bakes the span itself in (the kernel's key view starts at its
+        first slot), so a graph captured with one span must not be replayed for another (Decoder keys
+        its prefill graphs by the span)."""
         sc = self.scoring
         if idx is not sc.idx:
             idx.copy_(sc.idx)

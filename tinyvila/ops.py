@@ -390,9 +390,9 @@ def _attention_lse_flash(q, k, v, q_start):
     return o.to(q.dtype), lse
 
 
-def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor,
+def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | range, lse: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention mass each retrievable cached slot idx (N,) receives from the question rows q
+    """Attention mass each retrievable cached slot idx (N,) (or a range of consecutive slots) receives from the question rows q
     (B, H, T, D) (post-RoPE) with their lse (B, H, T), summed per KV group -> (B, Hkv, N) fp32,
     accumulated into `out` when given. Kernel on CUDA, reference elsewhere."""
     if q.is_cuda:

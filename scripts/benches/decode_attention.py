@@ -316,7 +316,7 @@ def overhead_rows(S=8192, T=64, keep=0.1, turn=50) -> list[dict]:
     cache.unpack()
     score()
     out = cache.scoring.scores
-    idx = cache.scoring.idx
+    idx = cache.scoring.kernel_idx  # what _score passes: the span when the slots are one run
     retr_g = common.graph_ms(lambda: [ops.retrieval_salience(q, cache.k[i][:, :, :S + T], idx, lse, out=out[i])
                                for i in range(LAYERS)], [()], calls=1)
     rows, total = [], score_ms + pack_ms
