@@ -3,8 +3,10 @@
 Per row h (K,), in fp32: g = GELU(h) with KIND "gelu" (exact: 0.5 h (1 + erf(h / sqrt 2))),
 "gelu_tanh" (0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))) or "quick_gelu" (h * sigmoid(1.702 h));
 then quantized per token as quant_per_token's kernel (scale = amax / 127, round half to even,
-clamp +-127). tanh is computed as 1 - 2 / (exp(2u) + 1) (no libdevice, which the interpreter lacks):
-within a few fp32 ulps of torch's tanh, so int8 values differ from the reference only at near-ties.
+clamp +-127). The tanh and quick forms are computed as h / (1 + 2**t) (0.5 (1 + tanh u) = sigmoid(2u)),
+with MUFU ex2 and rcp on the GPU (~2 and ~1 ulp; no libdevice, which the interpreter lacks): within a few
+fp32 ulps of torch's GELU, so int8 values differ from the reference only at near-ties. The kernels are
+instruction-bound (2 B read + 1 B written per element), so the per-element work is kept minimal.
 h: (..., K) fp16/bf16/fp32 (fc1's output). Out: q (..., K) int8, scale (...,) fp32. Whole rows per program
 (head + tail blocks, as quant_per_token).
 """
@@ -17,39 +19,85 @@ import triton
 import triton.language as tl
 
 from .quant_per_token import _launch_rows, _row_block, _row_scales, _store_q, quantize_rows_ref
+from .rounding import INTERPRET
 
 KINDS = {"gelu": 0, "gelu_tanh": 1, "quick_gelu": 2}
+_LOG2E = 1.4426950408889634
+# exp2 arguments: -2 log2(e) sqrt(2/pi) (h + 0.044715 h^3) = h (_TANH_T1 + _TANH_T3 h^2); -1.702 log2(e) h.
+_TANH_T1 = tl.constexpr(-2.0 * _LOG2E * 0.7978845608028654)
+_TANH_T3 = tl.constexpr(-2.0 * _LOG2E * 0.7978845608028654 * 0.044715)
+_QUICK_T = tl.constexpr(-1.702 * _LOG2E)
+
+
+@triton.jit
+def _ex2(x):
+    """2**x of fp32 x: MUFU ex2 (ex2.approx.ftz, ~2 ulp) on the GPU; tl.exp2 lowers to the same MUFU
+    wrapped in denormal handling (3 more instructions) that these callers do not need. The interpreter
+    clamps x at 127 only to keep numpy's overflow warnings quiet (2**127 + 1 or inf: g rounds to int8 0 alike)."""
+    if INTERPRET:
+        return tl.exp2(tl.minimum(x, 127.0))
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _rcp(x):
+    """1 / x of fp32 x >= 1: MUFU rcp (rcp.approx.ftz, ~1 ulp) on the GPU; `/` (div.full.f32) wraps the
+    same MUFU in a range check and operand scaling (3 more instructions). rcp(inf) = 0; x > 2**126 gives 0
+    (ftz), where g = h / x would round to int8 0 anyway."""
+    if INTERPRET:
+        return 1.0 / x
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit
 def _gelu(h, KIND: tl.constexpr):
     """GELU_KIND of fp32 values (KINDS numbering)."""
     if KIND == 0:
-        g = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
-    elif KIND == 1:
-        u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
-        # tanh(u) = 1 - 2 / (exp(2u) + 1); |u| <= 20 already gives tanh = +-1 in fp32, and the clamp
-        # keeps exp finite.
-        t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.maximum(u, -20.0), 20.0)) + 1.0)
-        g = 0.5 * h * (1.0 + t)
+        g = h * (0.5 + 0.5 * tl.math.erf(h * 0.7071067811865476))  # == 0.5 h (1 + erf): scaling by 2 is exact
     else:
-        g = h / (1.0 + tl.exp(tl.minimum(-1.702 * h, 80.0)))  # exp(80) is finite in fp32
+        # 0.5 h (1 + tanh(u)) = h sigmoid(2u) = h / (1 + 2**t), t = -2 log2(e) u: one exp2 and one
+        # reciprocal, no cancellation in 1 + tanh. For quick_gelu t = -1.702 log2(e) h. No clamps: a
+        # large t gives 2**t = inf, rcp(inf) = 0 and g = h * 0 = -0 (h finite); 2**t underflowing to 0
+        # gives g = h exactly.
+        if KIND == 1:
+            t = h * (_TANH_T1 + _TANH_T3 * (h * h))  # t = h (T1 + T3 h^2), an FMUL, FFMA, FMUL
+        else:
+            t = h * _QUICK_T
+        g = h * _rcp(1.0 + _ex2(t))
     return g
+
+
+@triton.jit
+def _amax(g, ROWS: tl.constexpr):
+    """Row maxima of |g| (ROWS, BLOCK): (ROWS,), or a scalar when ROWS == 1 (layout-free: see the kernel)."""
+    if ROWS == 1:
+        return tl.max(tl.abs(g))
+    else:
+        return tl.max(tl.abs(g), axis=1)
 
 
 @triton.jit
 def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, stride_hm, stride_qm, K: tl.constexpr, KIND: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     # Row = head block + tail block, as quant_per_token; GELU(0) = 0, so padding lanes stay 0.
+    # ROWS == 1 (the GPU launch) reduces to scalars: per-row (ROWS,) maxima of the head and the tail carry
+    # the two blocks' different layouts, and to combine them Triton moved the head's whole tile into the
+    # tail's layout, computing its GELU twice (sm_90a: 4 MUFU an element instead of 2).
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     h, mask, offs = _row_block(h_ptr, rows, stride_hm, M, K, 0, BLOCK_K)
     g = _gelu(h, KIND)
-    amax = tl.max(tl.abs(g), axis=1)
+    amax = _amax(g, ROWS)
     if BLOCK_T > 0:
         ht, mask_t, offs_t = _row_block(h_ptr, rows, stride_hm, M, K, BLOCK_K, BLOCK_T)
         gt = _gelu(ht, KIND)
-        amax = tl.maximum(amax, tl.max(tl.abs(gt), axis=1))
+        amax = tl.maximum(amax, _amax(gt, ROWS))
     inv, scale = _row_scales(amax)
+    if ROWS == 1:  # back to (ROWS,) for the stores
+        inv, scale = tl.zeros((ROWS,), tl.float32) + inv, tl.zeros((ROWS,), tl.float32) + scale
     _store_q(g, mask, offs, rows, q_ptr, stride_qm, inv)
     if BLOCK_T > 0:
         _store_q(gt, mask_t, offs_t, rows, q_ptr, stride_qm, inv)

@@ -78,19 +78,22 @@ def _quant_per_token_kernel(x_ptr, q_ptr, scale_ptr, M, stride_xm, stride_qm, K:
 
 def _row_meta(K: int, device: torch.device, split: bool | None = None) -> dict:
     """ROWS per program, BLOCK_K (a power of two <= K) + BLOCK_T (the tail's power of two, 0 if
-    none), num_warps of the row kernels. split=False: one next_pow2(K) block; None: the default."""
+    none), num_warps of the row kernels. split=False: one next_pow2(K) block; None: the default (split)."""
     narrow = K <= 2048
-    split = narrow if split is None else split
+    split = True if split is None else split
     head = 1 << (K.bit_length() - 1) if split else triton.next_power_of_2(K)
     tail = triton.next_power_of_2(K - head) if K > head else 0
     if device.type == "cuda":
         # One row per program: many small programs per SM hide the load -> reduce -> store latency
         # chain (the H200 sweep, docs/perf_notes.md W2). These kernels are instruction-bound, not
         # memory-bound (sm_90 SASS, K=1152: 4 warps a row cost 2.6x the warp-instructions of one warp,
-        # in cross-warp reductions and per-thread overhead), so a row of <= 2048 gets one warp and
-        # no padding (head + tail). Wide rows (gelu_quant's 4304) keep 4 warps and one padded block:
-        # with K a compile-time constant, all-padding registers fold away, and one warp would need
-        # 255 registers. TINYVILA_W8A8_ROW_SWEEP measures the alternatives.
+        # in cross-warp reductions and per-thread overhead), so a row of <= 2048 gets one warp. Wide
+        # rows (gelu_quant's 4304) get 4 warps (one warp would need 255 registers). Every row is a
+        # head + tail (4304 = 4096 + 256, 208 of it live), no padded next_pow2 block: with K a constant
+        # the compiler drops only part of a padded block's dead lanes (sm_90a, 4 warps, K=4304: 48 of 64
+        # elements a thread computed; head + tail: 34), and the instruction count per element falls for
+        # all three row kernels (gelu_quant, layer_norm_quant, quant_per_token; scripts/benches/w8a8.py
+        # --offline-rows). TINYVILA_W8A8_ROW_SWEEP measures the alternatives.
         return dict(ROWS=1, BLOCK_K=head, BLOCK_T=tail, num_warps=1 if narrow else (4 if head <= 8192 else 8))
     # The interpreter's cost is per program: ~8K elements a program keeps CPU tests fast.
     rows = 1 << (max(1, min(64, 8192 // (head + tail))).bit_length() - 1)  # a power of two

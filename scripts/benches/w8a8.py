@@ -18,9 +18,11 @@
     Offline (no GPU): PYTHONPATH=.:scripts python scripts/benches/w8a8.py --offline compiles the default
     and persistent configs for sm_90a and prints a SASS table (IGMMA/UTMALDG/UTMASTG, registers, spills),
     then the default kernel's epilogue table: each ViT GEMM shape, with and without residual, per EPI_SPLIT.
+    --offline-rows instead: the int8-producing row kernels' SASS per element (head + tail vs one padded block).
 
 GEMM rows: the Triton w8a8_gemm (int8 x int8 -> int32, fused scale/bias epilogue, fp16 out) in TOPS
-against the measured int8 ceiling (torch._int_mm at 8192^3), beside torch._int_mm alone (a lower
+against the measured int8 ceiling (the faster of torch._int_mm and
+w8a8_gemm itself at 8192^3), beside torch._int_mm alone (a lower
 bound for any "_int_mm + epilogue" dispatch), _int_mm + a PyTorch epilogue, and fp16 cuBLAS. Kernel
 times come from CUDA-graph replays of many calls (no host launch overhead in them; `triton_eager_ms`
 keeps the per-call eager time). Encoder rows: the 26-layer SigLIP encoder (synthetic weights) in
@@ -271,6 +273,49 @@ def _quant_rows(images: list[int], sweep: list[int]) -> list[dict]:
     return rows
 
 
+def rows_offline_table() -> list[dict]:
+    """SASS per element of the int8-producing row kernels at their so400m widths (sm_90a, no GPU needed):
+    the default launch (head + tail) and one padded next_pow2 block (SPLIT=False), fp16 in. `sass` counts
+    the kernel body without the IEEE division's slow-path subroutine (straight-line code: about what one
+    thread executes); per element = sass / (K / threads)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import csrc_triton.gelu_quant as gq
+    import csrc_triton.layer_norm_quant as lnq
+    import csrc_triton.quant_per_token as qpt
+
+    io = {"q_ptr": "*i8", "scale_ptr": "*fp32", "M": "i32"}
+    cases = [(f"gelu_quant {kind}", gq._gelu_quant_kernel, 4304, {"h_ptr": "*fp16", **io, "stride_hm": "i32",
+              "stride_qm": "i32"}, {"KIND": gq.KINDS[kind]}) for kind in gq.KINDS]
+    cases += [("layer_norm_quant", lnq._layer_norm_quant_kernel, 1152, {"x_ptr": "*fp16", "w_ptr": "*fp16",
+               "b_ptr": "*fp16", **io, "stride_xm": "i32", "stride_qm": "i32", "eps": "fp32"}, {}),
+              ("quant_per_token", qpt._quant_per_token_kernel, 1152, {"x_ptr": "*fp16", **io, "stride_xm": "i32",
+               "stride_qm": "i32"}, {})]
+    rows = []
+    for name, fn, K, sig, extra in cases:
+        for split in (True, False):
+            meta = qpt.launch_meta(K, torch.device("cuda"), {"SPLIT": split})
+            warps = meta.pop("num_warps")
+            consts = dict(K=K, **extra, **meta)
+            full = {**sig, **{k: "constexpr" for k in consts}}
+            aligned = [i for i, (k, v) in enumerate(full.items()) if v.startswith("*") or k.startswith("stride")]
+            k = triton.compile(ASTSource(fn, full, consts, {(i,): [["tt.divisibility", 16]] for i in aligned}),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            st = _sass_stats(k)
+            body = st["sass_text"].split(".weak")[0]  # the slow-path division subroutine follows ".weak"
+            n = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", body, re.M))
+            per = K / (32 * warps * meta["ROWS"])  # elements per thread
+            rows.append({"kernel": f"{name} K={K}", "launch": f"{meta['BLOCK_K']}+{meta['BLOCK_T']} w{warps}",
+                         "regs": st["regs"], "STL": st["STL"], "sass": n, "sass/elem": round(n / per, 1),
+                         "MUFU/elem": round(len(re.findall(r"\bMUFU\.", body)) / per, 2),
+                         "LDG/STG": ",".join(sorted(set(re.findall(r"\b(?:LDG|STG)\.[A-Z0-9.]+", body))))})
+    return rows
+
+
 def _encoders():
     """(fp16 dense, W8A8) synthetic SigLIP-so400m encoders (layer -2: 26 layers) on the GPU."""
     import sys
@@ -494,12 +539,12 @@ def run(args) -> list[dict]:
     rows, best = [], {}
     if "gemm" in parts:
         ceil_i8, ceil_f16 = int8_tops_ceiling(), common.matmul_tflops(torch.float16)
-        rows += [{"case": "ceiling int8 torch._int_mm 8192^3 (TOPS)", "triton_tops": ceil_i8},
+        rows += [{"case": "ceiling int8 8192^3, faster of _int_mm and w8a8_gemm (TOPS)", "triton_tops": ceil_i8},
                  {"case": "ceiling fp16 matmul 8192^3 (TFLOP/s)", "fp16_tflops": ceil_f16}]
     if "epi" in parts:
         if "gemm" not in parts:
             ceil_i8 = int8_tops_ceiling()
-            rows += [{"case": "ceiling int8 torch._int_mm 8192^3 (TOPS)", "triton_tops": ceil_i8}]
+            rows += [{"case": "ceiling int8 8192^3, faster of _int_mm and w8a8_gemm (TOPS)", "triton_tops": ceil_i8}]
         rows += _epi_rows(images, ceil_i8)
     if "gemm" in parts and variants:  # the variants pick the encoder's GEMM configs: GEMMs first
         gemm_rows, faster = _gemm_rows(images, ceil_i8, ceil_f16, sweep, variants=True)
@@ -622,7 +667,10 @@ def _print_table(title: str, table: list[dict]) -> None:
         print("| " + " | ".join(str(v) for v in r.values()) + " |")
 
 
-if __name__ == "__main__" and "--offline" in sys.argv:
+if __name__ == "__main__" and "--offline-rows" in sys.argv:
+    _print_table("row kernels, sm_90a, fp16 in: the default launch (head + tail), then one padded block (SPLIT=False)",
+                 rows_offline_table())
+elif __name__ == "__main__" and "--offline" in sys.argv:
     for K in (1152, 4304):
         _print_table(f"K={K}", offline_table(K))
     _print_table("default kernel epilogue, sm_90a, N divisible by 16 as launched (* = the tile's default split)",

@@ -37,6 +37,19 @@ def test_matches_reference(M, K, dtype, kind):
     assert_int8_match(q, s, q_ref, s_ref, gelu64(h.double(), kind))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # h * h = inf under the interpreter's numpy: intended
+@pytest.mark.parametrize("kind", KINDS)
+def test_overflowing_inputs(kind):
+    """Huge |h| (bf16): the exp2 argument overflows to +-inf (no clamps in the kernel); GELU must give
+    h or -0 there, never NaN. Values far from rounding ties, so the int8 values equal the reference's."""
+    rows = [[1e38, -1e38, 1e30, -1e30, 100.0, -100.0, 1.0, 0.0], [-1e4, 5.0, -50.0, 2.0, -2.0, 0.5, -0.5, 0.0]]
+    h = torch.tensor(rows).repeat(1, 5).to(DEVICE, torch.bfloat16)  # (2, 40)
+    q, s = gelu_quant(h, kind)
+    q_ref, s_ref = gelu_quant_ref(h, kind)
+    assert torch.equal(q.cpu(), q_ref.cpu()) and q[0, 0] == 127 and q[1, 1] == 127
+    torch.testing.assert_close(s.cpu(), s_ref.cpu(), rtol=2e-6, atol=0)
+
+
 def test_kinds_differ():
     h = torch.randn(3, 64, device=DEVICE, dtype=torch.float16) * 2
     outs = [gelu_quant(h, k)[0] for k in KINDS]
