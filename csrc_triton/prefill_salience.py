@@ -34,8 +34,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
-from triton.runtime import JITFunction, driver
+
+from csrc_triton.launch import _Launch
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -302,55 +302,9 @@ POLY_MAXNREG: tuple[int, int] | None = (96, 115)
 # Per-call host work (issue 5: at 1 SigLIP frame the kernels run for microseconds, so a call costs what
 # the host spends launching it). Everything the launcher derives from a call's shapes, strides, dtypes
 # and options (checks, tiles, grids, constexprs, scalar arguments) is a _Plan built once per distinct
-# call; each launch then skips Triton's per-call dispatch after its first (_Launch).
+# call; each launch then skips Triton's per-call dispatch after its first (csrc_triton/launch.py).
 _PLANS: dict[tuple, "_Plan"] = {}
 _MAX_PLANS = 256  # distinct calls kept (an encoder makes a handful); past it the table starts over
-DIRECT_LAUNCH = True  # False: every launch through Triton's dispatch (the bench times both)
-
-
-def _no_hooks(fn) -> bool:
-    """True when Triton's own launch would call no hook (profilers add launch hooks): then calling the
-    compiled launcher with no hooks and no launch metadata is the same launch."""
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    return not fn.pre_run_hooks and (enter is None or type(enter) is knobs.HookChain and not enter.calls) and (
-        leave is None or type(leave) is knobs.HookChain and not leave.calls)
-
-
-class _Launch:
-    """One kernel launch with its grid, scalar arguments, constexprs and options fixed.
-
-    The first launch per (device, Triton debug flag, 16-byte alignment of each tensor) goes through
-    Triton's dispatch, which compiles or finds the kernel, launches it and returns it; later ones call
-    that compiled kernel's launcher directly, skipping the per-call argument binding, specialisation,
-    cache key and launch metadata (most of a launch's host time: `--host` in
-    scripts/benches/prefill_salience.py). Exact: Triton picks a compiled kernel by dtypes, integer
-    arguments (== 1, % 16, 32/64 bits), constexprs and options, all fixed by the plan's key, and by
-    device, debug flag and pointer alignment, which key `compiled`. The interpreter, pre-run hooks and
-    launch hooks always take Triton's dispatch."""
-
-    def __init__(self, fn, grid: tuple[int, int], scalars: tuple, meta: dict):
-        self.fn, self.grid, self.scalars, self.meta = fn, (*grid, 1), scalars, meta
-        self.direct = isinstance(fn, JITFunction)  # not the interpreter's InterpretedFunction
-        # The compiled launcher takes every parameter in order, constexprs included (and ignored).
-        self.tail = (*scalars, *(meta[a] for a in fn.arg_names if a in meta)) if self.direct else ()
-        self.compiled = {}  # key -> (compiled launcher, kernel handle, packed metadata)
-
-    def __call__(self, *tensors: torch.Tensor) -> None:
-        if not (DIRECT_LAUNCH and self.direct and _no_hooks(self.fn)):
-            self.fn[self.grid](*tensors, *self.scalars, **self.meta)
-            return
-        device = driver.active.get_current_device()
-        key = (device, knobs.runtime.debug, *[t.data_ptr() % 16 == 0 for t in tensors])
-        entry = self.compiled.get(key)
-        if entry is None:
-            assert len(tensors) + len(self.tail) == len(self.fn.arg_names)
-            kernel = self.fn[self.grid](*tensors, *self.scalars, **self.meta)
-            if kernel is not None:  # None: a JIT cache hook skipped the launch
-                self.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
-            return
-        launch, function, packed = entry
-        launch(*self.grid, driver.active.get_current_stream(device), function, packed, None, None, None, *tensors,
-               *self.tail)
 
 
 class _Plan(NamedTuple):

@@ -31,12 +31,16 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from csrc_triton.launch import Plans, _Launch, tensor_key
+
 LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels below are interpreted
 # The most programs per SM the gather kernel's default tiles plan for (its whole waves use what fits, at most
 # this: 256 rows fit two per SM, sm_90a 248 registers x 128 threads and 80 KB of shared memory), and the most
 # key tiles per program.
@@ -297,6 +301,20 @@ def _no_slots(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+class _Plan(NamedTuple):
+    """What one distinct call launches (built by _plan)."""
+    shape: tuple[int, int, int]  # (B, Hkv, N) of the result
+    span: bool  # idx is a range: the kernels read a view of k's span and no slots
+    launches: tuple[tuple[int, int, _Launch, tuple], ...]  # (t0, t1, launch, _RESIDENT key): question rows [t0, t1)
+    provisional: bool  # its tiles assumed programs per SM that _RESIDENT learns at the first launch: not kept
+
+
+# Plans per distinct call (every tensor's shape, strides, dtype and device, the span, the options and the
+# module switches read): a prefill makes the same call every layer, so it pays Triton's dispatch, the
+# checks and the tile choice once (csrc_triton/launch.py).
+_PLANS = Plans()
+
+
 def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | range, lse: torch.Tensor,
                        scale: float | None = None, out: torch.Tensor | None = None,
                        block_m: int | None = None, block_n: int | None = None, tiles: int | None = None,
@@ -318,6 +336,34 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
     compiled kernel that fit, at most PROGRAMS_PER_SM for gather), num_warps, num_stages (gather: 1, it
     pipelines its own loads; pipe: Triton's pipeline depth), key_rows (gather: the dot's orientation). The
     gather tile (KEY_ROWS, KEY_BLOCK, KEY_WARPS) comes from the H200 sweep of run S5-C (docs/benchmarks.md)."""
+    key = (tensor_key(q), tensor_key(k), (idx.start, idx.stop, idx.step) if isinstance(idx, range) else tensor_key(idx),
+           tensor_key(lse), scale, tensor_key(out), block_m, block_n, tiles, num_warps, num_stages, key_rows, impl,
+           per_sm, DEFAULT_IMPL, KEY_ROWS, KEY_BLOCK, KEY_WARPS, PIPE_HALF, PIPE_BLOCK, PIPE_WARPS, PIPE_STAGES,
+           PIPE_PER_SM, PROGRAMS_PER_SM, MAX_TILES)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, idx, lse, scale, out, block_m, block_n, tiles, num_warps, num_stages, key_rows, impl,
+                     per_sm)
+        if not plan.provisional:
+            _PLANS.put(key, plan)
+    if not plan.launches:  # no keys or no question rows
+        return torch.zeros(plan.shape, device=q.device, dtype=torch.float32) if out is None else out
+    out = torch.empty(plan.shape, device=q.device, dtype=torch.float32) if out is None else out  # all written
+    if plan.span:  # the span's first slot becomes slot 0 of the view; the kernels read no idx
+        k, idx = k[:, :, idx.start:idx.stop], _no_slots(q.device)
+    else:
+        idx = idx.to(torch.int32)
+    whole = len(plan.launches) == 1
+    for t0, t1, launch, rkey in plan.launches:
+        qc, lc = (q, lse) if whole else (q[:, :, t0:t1], lse[:, :, t0:t1])
+        compiled = launch(qc, k, idx, lc, out)
+        if rkey not in _RESIDENT and q.is_cuda and hasattr(compiled, "n_regs"):
+            _RESIDENT[rkey] = _resident(compiled, launch.meta["num_warps"], q.device)
+    return out
+
+
+def _plan(q, k, idx, lse, scale, out, block_m, block_n, tiles, num_warps, num_stages, key_rows, impl, per_sm) -> _Plan:
+    """Checks, impl, tiles, grids, constexprs and scalar arguments of a call: see retrieval_salience."""
     _check(q, k, idx, lse, out)
     B, H, T, D = q.shape
     Hkv = k.shape[1]
@@ -327,24 +373,21 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
     impl = impl or DEFAULT_IMPL or ("gather" if (H // Hkv) * T <= 256 else "pipe")
     if impl not in IMPLS:
         raise ValueError(f"retrieval_salience: impl must be one of {IMPLS}, got {impl!r}")
-    if N == 0 or T == 0:
-        return torch.zeros(B, Hkv, N, device=q.device, dtype=torch.float32) if out is None else out
-    accumulate = out is not None
-    out = torch.empty(B, Hkv, N, device=q.device, dtype=torch.float32) if out is None else out  # all written
     span = isinstance(idx, range)
-    if span:  # the span's first slot becomes slot 0 of the view; the kernels read no idx
-        k, idx = k[:, :, idx.start:idx.stop], _no_slots(q.device)
-    else:
-        idx = idx.to(torch.int32)
+    if N == 0 or T == 0:
+        return _Plan((B, Hkv, N), span, (), False)
+    accumulate = out is not None
+    out_strides = (Hkv * N, N) if out is None else out.stride()[:2]  # torch.empty(B, Hkv, N)'s, or the caller's
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     common = dict(D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), SPAN=span,
                   # fp32 caches (tests) get exact products; tf32 would blur the ranking for no gain here.
                   PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
-                  UPCAST=os.environ.get("TRITON_INTERPRET", "0") == "1" and torch.bfloat16 in (q.dtype, k.dtype))
+                  UPCAST=_INTERPRET and torch.bfloat16 in (q.dtype, k.dtype))
+    # Every launch's scalars: strides of q (a chunk of q has q's), k (the span view has k's), lse, out.
+    strides = (*q.stride()[:3], *k.stride()[:3], *lse.stride()[:3], *out_strides)
     if impl == "pipe":
-        _pipe(q, k, idx, lse, out, N, scale, accumulate, common, block_m or PIPE_HALF, block_n or PIPE_BLOCK,
-              tiles, num_warps or PIPE_WARPS, num_stages or PIPE_STAGES, per_sm)
-        return out
+        return _pipe(q, k, N, scale, accumulate, common, strides, block_m or PIPE_HALF, block_n or PIPE_BLOCK,
+                     tiles, num_warps or PIPE_WARPS, num_stages or PIPE_STAGES, per_sm, span)
     rows = (H // Hkv) * T
     key_rows = KEY_ROWS if key_rows is None else key_rows
     block_n = block_n or (KEY_BLOCK if key_rows else 32)
@@ -355,17 +398,12 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
                 KEY_ROWS=key_rows, num_warps=num_warps, num_stages=num_stages or 1, **common)
     key = ("gather", q.device, q.dtype, k.dtype, *meta.values())  # meta is built in one fixed order
     # Default: whole waves of the programs that fit per SM (at most PROGRAMS_PER_SM; 2 until compiled).
+    provisional = q.is_cuda and not tiles and not per_sm and key not in _RESIDENT
     per_sm = per_sm or min(PROGRAMS_PER_SM, _RESIDENT.get(key, 2))
     tiles = min(tiles or wave_tiles(n_tiles, B * Hkv, q.device, per_sm), n_tiles)
-    compiled = _retrieval_salience_kernel[(B * Hkv, triton.cdiv(n_tiles, tiles))](
-        q, k, idx, lse, out,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2), out.stride(0), out.stride(1),
-        T, N, Hkv, scale * LOG2E, tiles, **meta,
-    )
-    if key not in _RESIDENT and q.is_cuda and hasattr(compiled, "n_regs"):
-        _RESIDENT[key] = _resident(compiled, num_warps, q.device)
-    return out
+    launch = _Launch(_retrieval_salience_kernel, (B * Hkv, triton.cdiv(n_tiles, tiles)),
+                     (*strides, T, N, Hkv, scale * LOG2E, tiles), meta)
+    return _Plan((B, Hkv, N), span, ((0, T, launch, key),), provisional)
 
 
 # Programs per SM each compiled "pipe" configuration fits, filled by _pipe after its first launch.
@@ -383,7 +421,8 @@ def _resident(compiled, num_warps: int, device: torch.device) -> int:
     return max(1, min(by_regs, by_smem, by_threads))
 
 
-def _pipe(q, k, idx, lse, out, N, scale, accumulate, common, half_max, block_n, tiles, num_warps, num_stages, per_sm):
+def _pipe(q, k, N, scale, accumulate, common, strides, half_max, block_n, tiles, num_warps, num_stages, per_sm,
+          span) -> _Plan:
     """impl "pipe": launches of at most 2 * half_max rows per group (question chunks of whole tokens);
     the first writes `out` (unless accumulating), the others add to it. Default tiles: one whole wave
     at the programs per SM that fit (known once a configuration has compiled; PIPE_PER_SM before)."""
@@ -394,19 +433,18 @@ def _pipe(q, k, idx, lse, out, N, scale, accumulate, common, half_max, block_n, 
         raise ValueError(f"retrieval_salience: impl 'pipe' takes at most {2 * half_max} query heads per KV head")
     n_tiles = triton.cdiv(N, block_n)
     t_chunk = 2 * half_max // n_rep
+    launches, provisional = [], False
     for t0 in range(0, T, t_chunk):
-        qc, lc = q[:, :, t0:t0 + t_chunk], lse[:, :, t0:t0 + t_chunk]
-        meta = dict(N_REP=n_rep, HALF=max(16, triton.next_power_of_2(n_rep * qc.shape[2]) // 2), BLOCK_N=block_n,
+        tc = min(T, t0 + t_chunk) - t0  # rows of this chunk
+        meta = dict(N_REP=n_rep, HALF=max(16, triton.next_power_of_2(n_rep * tc) // 2), BLOCK_N=block_n,
                     ACCUMULATE=accumulate or t0 > 0, num_warps=num_warps, num_stages=num_stages, **common)
         key = (q.device, q.dtype, k.dtype, *meta.values())  # meta is built in one fixed order
+        provisional |= q.is_cuda and not tiles and not per_sm and key not in _RESIDENT
         n = min(tiles or wave_tiles(n_tiles, B * Hkv, q.device, per_sm or _RESIDENT.get(key, PIPE_PER_SM)), n_tiles)
-        compiled = _retrieval_salience_pipe_kernel[(B * Hkv, triton.cdiv(n_tiles, n))](
-            qc, k, idx, lc, out,
-            qc.stride(0), qc.stride(1), qc.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            lc.stride(0), lc.stride(1), lc.stride(2), out.stride(0), out.stride(1),
-            qc.shape[2], N, Hkv, scale * LOG2E, n, **meta)
-        if key not in _RESIDENT and q.is_cuda and hasattr(compiled, "n_regs"):
-            _RESIDENT[key] = _resident(compiled, num_warps, q.device)
+        launch = _Launch(_retrieval_salience_pipe_kernel, (B * Hkv, triton.cdiv(n_tiles, n)),
+                         (*strides, tc, N, Hkv, scale * LOG2E, n), meta)
+        launches.append((t0, t0 + tc, launch, key))
+    return _Plan((B, Hkv, N), span, tuple(launches), provisional)
 
 
 def retrieval_salience_ref(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | range, lse: torch.Tensor,

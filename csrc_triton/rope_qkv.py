@@ -19,11 +19,15 @@ dtypes: fp16/bf16; D even, D <= 1024; cache last dim contiguous.
 
 from __future__ import annotations
 
+import os
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from . import pdl
+from .launch import Plans, _Launch, tensor_key
 from .rounding import round_to
 
 
@@ -126,6 +130,38 @@ def _heads_per_program(rows: int, n_heads: int, device: torch.device) -> int:
     return 1 if rows <= 8 else 4
 
 
+class _Plan(NamedTuple):
+    """What one distinct call launches (built by _plan): q's shape and the launch (None when B * T == 0)."""
+    q_shape: tuple[int, int, int, int]
+    launch: _Launch | None
+
+
+# Plans per distinct call (every tensor's shape, strides, dtype and device, the head counts, options, the
+# PDL switch): a prefill makes the same call every layer, so it pays Triton's dispatch only once
+# (csrc_triton/launch.py).
+_PLANS = Plans()
+
+
+def _plan(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads, second, heads_per_program, num_warps) -> _Plan:
+    D = _check(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads)
+    if second is not None:
+        _check(qkv, cos, sin, *second, n_heads, n_kv_heads)
+    k2, v2, _ = second if second is not None else (k_cache, v_cache, slots)
+    B, T, _ = qkv.shape
+    if not B * T:
+        return _Plan((B, n_heads, T, D), None)
+    stride_xb, stride_xt = (qkv if qkv.stride(-1) == 1 else qkv.contiguous()).stride()[:2]  # what the call passes
+    n = n_heads + n_kv_heads
+    hp = heads_per_program or _heads_per_program(B * T, n, qkv.device)
+    block = triton.next_power_of_2(D // 2)
+    launch = _Launch(_rope_qkv_kernel, (B * T, triton.cdiv(n, hp)),
+                     (T, stride_xb, stride_xt, cos.stride(0), sin.stride(0), *k_cache.stride()[:3],
+                      *v_cache.stride()[:3], *k2.stride()[:3], *v2.stride()[:3]),
+                     dict(H=n_heads, HKV=n_kv_heads, HALF=D // 2, HEADS=hp, SECOND=second is not None, BLOCK=block,
+                          num_warps=num_warps or max(1, min(4, hp * block // 64)), **pdl.options(qkv.device)))
+    return _Plan((B, n_heads, T, D), launch)
+
+
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv_heads: int,
              second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -134,23 +170,17 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: t
     Writes rotated k and v into the caches at `slots`, and also into `second` = (k2, v2, slots2)
     when given (another cache pair (B, Hkv, S2, D), e.g. the packed decode buffer, at slots2 (T,)).
     `heads_per_program` (a power of 2) and `num_warps` override the launch (benchmarks)."""
-    D = _check(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads)
-    if second is not None:
-        _check(qkv, cos, sin, *second, n_heads, n_kv_heads)
+    key = (tensor_key(qkv), tensor_key(cos), tensor_key(sin), tensor_key(k_cache), tensor_key(v_cache),
+           tensor_key(slots), n_heads, n_kv_heads, None if second is None else tuple(map(tensor_key, second)),
+           heads_per_program, num_warps, os.environ.get("TINYVILA_PDL"))  # the switch pdl.options reads
+    plan = _PLANS.get_or_build(key, lambda: _plan(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads,
+                                                  second, heads_per_program, num_warps))
     k2, v2, slots2 = second if second is not None else (k_cache, v_cache, slots)
-    B, T, _ = qkv.shape
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    q = torch.empty((B, n_heads, T, D), dtype=qkv.dtype, device=qkv.device)
-    if B * T:
-        n = n_heads + n_kv_heads
-        hp = heads_per_program or _heads_per_program(B * T, n, qkv.device)
-        block = triton.next_power_of_2(D // 2)
-        _rope_qkv_kernel[(B * T, triton.cdiv(n, hp))](
-            qkv, cos, sin, q, k_cache, v_cache, slots, k2, v2, slots2, T, qkv.stride(0), qkv.stride(1),
-            cos.stride(0), sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], *k2.stride()[:3],
-            *v2.stride()[:3], H=n_heads, HKV=n_kv_heads, HALF=D // 2, HEADS=hp, SECOND=second is not None,
-            BLOCK=block, num_warps=num_warps or max(1, min(4, hp * block // 64)), **pdl.options(qkv.device))
+    q = torch.empty(plan.q_shape, dtype=qkv.dtype, device=qkv.device)
+    if plan.launch is not None:
+        plan.launch(qkv, cos, sin, q, k_cache, v_cache, slots, k2, v2, slots2)
     return q
 
 

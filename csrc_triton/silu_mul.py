@@ -13,6 +13,9 @@ over ~100 programs.
 
 from __future__ import annotations
 
+import os
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -20,6 +23,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import pdl
+from .launch import Plans, _Launch, tensor_key
 from .rounding import INTERPRET, round_to
 
 
@@ -55,24 +59,50 @@ def _block(M: int, Fdim: int, device: torch.device) -> int:
     return max(128, min(2048, triton.next_power_of_2(triton.cdiv(M * Fdim, 256)), triton.next_power_of_2(Fdim)))
 
 
-def silu_mul(gate_up: torch.Tensor, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """gate_up (..., 2F) -> silu(gate) * up (..., F). `block`, `num_warps` override the launch (benchmarks)."""
+def _rows(gate_up: torch.Tensor) -> torch.Tensor:
+    x2 = gate_up.reshape(-1, gate_up.shape[-1])  # (M, 2F)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+class _Plan(NamedTuple):
+    """What one distinct call launches (built by _plan): F and the launch, None when there are no rows."""
+    F: int
+    rows: bool  # gate_up needs _rows (not contiguous): otherwise it is passed itself, its (M, 2F) view's memory
+    launch: _Launch | None
+
+
+# Plans per distinct call (shape, strides, dtype, device, options, the PDL switch): a prefill makes the
+# same call every layer, so it pays Triton's dispatch only once (csrc_triton/launch.py).
+_PLANS = Plans()
+
+
+def _plan(gate_up, block, num_warps) -> _Plan:
     if gate_up.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"silu_mul: gate_up must be fp16 or bf16, got {gate_up.dtype}")
     W = gate_up.shape[-1]
     if W % 2 or W == 0:
         raise ValueError(f"silu_mul: last dim {W} must be even (gate and up halves)")
     Fdim = W // 2
-    x2 = gate_up.reshape(-1, W)  # (M, 2F)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(gate_up)  # the same strides on every call of this plan
     M = x2.shape[0]
-    y = torch.empty((M, Fdim), dtype=gate_up.dtype, device=gate_up.device)
-    if M:
-        block = block or _block(M, Fdim, gate_up.device)
-        _silu_mul_kernel[(M, triton.cdiv(Fdim, block))](x2, y, Fdim, x2.stride(0), y.stride(0), BLOCK=block,
-                                                        num_warps=num_warps, **pdl.options(gate_up.device))
-    return y.view(*gate_up.shape[:-1], Fdim)
+    if not M:
+        return _Plan(Fdim, False, None)
+    block = block or _block(M, Fdim, gate_up.device)
+    launch = _Launch(_silu_mul_kernel, (M, triton.cdiv(Fdim, block)), (Fdim, x2.stride(0), Fdim),
+                     dict(BLOCK=block, num_warps=num_warps, **pdl.options(gate_up.device)))
+    return _Plan(Fdim, not gate_up.is_contiguous(), launch)
+
+
+def silu_mul(gate_up: torch.Tensor, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """gate_up (..., 2F) -> silu(gate) * up (..., F). `block`, `num_warps` override the launch (benchmarks)."""
+    key = (tensor_key(gate_up), block, num_warps, os.environ.get("TINYVILA_PDL"))  # the switch pdl.options reads
+    plan = _PLANS.get_or_build(key, lambda: _plan(gate_up, block, num_warps))
+    x2 = _rows(gate_up) if plan.rows else gate_up
+    # (..., F) contiguous: the memory of an (M, F) tensor, without a view per call.
+    y = torch.empty((*gate_up.shape[:-1], plan.F), dtype=gate_up.dtype, device=gate_up.device)
+    if plan.launch is not None:
+        plan.launch(x2, y)
+    return y
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from csrc_triton.launch import Plans, _Launch, tensor_key
 from csrc_triton.w4a16_gemv import INTERPRET, unpack_k_order
 
 
@@ -39,9 +40,13 @@ def _w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, K8, NG, G: tl.const
     tl.store(w_ptr + rows * K + offs_k[None, :], w, mask=n_mask & (offs_k < K)[None, :])
 
 
-def w4a16_dequant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """Packed W4 -> dense (N, K) in the scales' dtype. `out` (N, K) contiguous may be a reused workspace."""
+# Plans per distinct call (shapes, strides, dtypes, devices of every tensor, out's too): a prefill of
+# DEQUANT_MIN_M rows or more makes the same few calls every layer, so each pays Triton's dispatch once
+# (csrc_triton/launch.py). A plan: (N, K, its launch).
+_PLANS = Plans()
+
+
+def _plan(qweight, scales, zeros, out) -> tuple[int, int, _Launch]:
     if qweight.dtype != torch.int32 or qweight.dim() != 2 or not qweight.is_contiguous():
         raise ValueError(f"qweight must be a contiguous int32 (N, K/8) tensor, got {tuple(qweight.shape)} {qweight.dtype}")
     N, K = qweight.shape[0], qweight.shape[1] * 8
@@ -52,16 +57,24 @@ def w4a16_dequant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     G = K // scales.shape[1]
     if G % 8 or G > 128:
         raise ValueError(f"group size {G} not supported; use 32, 64 or 128")
-    if out is None:
-        out = torch.empty(N, K, dtype=scales.dtype, device=qweight.device)
-    elif out.shape != (N, K) or out.dtype != scales.dtype or not out.is_contiguous():
+    if out is not None and (out.shape != (N, K) or out.dtype != scales.dtype or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous ({N}, {K}) {scales.dtype} tensor")
     on_gpu = qweight.is_cuda and not INTERPRET
     BLOCK_N, BLOCK_W = (16, 64) if on_gpu else (8, 16)
     BLOCK_W = max(BLOCK_W, G // 8)  # a tile holds whole groups
     grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(K // 8, BLOCK_W))
-    _w4a16_dequant_kernel[grid](qweight, scales.contiguous(), zeros.contiguous(), out, N, K, K // 8, K // G, G=G,
-                                BLOCK_N=BLOCK_N, BLOCK_W=BLOCK_W, UNPACK=1 if on_gpu else 0, num_warps=4)
+    return N, K, _Launch(_w4a16_dequant_kernel, grid, (N, K, K // 8, K // G),
+                         dict(G=G, BLOCK_N=BLOCK_N, BLOCK_W=BLOCK_W, UNPACK=1 if on_gpu else 0, num_warps=4))
+
+
+def w4a16_dequant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed W4 -> dense (N, K) in the scales' dtype. `out` (N, K) contiguous may be a reused workspace."""
+    key = (tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(out), INTERPRET)
+    N, K, launch = _PLANS.get_or_build(key, lambda: _plan(qweight, scales, zeros, out))
+    if out is None:
+        out = torch.empty(N, K, dtype=scales.dtype, device=qweight.device)
+    launch(qweight, scales.contiguous(), zeros.contiguous(), out)
     return out
 
 

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from csrc_triton.launch import Plans, _Launch, tensor_key
 from csrc_triton.w4a16_dequant import w4a16_dequant
 from csrc_triton.w4a16_gemv import INTERPRET, check_w4_args, dequantize_ref
 
@@ -338,7 +339,7 @@ def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device, zer
     `zero` buffers (the split-K counters) start at zero and are returned to zero by their users.
     Under CUDA-graph capture a buffer must already be large enough (run the call once eagerly first), and
     one handed to a capture is kept alive after it is outgrown (a later, larger eager call)."""
-    key = (name, dtype, str(device))
+    key = (name, dtype, device)  # the device itself: str(device) cost ~1 us per call (issue 7: host-bound prefill)
     buf = _SCRATCH.get(key)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if buf is None or buf.numel() < numel:
@@ -357,13 +358,24 @@ def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device, zer
 
 
 # -- launcher -------------------------------------------------------------------------------------------
-def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-               config: Config | None = None, path: str | None = None, unpack: int | None = None) -> torch.Tensor:
-    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins the fused kernel's tiles (else
-    CONFIG_TABLE / rule_config); `path` forces "fused" or "dequant" (dequantize to a workspace + a dense
-    matmul); default: dequant from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0, fused otherwise.
-    `unpack` picks the nibble unpacking (1: inline PTX, the GPU default; 0: plain ops, same bits)."""
+class _Plan(NamedTuple):
+    """What one distinct call runs (built by _plan)."""
+    M: int
+    N: int
+    K: int
+    path: str  # "fused" or "dequant"
+    split_k: int  # the fused kernel's split (1: its workspace and counters are 1-element placeholders)
+    counters: int  # split-K counters (one per output tile)
+    launch: _Launch | None  # the fused kernel's; None on the dequant path or when M == 0
+
+
+# Plans per distinct call (every tensor's shape, strides, dtype and device, out's, the options and the
+# module switches read): a prefill makes the same 4 calls every layer, so each pays Triton's dispatch and
+# the tile choice once (csrc_triton/launch.py).
+_PLANS = Plans()
+
+
+def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack) -> _Plan:
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
     if path is None:
         big = x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M
@@ -372,41 +384,53 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"path must be 'fused' or 'dequant', got {path!r}")
     if path == "fused" and K % 64:
         raise ValueError(f"the fused W4 GEMM needs K % 64 == 0 (got K={K}); use path='dequant'")
-    if out is None:
-        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
+    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be ({M}, {N}) {x.dtype} with unit stride along N")
-    if M == 0:
-        return out
-    if path == "dequant":
-        w = w4a16_dequant(qweight, scales, zeros, out=scratch("w4_dequant", N * K, x.dtype, x.device).view(N, K))
-        if bias is None:
-            return torch.mm(x, w.T, out=out)
-        return torch.addmm(bias, x, w.T, out=out)
+    if M == 0 or path == "dequant":
+        return _Plan(M, N, K, path, 1, 1, None)
     if config is None:
         config = pick_config(M, N, K, x.device)
     if unpack is None:
         unpack = 0 if INTERPRET or not x.is_cuda else 1
     if unpack == 1 and INTERPRET:
         raise ValueError("unpack=1 (inline PTX) cannot run under TRITON_INTERPRET; use unpack=0")
-    _launch(x, qweight, scales, zeros, bias, out, fit_config(config, K, G), G, unpack)
-    return out
-
-
-def _launch(x, qweight, scales, zeros, bias, out, cfg: Config, G: int, unpack: int) -> None:
-    M, K = x.shape
-    N = qweight.shape[0]
+    cfg = fit_config(config, K, G)
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), cfg.split_k)
+    stride_ym = N if out is None else out.stride(0)
+    launch = _Launch(_w4a16_gemm_kernel, grid, (M, N, K, x.stride(0), stride_ym, K // 8, K // G, cfg.split_k),
+                     dict(G=G, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                          BLOCK_W=cfg.block_w, UNPACK=unpack, UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return _Plan(M, N, K, path, cfg.split_k, grid[0] * grid[1], launch)
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+               config: Config | None = None, path: str | None = None, unpack: int | None = None) -> torch.Tensor:
+    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins the fused kernel's tiles (else
+    CONFIG_TABLE / rule_config); `path` forces "fused" or "dequant" (dequantize to a workspace + a dense
+    matmul); default: dequant from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0, fused otherwise.
+    `unpack` picks the nibble unpacking (1: inline PTX, the GPU default; 0: plain ops, same bits)."""
+    key = (tensor_key(x), tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(bias), tensor_key(out),
+           config, path, unpack, DEQUANT_MIN_M, INTERPRET)
+    plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack))
+    M, N, K = plan.M, plan.N, plan.K
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    if plan.path == "dequant":
+        w = w4a16_dequant(qweight, scales, zeros, out=scratch("w4_dequant", N * K, x.dtype, x.device).view(N, K))
+        if bias is None:
+            return torch.mm(x, w.T, out=out)
+        return torch.addmm(bias, x, w.T, out=out)
     # Always the same buffer types (a 1-element one when unused): the pointer dtypes are part of the
     # compiled signature, and one kernel must serve every split.
-    split = cfg.split_k > 1
-    ws = scratch("w4_splitk", cfg.split_k * M * N if split else 1, torch.float32, x.device)
-    cnt = scratch("w4_counters", grid[0] * grid[1] if split else 1, torch.int32, x.device, zero=True)
-    _w4a16_gemm_kernel[grid](
-        x, qweight, scales, zeros, bias if bias is not None else scales, out, ws, cnt, M, N, K,
-        x.stride(0), out.stride(0), K // 8, K // G, cfg.split_k, G=G, HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, UNPACK=unpack,
-        UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    split = plan.split_k > 1
+    ws = scratch("w4_splitk", plan.split_k * M * N if split else 1, torch.float32, x.device)
+    cnt = scratch("w4_counters", plan.counters if split else 1, torch.int32, x.device, zero=True)
+    plan.launch(x, qweight, scales, zeros, bias if bias is not None else scales, out, ws, cnt)
+    return out
 
 
 def _buckets(max_m: int) -> list[int]:

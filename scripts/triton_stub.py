@@ -4,12 +4,15 @@ launch is a Python callable.
 With both in place a JITFunction call on CPU tensors runs all of Triton's Python side (binding,
 specialisation, cache key, launch metadata) and ends in the callable instead of cuLaunchKernelEx. Used by
 the prefill-salience bench's --host timing (scripts/benches/prefill_salience.py) and the launch tests
-(tests/kernels/test_prefill_salience_launch.py). It sits in scripts/, on the path of every bench, so the
+(tests/kernels/test_prefill_salience_launch.py, tests/kernels/test_launch.py:
+`record_launches`). It sits in scripts/, on the path of every bench, so the
 benches run without tests/; not in scripts/benches/, whose every module bench_kernels.py runs as a bench.
 """
 
+import torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import CompiledKernel
+from triton.runtime import JITFunction, driver
 
 
 class HostOnlyDriver:
@@ -46,3 +49,49 @@ def stub_compile(fn, run) -> None:
         return k
 
     fn._do_compile = do_compile
+
+
+def record_launches(monkeypatch, kernels: dict) -> list[tuple]:
+    """Swap every kernel named in `kernels` ({module: kernel attribute names}) for a JITFunction whose
+    'compiled' kernels record each launch instead of running: (kernel, via, grid, stream, function, packed
+    metadata, kernel arguments), via "direct" when launched with no launch metadata and no hooks (the
+    direct launch of csrc_triton/launch.py), else "triton". The driver becomes a HostOnlyDriver on a stream
+    other than 0, so a direct launch that invented its own stream would show. For pytest's monkeypatch."""
+    launches = []
+    monkeypatch.setattr(driver, "_active", HostOnlyDriver(stream=1234))
+    for mod, names in kernels.items():
+        for name in names:
+            fn = JITFunction(getattr(mod, name).fn)
+            stub_compile(fn, lambda gx, gy, gz, stream, function, packed, meta, enter, leave, *args, name=name:
+                         launches.append((name, "direct" if meta is None and enter is None and leave is None
+                                          else "triton", (gx, gy, gz), stream, function, packed, args)))
+            monkeypatch.setattr(mod, name, fn)
+    return launches
+
+
+def comparable(launch: tuple) -> tuple:
+    """A recorded launch with each tensor argument replaced by what the kernel sees of it besides its data."""
+    name, _, grid, stream, function, packed, args = launch
+    args = tuple((a.shape, a.stride(), a.dtype, a.data_ptr() % 16 == 0) if torch.is_tensor(a) else a for a in args)
+    return name, grid, stream, function, packed, args
+
+
+def check_direct_launch(monkeypatch, launch_module, launches: list, call, name: str) -> int:
+    """`call` once through Triton's dispatch (launch_module.DIRECT_LAUNCH off), then twice with the direct
+    launch on, recording into `launches` (record_launches): asserts that the first of the two goes through
+    dispatch and the second launches directly with the same grid, stream, kernel and arguments as Triton's.
+    Returns the number of launches one call makes."""
+    monkeypatch.setattr(launch_module, "DIRECT_LAUNCH", False)
+    del launches[:]
+    call()
+    via_triton = list(launches)
+    monkeypatch.setattr(launch_module, "DIRECT_LAUNCH", True)
+    del launches[:]
+    call()
+    call()
+    n = len(via_triton)
+    assert [v for _, v, *_ in via_triton] == ["triton"] * n, name
+    assert [v for _, v, *_ in launches] == ["triton"] * n + ["direct"] * n, name
+    for theirs, ours in zip(via_triton, launches[n:]):
+        assert comparable(ours) == comparable(theirs), name
+    return n

@@ -46,6 +46,7 @@ from collections import Counter
 import torch
 
 from benches import common
+import csrc_triton.launch as launch_module
 import csrc_triton.prefill_salience as kernel_module
 from csrc_triton.prefill_salience import POLY_DEG_DEFAULT, prefill_salience
 from tinyvila import ops
@@ -115,11 +116,11 @@ def _poly_variants() -> list[tuple[float, int]]:
 
 def _triton_dispatch(q, k, lse):
     """Ours standalone with every launch through Triton's dispatch (plans kept, no direct launch)."""
-    kernel_module.DIRECT_LAUNCH = False
+    launch_module.DIRECT_LAUNCH = False
     try:
         return prefill_salience(q, k)
     finally:
-        kernel_module.DIRECT_LAUNCH = True
+        launch_module.DIRECT_LAUNCH = True
 
 
 def _plan_per_call(q, k, lse):
@@ -409,11 +410,11 @@ def host(calls: int = 10000) -> None:
     print("launcher | " + " | ".join(calls_by_mode))
     try:
         for name, (rebuild, direct) in modes.items():
-            km.DIRECT_LAUNCH = direct
+            launch_module.DIRECT_LAUNCH = direct
             row = [min(us(fn, rebuild) for _ in range(5)) for fn in calls_by_mode.values()]
             print(f"{name} | " + " | ".join(f"{t:.1f}" for t in row))
     finally:
-        km.DIRECT_LAUNCH = True
+        launch_module.DIRECT_LAUNCH = True
         driver.set_active(saved)
         for fn in (km._row_lse_kernel, km._prefill_salience_kernel):
             del fn._do_compile

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton.runtime import JITFunction, driver
 
+import csrc_triton.launch as launch
 import csrc_triton.prefill_salience as km
 from csrc_triton.prefill_salience import prefill_salience
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from triton_stub import HostOnlyDriver, stub_compile  # noqa: E402  (shared with the bench's --host timing)
+from triton_stub import check_direct_launch, record_launches  # noqa: E402  (shared with test_launch.py)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -117,53 +117,18 @@ def test_plan_table_is_bounded(fresh_plans, monkeypatch):
 # --- the direct launch against Triton's dispatch, on CPU with a recording stub driver -------------------
 
 
-def _recording_kernels(monkeypatch) -> list[tuple]:
-    """Swap both kernels for JITFunctions whose 'compiled' kernels record every launch instead of
-    running: (kernel, via, grid, stream, function, packed metadata, kernel arguments), via being
-    "triton" (dispatch passes launch metadata and hook chains) or "direct" (None, None, None)."""
-    launches = []
-    # A stream other than 0, so that a direct launch passing a stream of its own instead of the driver's shows.
-    monkeypatch.setattr(driver, "_active", HostOnlyDriver(stream=1234))
-    for name in ("_row_lse_kernel", "_prefill_salience_kernel"):
-        fn = JITFunction(getattr(km, name).fn)
-        stub_compile(fn, lambda gx, gy, gz, stream, function, packed, meta, enter, leave, *args, name=name: launches.append(
-            (name, "direct" if meta is None and enter is None and leave is None else "triton", (gx, gy, gz),
-             stream, function, packed, args)))
-        monkeypatch.setattr(km, name, fn)
-    return launches
-
-
-def _comparable(launch):
-    """A launch with each tensor argument replaced by what the kernel sees of it besides its data."""
-    name, _, grid, stream, function, packed, args = launch
-    args = tuple((a.shape, a.stride(), a.dtype, a.data_ptr() % 16 == 0) if torch.is_tensor(a) else a for a in args)
-    return name, grid, stream, function, packed, args
-
-
 @pytest.mark.skipif(CUDA, reason="replaces the CUDA driver with a stub; the CUDA tests below run the real one")
 def test_direct_launch_passes_what_triton_binds(fresh_plans, monkeypatch):
     """Per call of the sequence (plus a 2-byte-aligned q): launched through Triton's dispatch, then
     twice with DIRECT_LAUNCH: the direct launches carry the same grid, stream, kernel and arguments
     (constexprs in parameter order) as Triton's, and only a new alignment goes through dispatch again."""
-    launches = _recording_kernels(monkeypatch)
+    launches = record_launches(monkeypatch, {km: ("_row_lse_kernel", "_prefill_salience_kernel")})
     calls = _sequence()
     q, k = _qk(1, 2, 197, 72, torch.float16, 1, offset=1)
     assert q.data_ptr() % 16 != 0
     calls.append(("fp16 unaligned", lambda: prefill_salience(q, k)))
     for name, call in calls:
-        monkeypatch.setattr(km, "DIRECT_LAUNCH", False)
-        del launches[:]
-        call()
-        via_triton = list(launches)
-        monkeypatch.setattr(km, "DIRECT_LAUNCH", True)
-        del launches[:]
-        call()
-        call()
-        n = len(via_triton)
-        assert n in (1, 2) and [v for _, v, *_ in via_triton] == ["triton"] * n, name
-        assert [v for _, v, *_ in launches] == ["triton"] * n + ["direct"] * n, name
-        for theirs, ours in zip(via_triton, launches[n:]):
-            assert _comparable(ours) == _comparable(theirs), name
+        assert check_direct_launch(monkeypatch, launch, launches, call, name) in (1, 2), name
     # One plan (the fp16 call's) has two compiled kernels: 16-byte aligned q and the unaligned view.
     assert sorted(len(p.pass2.compiled) for p in fresh_plans.values()) == [1] * (len(calls) - 2) + [2]
 
@@ -173,7 +138,7 @@ def test_launch_hooks_take_triton_dispatch(fresh_plans, monkeypatch):
     """With a launch hook (what a profiler installs) every launch goes through Triton's dispatch."""
     from triton import knobs
 
-    launches = _recording_kernels(monkeypatch)
+    launches = record_launches(monkeypatch, {km: ("_row_lse_kernel", "_prefill_salience_kernel")})
     q, k = _qk(1, 2, 64, 64, torch.float16, 8)
     prefill_salience(q, k)
     hook, seen = knobs.runtime.launch_enter_hook, (lambda metadata: None)
@@ -199,9 +164,9 @@ def test_direct_launch_is_bit_identical(shape, fresh_plans, monkeypatch):
     qu, ku = _qk(*shape, torch.float16, 9, offset=1)
     calls = _sequence() + [("shape", lambda: prefill_salience(q, k)), ("unaligned", lambda: prefill_salience(qu, ku)),
                            ("shape poly", lambda: prefill_salience(q, k, exp_poly=0.125))]
-    monkeypatch.setattr(km, "DIRECT_LAUNCH", False)
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
     ref = {name: call() for name, call in calls}
-    monkeypatch.setattr(km, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
     for _ in range(3):
         for name, call in calls:
             assert torch.equal(call(), ref[name]), name
@@ -219,7 +184,7 @@ def test_direct_launch_skips_triton_dispatch(fresh_plans, monkeypatch):
     for fn in (km._row_lse_kernel, km._prefill_salience_kernel):
         monkeypatch.setattr(fn, "run", no_dispatch)
     assert torch.equal(prefill_salience(q, k), first)
-    monkeypatch.setattr(km, "DIRECT_LAUNCH", False)
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
     with pytest.raises(AssertionError, match="dispatch"):
         prefill_salience(q, k)
 

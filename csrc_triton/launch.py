@@ -1,0 +1,98 @@
+"""Eager Triton launches without Triton's per-call dispatch: `_Launch`, the plan table `Plans`, DIRECT_LAUNCH.
+
+Why: an eager launch through `kernel[grid](...)` spends tens of microseconds of host time binding the
+arguments, specialising them, hashing the cache key and building launch metadata (issue 5 at 1 SigLIP
+frame; issue 7: a follow-up question's eager prefill, ~14 launches per layer x 32 layers, is host-bound).
+A launcher builds its launches once per distinct call (its plan: checks, tiles, grid, scalar arguments,
+constexprs, options) and keeps them in a bounded `Plans` table; each `_Launch` then goes through
+Triton's dispatch only once per (device, debug flag, tensor alignments) and afterwards calls the
+compiled kernel's C launcher directly. Why that is exact: see `_Launch`. The interpreter, pre-run hooks
+and launch hooks (profilers) always take Triton's dispatch. Used by prefill_salience, w4a16_gemm,
+w4a16_dequant, add_rms_norm, silu_mul, rope_qkv, retrieval_salience; `--host` timings:
+scripts/diag/launch_host.py and scripts/benches/prefill_salience.py --host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+from triton import knobs
+from triton.runtime import JITFunction, driver
+
+DIRECT_LAUNCH = True  # False: every launch through Triton's dispatch (benches time both; tests compare)
+
+
+def _no_hooks(fn) -> bool:
+    """True when Triton's own launch would call no hook (profilers add launch hooks): then calling the
+    compiled launcher with no hooks and no launch metadata is the same launch."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return not fn.pre_run_hooks and (enter is None or type(enter) is knobs.HookChain and not enter.calls) and (
+        leave is None or type(leave) is knobs.HookChain and not leave.calls)
+
+
+class _Launch:
+    """One kernel launch with its grid, scalar arguments, constexprs and options fixed; called with the
+    kernel's tensor arguments, which must be its leading parameters, in order.
+
+    The first launch per (device, Triton debug flag, 16-byte alignment of each tensor) goes through
+    Triton's dispatch, which compiles or finds the kernel, launches it and returns it; later ones call
+    that compiled kernel's launcher directly, skipping the per-call argument binding, specialisation,
+    cache key and launch metadata. Exact: Triton picks a compiled kernel by dtypes, integer arguments
+    (== 1, % 16, 32/64 bits), constexprs and options, all fixed by the plan that owns this launch (its
+    key holds every shape, stride, dtype and option the launch derives from), and by device, debug flag
+    and pointer alignment, which key `compiled`; the direct call passes the arguments Triton binds
+    (constexprs included, in parameter order) on the stream Triton would use (the current one, so a
+    CUDA-graph capture records it like any launch). The interpreter, pre-run hooks and launch hooks
+    always take Triton's dispatch. Returns Triton's compiled kernel when dispatch ran (None otherwise)."""
+
+    def __init__(self, fn, grid: tuple[int, ...], scalars: tuple, meta: dict):
+        self.fn, self.grid, self.scalars, self.meta = fn, (*grid, 1, 1)[:3], scalars, meta
+        self.direct = isinstance(fn, JITFunction)  # not the interpreter's InterpretedFunction
+        # The compiled launcher takes every parameter in order, constexprs included (and ignored).
+        self.tail = (*scalars, *(meta[a] for a in fn.arg_names if a in meta)) if self.direct else ()
+        self.compiled = {}  # key -> (compiled launcher, kernel handle, packed metadata)
+
+    def __call__(self, *tensors: torch.Tensor):
+        if not (DIRECT_LAUNCH and self.direct and _no_hooks(self.fn)):
+            return self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+        device = driver.active.get_current_device()
+        key = (device, knobs.runtime.debug, *[t.data_ptr() % 16 == 0 for t in tensors])
+        entry = self.compiled.get(key)
+        if entry is None:
+            assert len(tensors) + len(self.tail) == len(self.fn.arg_names)
+            kernel = self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+            if kernel is not None:  # None: a JIT cache hook skipped the launch
+                self.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+            return kernel
+        launch, function, packed = entry
+        launch(*self.grid, driver.active.get_current_stream(device), function, packed, None, None, None, *tensors,
+               *self.tail)
+        return None
+
+
+class Plans(dict):
+    """A launcher's plans: call key -> plan, at most `limit` kept (a model makes a handful of distinct
+    calls per launcher; past the limit the table starts over). A plan whose build raises is not kept, so
+    a bad call raises the same error on every call."""
+
+    def __init__(self, limit: int = 256):
+        super().__init__()
+        self.limit = limit
+
+    def get_or_build(self, key: Hashable, build: Callable[[], object]):
+        plan = self.get(key)
+        if plan is None:
+            plan = self.put(key, build())
+        return plan
+
+    def put(self, key: Hashable, plan):
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
+        return plan
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What a plan may derive from a tensor besides its data: shape, strides, dtype, device."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
