@@ -17,19 +17,27 @@ device length. K, V are read once. D <= 256.
 The counters live in a per-device int32 workspace allocated (zeroed) on the first call, which must
 therefore happen outside a CUDA graph capture; calls on one device must not overlap on two streams.
 
-`Variant` holds switches aimed at the fixed cost of a call (~4.5 us of the 5.7 us at 1K on the H200: the
-chain PDL wait -> length load -> query load, shared-memory store and barrier -> first K/V loads -> tiles ->
-partial stores -> release + atomic -> LSE loads -> partial loads -> output store). They shorten that chain:
-reading the length and asking L2 for the split's K/V before the PDL wait, the query staged with the tiles,
-one round trip in the merge. All off compiles to the same sm_90a code as before they existed; all on is the
-default since session 7 (VARIANT, measured there).
+The fixed cost of a call (~4.5 us of the 5.7 us at 1K on the H200 in session 5: PDL wait -> length load ->
+query load, shared-memory store and barrier -> first K/V loads -> tiles -> partial stores -> release + atomic
+-> LSE loads -> partial loads -> output store) is shortened by what session 7 measured as switches, kept
+unconditionally (all on was the best at every length of S7 or behind only a different prefetch count,
+docs/benchmarks.md): the grid is (Hkv, splits, B), so the length load waits on no integer division; the
+length, split bounds and addresses are computed before the PDL wait; the query is loaded inside the key loop,
+staged with each tile's K/V (cp.async) rather than stored to shared memory behind a barrier; the merging
+program loads every split's LSE and partial in one round trip (up to MERGE_S splits). One switch stays a
+launch parameter, chosen with the tile config by buffer length (CONFIG_BY_LENGTH): how many K/V tiles of
+each split are asked into L2 before the PDL wait (`prefetch`).
+
+Contract of the early length read: `lengths` was written before the last kernel launched WITHOUT programmatic
+dependent launch started (such a launch waits for everything before it to complete). In the decode step the
+previous step's ops.argmax_step writes it and the next step's embedding gather (a PyTorch kernel) runs before
+any layer, so it holds at every layer's attention.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,89 +48,47 @@ from . import pdl
 LOG2E = 1.4426950408889634
 # Programs per SM that the split count aims for: enough loads in flight to cover HBM latency.
 CTAS_PER_SM = 4
+MIN_SPLIT = 128  # keys per split at least: below that the per-program prologue/epilogue dominates
+MERGE_ELEMS = 8192  # fp32 partial elements the merging program holds per step (64 registers at 4 warps)
 # Launch config by buffer length L_max (the only length known on the host: the real one is on the device):
-# (largest L_max, block_n, num_warps, num_stages, programs per SM), first row that covers L_max. From the
-# H200 sweep of session 5 (run S5-B, PDL on, graph-replayed, whole tiles unmasked, splits in one wave):
-# block 128 / 3 stages / one program per SM: 1K 5.76 us, 8K 12.7, 32K 35.7; above 32K block 64 / 4
-# stages / one per SM: 128K 122.6 us (block 128: 124.2; two per SM: 126.1).
-CONFIG_BY_LENGTH = ((32768, 128, 4, 3, 1), (None, 64, 4, 4, 1))
+# (largest L_max, block_n, num_warps, num_stages, programs per SM, prefetched tiles), first row that covers
+# L_max. Tiles: from the H200 sweep of session 5 (run S5-B, PDL on, graph-replayed, whole tiles unmasked,
+# splits in one wave): block 128 / 3 stages / one program per SM: 1K 5.76 us, 8K 12.7, 32K 35.7; above 32K
+# block 64 / 4 stages / one per SM: 128K 122.6 us (block 128: 124.2; two per SM: 126.1).
+# Prefetched tiles: H200 session 7 (run S7-C, DECODE_SWEEP=variants, graph-replayed, us, every other switch
+# on; prefetch 2 vs none): 2 was the best at 1K (4.93), at 1K keys in a 4K buffer (5.06) and at 32K (34.7),
+# none at 8K (11.9 vs 12.2) and at 8.2K keys (keep 0.25 of 32K: 12.0 vs 12.6); 3.3K keys (keep 0.1) took
+# 8.21 with 4 vs 8.32 with 2, but at 2 tiles a split 4 asks for the same lines as 2 (within noise: not used).
+# Hence none for buffers of [6K, 16K) slots, 2 otherwise. The buffer length stands for the keys: a packed
+# decode buffer holds the kept rows plus the turn's room (KVCache.pack), so keep 0.25 of 32K is an ~8.2K
+# buffer; 16K is not measured (the bound is where the 8K and 32K results meet, to be confirmed).
+CONFIG_BY_LENGTH = ((6143, 128, 4, 3, 1, 2), (16383, 128, 4, 3, 1, 0), (32768, 128, 4, 3, 1, 2),
+                    (None, 64, 4, 4, 1, 2))
 
 
-def default_config(max_len: int) -> tuple[int, int, int, int]:
-    """(block_n, num_warps, num_stages, programs per SM) for a buffer of max_len slots (CONFIG_BY_LENGTH)."""
+def default_config(max_len: int) -> tuple[int, int, int, int, int]:
+    """(block_n, num_warps, num_stages, programs per SM, prefetched tiles) for a buffer of max_len slots
+    (CONFIG_BY_LENGTH)."""
     for bound, *cfg in CONFIG_BY_LENGTH:
         if bound is None or max_len <= bound:
             return tuple(cfg)
     raise AssertionError("CONFIG_BY_LENGTH ends with an unbounded row")
-MIN_SPLIT = 128  # keys per split at least: below that the per-program prologue/epilogue dominates
-MERGE_ELEMS = 8192  # fp32 partial elements the merging program holds per step (64 registers at 4 warps)
-
-
-@dataclass(frozen=True)
-class Variant:
-    """Switches that cut the fixed cost of a call (issues 6, 7), timed side by side by
-    scripts/benches/decode_attention.py (DECODE_SWEEP=variants). All off is the kernel as measured in S5.
-
-    grid_b: the grid is (Hkv, splits, B), so the length load waits for no integer division.
-    early: the length, split bounds and addresses are computed before the PDL wait. Contract: `lengths`
-        was written before the last kernel launched WITHOUT programmatic dependent launch started (such a
-        launch waits for everything before it to complete). In the decode step the previous step's
-        ops.argmax_step writes it, and the next step's embedding gather (a PyTorch kernel) runs before any
-        layer, so it holds at every layer's attention.
-    prefetch: K/V tiles of each split asked into L2 (prefetch.global.L2) before the PDL wait, so HBM
-        streams them while the preceding kernel finishes. Without `early` the length is read once before
-        the wait for the prefetch addresses only and again after it (past L1) for the attention.
-    merge_once: the merging program loads every split's LSE and partial in one round trip (up to
-        MERGE_S splits; more splits keep the stepped merge).
-    q_loop: the query is loaded inside the key loop, so the pipeliner stages it with each tile's K/V
-        (cp.async) instead of a load + shared-memory store + barrier that the first tile's loads wait on.
-    """
-
-    grid_b: bool = False
-    early: bool = False
-    prefetch: int = 0
-    merge_once: bool = False
-    q_loop: bool = False
-
-    @classmethod
-    def parse(cls, spec: str) -> Variant:
-        """'grid_b,early,prefetch=2,merge_once,q_loop' (any subset; '' or 'default' is all off)."""
-        kw = {}
-        for item in filter(None, (x.strip() for x in spec.split(","))):
-            if item == "default":
-                continue
-            name, _, value = item.partition("=")
-            if name not in cls.__dataclass_fields__:
-                raise ValueError(f"decode_attention: unknown variant switch {name!r} in {spec!r}")
-            kw[name] = int(value) if name == "prefetch" else (value or "1") not in ("0", "false")
-        return cls(**kw)
-
-
-# The variant `decode_attention` launches when none is passed (ops.decode_attention passes none): the module
-# switch for the decode step, set in code (`csrc_triton.decode_attention.VARIANT = Variant(...)`) or, for an
-# A/B of a whole program without edits, from TINYVILA_DECODE_ATTN (Variant.parse's form; "default" = all off)
-# at import. Unset: every switch on. H200, session 7 (run S7-C, DECODE_SWEEP=variants, graph-replayed, us,
-# all off -> all on): 1K 5.71 -> 4.93, 1K keys in a 4K buffer (the decode step's) 6.11 -> 5.06, 8K 12.6 ->
-# 12.2, 32K 36.1 -> 34.7, keep 0.1 / 0.25 of 32K 9.58 -> 8.32 / 13.2 -> 12.6; the best at every length but
-# 8K and keep 0.25, where all but the prefetch was 2-5% faster still (11.9, 12.0).
-ALL_ON = Variant(grid_b=True, early=True, prefetch=2, merge_once=True, q_loop=True)
-VARIANT = Variant.parse(os.environ["TINYVILA_DECODE_ATTN"]) if "TINYVILA_DECODE_ATTN" in os.environ else ALL_ON
 
 
 @triton.jit
 def _merge_splits(o_part_ptr, lse_ptr, out_ptr, s_outb, s_outh, b, g, H, N_SPLITS,
                   N_REP: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                  MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr, ONCE: tl.constexpr = False):
+                  MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[b, h] = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the splits of the n_rep heads
     of group g. Loads bypass L1 (.cg): the partials were written by other SMs during this launch.
-    ONCE (Variant.merge_once): up to MERGE_S splits are merged from one round trip of loads."""
+    Up to MERGE_S splits are merged from one round trip of loads; more take the stepped merge."""
     offs_r = tl.arange(0, BLOCK_R)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = offs_r < N_REP
     d_ok = offs_d < D
     row0 = (b * H + g * N_REP + offs_r) * N_SPLITS  # (BLOCK_R,) first partial of each head
-    if ONCE and BLOCK_S <= MERGE_S:
+    if BLOCK_S <= MERGE_S:
         # Every LSE and partial in ONE step: the loads do not depend on each other, so they share one
         # L2 round trip (the stepped form loads the LSEs for the max first, then the partials).
         ok = r_ok[:, None] & (offs_s < N_SPLITS)[None, :]  # (BLOCK_R, BLOCK_S)
@@ -196,17 +162,13 @@ def _attend(q, kt, v, m_i, l_i, acc, scale_log2, offs_n, n_valid, UPCAST: tl.con
 
 
 @triton.jit
-def _program(HKV, GRID_B: tl.constexpr):
-    """(b, g, b * HKV + g, split) of this program. GRID_B: the grid is (Hkv, splits, B), so no integer
-    division by the runtime HKV stands before the length load; else (B * Hkv, splits)."""
-    if GRID_B:
-        g = tl.program_id(0)
-        split = tl.program_id(1)
-        b = tl.program_id(2)
-        return b, g, b * HKV + g, split
-    bg = tl.program_id(0)
+def _program(HKV):
+    """(b, g, b * HKV + g, split) of this program. The grid is (Hkv, splits, B), so no integer division
+    by the runtime HKV stands before the length load."""
+    g = tl.program_id(0)
     split = tl.program_id(1)
-    return bg // HKV, bg % HKV, bg, split
+    b = tl.program_id(2)
+    return b, g, b * HKV + g, split
 
 
 @triton.jit
@@ -245,31 +207,19 @@ def _decode_attention_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
     FUSED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-    GRID_B: tl.constexpr = False, EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    MERGE_ONCE: tl.constexpr = False, PF_LINES: tl.constexpr = 2, PF_ELEMS: tl.constexpr = 64,
-    Q_LOOP: tl.constexpr = False, ASM: tl.constexpr = True,
+    PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_ELEMS: tl.constexpr, ASM: tl.constexpr,
 ):
-    if EARLY or PREFETCH > 0:
-        # Before the PDL wait: only what the preceding kernel cannot have written. The split's rows
-        # come from the length (see Variant: EARLY trusts this read; otherwise it only steers the
-        # L2 prefetch, whose lines are re-fetched coherently by the loads after the wait).
-        b, g, bg, split = _program(HKV, GRID_B)
-        length = tl.load(len_ptr + b)
-        start, end = _split_rows(length, split, N_SPLITS, BLOCK_N)
-        if PREFETCH > 0:
-            _prefetch_l2(k_ptr + b.to(tl.int64) * skb + g * skh, skl, start, end, D, BLOCK_N, PREFETCH,
-                         PF_LINES, PF_ELEMS, ASM)
-            _prefetch_l2(v_ptr + b.to(tl.int64) * svb + g * svh, svl, start, end, D, BLOCK_N, PREFETCH,
-                         PF_LINES, PF_ELEMS, ASM)
-        pdl.enter(PDL)
-        if not EARLY:  # the length may have changed under the early read: read it again past L1
-            length = tl.load(len_ptr + b, cache_modifier=".cg")
-            start, end = _split_rows(length, split, N_SPLITS, BLOCK_N)
-    else:
-        pdl.enter(PDL)  # a decode-step kernel: may start early, reads nothing before the previous one is done
-        b, g, bg, split = _program(HKV, GRID_B)
-        length = tl.load(len_ptr + b)
-        start, end = _split_rows(length, split, N_SPLITS, BLOCK_N)
+    # Before the PDL wait: only what the preceding kernel cannot have written. The length is one of
+    # those by contract (module docstring); the split's rows and the L2 prefetch come from it.
+    b, g, bg, split = _program(HKV)
+    length = tl.load(len_ptr + b)
+    start, end = _split_rows(length, split, N_SPLITS, BLOCK_N)
+    if PREFETCH > 0:
+        _prefetch_l2(k_ptr + b.to(tl.int64) * skb + g * skh, skl, start, end, D, BLOCK_N, PREFETCH,
+                     PF_LINES, PF_ELEMS, ASM)
+        _prefetch_l2(v_ptr + b.to(tl.int64) * svb + g * svh, svl, start, end, D, BLOCK_N, PREFETCH,
+                     PF_LINES, PF_ELEMS, ASM)
+    pdl.enter(PDL)  # a decode-step kernel: may start early, reads nothing the previous one writes before it is done
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -281,8 +231,6 @@ def _decode_attention_kernel(
     # Rows past N_REP are padding so tl.dot sees M >= 16; they load zeros and are never stored.
     q_ptrs = q_ptr + b * sqb + heads[:, None] * sqh + offs_d[None, :]  # (BLOCK_H, BLOCK_D)
     q_ok = h_ok[:, None] & d_ok[None, :]
-    if not Q_LOOP:
-        q = _load_q(q_ptrs, q_ok, UPCAST)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -297,11 +245,9 @@ def _decode_attention_kernel(
     for n0 in range(start, full_end, BLOCK_N):
         kt = _load_tile(k_base + n0 * skl + k_off, d_ok[:, None], D == BLOCK_D)
         v = _load_tile(v_base + n0 * svl + v_off, d_ok[None, :], D == BLOCK_D)
-        if Q_LOOP:  # pipelined with the tile (cp.async), not a round trip before the first tile's loads;
-            # the mask (always true) depends on n0 only so that the load is not hoisted out of the loop
-            qn = _load_q(q_ptrs, q_ok & (n0 >= start), UPCAST)
-        else:
-            qn = q
+        # q is pipelined with the tile (cp.async), not a round trip before the first tile's loads; the
+        # mask (always true) depends on n0 only so that the load is not hoisted out of the loop
+        qn = _load_q(q_ptrs, q_ok & (n0 >= start), UPCAST)
         m_i, l_i, acc = _attend(qn, kt, v, m_i, l_i, acc, scale_log2, offs_n, BLOCK_N, UPCAST)
     if full_end < end:
         kp = k_base + full_end * skl + k_off
@@ -309,10 +255,7 @@ def _decode_attention_kernel(
         n_ok = full_end + offs_n < end
         kt = tl.load(kp, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(vp, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if Q_LOOP:
-            qn = _load_q(q_ptrs, q_ok, UPCAST)
-        else:
-            qn = q
+        qn = _load_q(q_ptrs, q_ok, UPCAST)
         m_i, l_i, acc = _attend(qn, kt, v, m_i, l_i, acc, scale_log2, offs_n, end - full_end, UPCAST)
     # An empty split (start >= length) leaves l_i = 0: it stores lse = -inf and o = 0.
     has = l_i > 0
@@ -334,7 +277,7 @@ def _decode_attention_kernel(
             arrived = tl.atomic_add(cnt_ptr + bg, 1, sem="acq_rel", scope="gpu")
             if arrived == N_SPLITS - 1:  # the last program of (b, g): all partials are visible
                 _merge_splits(o_ptr, lse_ptr, out_ptr, s_outb, s_outh, b, g, H, N_SPLITS, N_REP, D,
-                              BLOCK_R, BLOCK_S, MERGE_S, BLOCK_D, MERGE_ONCE)
+                              BLOCK_R, BLOCK_S, MERGE_S, BLOCK_D)
                 tl.store(cnt_ptr + bg, 0)  # ready for the next launch (kernel boundary orders it)
 
 
@@ -422,22 +365,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
                      scale: float | None = None, n_splits: int | None = None,
                      block_n: int | None = None, out: torch.Tensor | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, fused: bool = True,
-                     variant: Variant | None = None) -> torch.Tensor:
+                     prefetch: int | None = None) -> torch.Tensor:
     """q (B, H, D) x k, v (B, Hkv, L_max, D), lengths (B,) int32 on q's device -> (B, H, D) in q's dtype.
 
     `out` (like q) receives the result when given (a captured graph's fixed output buffer).
-    block_n, num_warps, num_stages, n_splits and fused (merge in the same launch) are tuning knobs; left
-    None they come from the buffer length (default_config: the H200 sweep of scripts/benches/
-    decode_attention.py, DECODE_SWEEP=decode, run S4-1 in docs/perf_notes.md). `variant` (default: the
-    module's VARIANT) picks the fixed-cost switches of `Variant`.
+    block_n, num_warps, num_stages, n_splits, fused (merge in the same launch) and prefetch (K/V tiles
+    of each split asked into L2 before the PDL wait) are tuning knobs; left None they come from the buffer
+    length (default_config: the H200 sweeps of scripts/benches/decode_attention.py, DECODE_SWEEP=decode
+    and DECODE_SWEEP=prefetch).
     """
     _check(q, k, v, lengths, out)
     B, H, D = q.shape
     Hkv, L_max = k.shape[1], k.shape[2]
     out = torch.empty_like(q) if out is None else out
     n_rep = H // Hkv
-    d_block, d_warps, d_stages, per_sm = default_config(L_max)
+    d_block, d_warps, d_stages, per_sm, d_prefetch = default_config(L_max)
     block_n, num_warps, num_stages = block_n or d_block, num_warps or d_warps, num_stages or d_stages
+    prefetch = d_prefetch if prefetch is None else prefetch
     n_splits = n_splits or default_splits(L_max, B * Hkv, q.device, per_sm)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     # One fp32 workspace: partial outputs (B, H, n_splits, D) then their log-sum-exps (B, H, n_splits).
@@ -446,21 +390,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     cnt = _counters(q.device, B * Hkv) if fused and n_splits > 1 else lengths  # unused when not fused
     block_d = max(16, triton.next_power_of_2(D))
     block_r, block_s = triton.next_power_of_2(n_rep), triton.next_power_of_2(n_splits)
-    var = VARIANT if variant is None else variant
-    grid = (Hkv, n_splits, B) if var.grid_b else (B * Hkv, n_splits)
-    extra = {}
-    if var != Variant():  # the default launch passes none of these: its compiled kernel is unchanged
-        per_line = 128 // q.element_size()  # elements in a 128-byte line (the prefetch granule)
-        extra = dict(GRID_B=var.grid_b, EARLY=var.early, PREFETCH=var.prefetch, MERGE_ONCE=var.merge_once, Q_LOOP=var.q_loop,
-                     PF_LINES=triton.next_power_of_2(-(-D // per_line)), PF_ELEMS=per_line, ASM=not _interpreting())
-    _decode_attention_kernel[grid](
+    per_line = 128 // q.element_size()  # elements in a 128-byte line (the prefetch granule)
+    _decode_attention_kernel[(Hkv, n_splits, B)](
         q, k, v, lengths, o_part, lse, out, cnt,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), scale * LOG2E, Hkv, H, n_splits,
         N_REP=n_rep, D=D, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_R=block_r, BLOCK_S=block_s, MERGE_S=min(block_s, max(1, MERGE_ELEMS // (block_r * block_d))),
-        FUSED=fused, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages, **pdl.options(q.device), **extra,
+        FUSED=fused, UPCAST=_interpreting() and q.dtype == torch.bfloat16, PREFETCH=prefetch,
+        PF_LINES=triton.next_power_of_2(-(-D // per_line)), PF_ELEMS=per_line, ASM=not _interpreting(),
+        num_warps=num_warps, num_stages=num_stages, **pdl.options(q.device),
     )
     if n_splits > 1 and not fused:
         _decode_attention_reduce_kernel[(B * H,)](

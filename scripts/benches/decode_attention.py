@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention [--quick]
     DECODE_SWEEP=1|decode,retrieval,pack PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention
-    DECODE_SWEEP=variants PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention
+    DECODE_SWEEP=prefetch PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention
 
 Rows: decoding attention over a packed buffer of L rows (graph-replayed, GB/s against the measured
 copy bandwidth; the fused split merge and the older two-kernel merge side by side); keep 0.25 / 0.1
@@ -12,9 +12,9 @@ the attention matrix, flash-colreduce (causal, GQA keys expanded) if installed, 
 prefill attention (share, eager and graph); per question over 32 layers at 8K, keep 0.1: retrieval
 (per layer, as the prefill launches it) + the layer-batched selection and pack of KVCache.pack,
 against a 50-token turn's decode. DECODE_SWEEP runs the named tile sweeps instead (1: all three);
-DECODE_SWEEP=variants times the decode kernel's fixed-cost switches (csrc_triton.decode_attention.Variant)
-side by side at 1K, 8K, 32K, 1K keys in a 4K buffer (the decode step's shape) and the packed keep 0.1 / 0.25
-of a 32K cache (DECODE_VARIANTS=name,name... picks a subset of VARIANTS).
+DECODE_SWEEP=prefetch times the decode kernel with 0, 2 and 4 K/V tiles per split prefetched into L2 before
+the PDL wait (the launch parameter CONFIG_BY_LENGTH picks by buffer length) at 1K, 1K keys in a 4K buffer (the
+decode step's shape), 4K, 8K, 12K, 16K, 32K, 128K and keep 0.1 / 0.25 of a 32K cache.
 """
 
 from __future__ import annotations
@@ -123,40 +123,26 @@ def sweep_rows(lengths=(1024, 8192, 32768, 131072)) -> list[dict]:
     return rows
 
 
-ALL = "grid_b,early,prefetch=2,merge_once,q_loop"
-VARIANTS = {  # name -> (csrc_triton.decode_attention.Variant.parse spec, launch overrides; none: CONFIG_BY_LENGTH)
-    "base": ("", {}),
-    "merge_once": ("merge_once", {}),
-    "q_loop": ("q_loop", {}),
-    "early": ("grid_b,early", {}),
-    "pf2": ("grid_b,prefetch=2", {}),  # no contract on `lengths`: it is read again after the PDL wait
-    "early+pf2": ("grid_b,early,prefetch=2", {}),
-    "all-pf": ("grid_b,early,merge_once,q_loop", {}),
-    "all": (ALL, {}),
-    "all/pf4": ("grid_b,early,prefetch=4,merge_once,q_loop", {}),
-    "safe": ("grid_b,prefetch=2,merge_once,q_loop", {}),  # all but the early-length contract
-    "all/s4": (ALL, {"n_splits": 4}),  # fewer splits: less merge work, fewer keys in flight
-    # 64-key tiles, 3 stages, 2 programs per SM (~74 KB shared memory each): the next call's programs can
-    # sit beside the running ones and prefetch while they run
-    "base/n64c2": ("", {"block_n": 64, "num_stages": 3, "per_sm": 2}),
-    "all/n64c2": (ALL, {"block_n": 64, "num_stages": 3, "per_sm": 2}),
-}
-# (case, buffer slots L_max, keys attended): Llama-3-8B shapes, one query token.
-VARIANT_CASES = [("1K", 1024, 1024), ("1K in 4K", 4096, 1024), ("8K", 8192, 8192), ("32K", 32768, 32768),
-                 ("keep .1 of 32K", 32768, 3277), ("keep .25 of 32K", 32768, 8192)]
+PREFETCH_SWEEP = (0, 2, 4)  # K/V tiles of each split asked into L2 before the PDL wait
+# (case, buffer slots L_max, keys attended): Llama-3-8B shapes, one query token. The keep cases attend the
+# packed rows in a 32K buffer (as S7 measured them); the runtime packs them into a buffer of the kept rows
+# plus the turn's room, whose length picks the prefetch (the kernel is otherwise the same: same tiles, splits).
+PREFETCH_CASES = [("1K", 1024, 1024), ("1K in 4K", 4096, 1024), ("4K", 4096, 4096), ("8K", 8192, 8192),
+                  ("12K", 12288, 12288), ("16K", 16384, 16384), ("32K", 32768, 32768), ("128K", 131072, 131072),
+                  ("keep .1 of 32K", 32768, 3277), ("keep .25 of 32K", 32768, 8192)]
 
 
-def variant_rows() -> list[dict]:
-    """Each Variant of the decode kernel, graph-replayed (16+ back-to-back calls, PDL on as in the decode
-    step), per case: us, fraction of copy bandwidth, speedup over `base`; the packed cases also against
-    SDPA over the full 32K cache (of_ideal: speedup x keep, target 0.8)."""
-    from csrc_triton.decode_attention import Variant, decode_attention, default_config, default_splits
+def prefetch_rows() -> list[dict]:
+    """The decode kernel at each L2 prefetch count, graph-replayed (16+ back-to-back calls, PDL on as in
+    the decode step), per case: us, fraction of copy bandwidth, speedup over no prefetch, whether the
+    count is the one CONFIG_BY_LENGTH picks for the buffer (`picked`); the keep cases also against SDPA
+    over the full 32K cache (of_ideal: speedup x keep, target 0.8)."""
+    from csrc_triton.decode_attention import decode_attention, default_config
 
-    names = os.environ.get("DECODE_VARIANTS", "").split(",") if os.environ.get("DECODE_VARIANTS") else list(VARIANTS)
     rows, bw = [], common.copy_bandwidth_gbs()
     q = torch.randn(1, H, D, device="cuda", dtype=DT)
     sdpa_us = {}
-    for case, L_max, n in VARIANT_CASES:
+    for case, L_max, n in PREFETCH_CASES:
         # Sets rotated so that the bytes READ exceed L2 (keep 0.1 of 32K reads 13 MB of each 134 MB buffer:
         # two sets, as sparse_vs_sdpa rotates, could stay L2-resident).
         kv = _kv(L_max, common.n_copies(4 * HKV * n * D))
@@ -165,22 +151,19 @@ def variant_rows() -> list[dict]:
             sdpa_us[L_max] = 1000 * sdpa if sdpa else None
         lens = torch.tensor([n], dtype=torch.int32, device="cuda")
         base = None
-        for name in names:
-            spec, launch = VARIANTS[name]
-            launch = dict(launch)
-            per_sm = launch.pop("per_sm", default_config(L_max)[3])
-            launch.setdefault("n_splits", default_splits(L_max, HKV, q.device, per_sm))
-            fn = functools.partial(decode_attention, q, lengths=lens, variant=Variant.parse(spec), **launch)
+        for pf in PREFETCH_SWEEP:
+            fn = functools.partial(decode_attention, q, lengths=lens, prefetch=pf)
             try:
                 ms = common.graph_ms(fn, kv)
-            except Exception as e:  # a variant that fails to compile is a row, not a crash
-                print(f"variant {name} failed: {type(e).__name__}: {e}")
+            except Exception as e:  # a launch that fails is a row, not a crash
+                print(f"prefetch {pf} failed: {type(e).__name__}: {e}")
                 ms = None
             us = 1000 * ms if ms else None
-            base = us if name == "base" else base
+            base = us if pf == 0 else base
             gbs = 4 * HKV * n * D / ms / 1e6 if ms else None
-            row = {"case": case, "L_max": L_max, "keys": n, "variant": name, "splits": launch["n_splits"], "us": us, "GB/s": gbs,
-                   "of_copy_bw": gbs / bw if gbs else None, "vs_base": base / us if base and us else None}
+            row = {"case": case, "L_max": L_max, "keys": n, "prefetch": pf, "picked": pf == default_config(L_max)[4],
+                   "us": us, "GB/s": gbs, "of_copy_bw": gbs / bw if gbs else None,
+                   "vs_pf0": base / us if base and us else None}
             if n < L_max and sdpa_us.get(L_max) and us:
                 row["of_ideal"] = sdpa_us[L_max] / us * n / L_max
             rows.append(row)
@@ -357,8 +340,8 @@ def run(args) -> list[dict]:
             rows += retrieval_sweep_rows()
         if sweep & {"1", "pack"}:
             rows += pack_sweep_rows()
-        if "variants" in sweep:
-            rows += _shown(variant_rows())
+        if "prefetch" in sweep:
+            rows += _shown(prefetch_rows())
         return rows
     return run_rows(quick)
 

@@ -1,6 +1,7 @@
 """csrc_triton.decode_attention against its reference: lengths 1..5000, GQA, split counts, fp16/bf16,
-the fused split merge (last-arriving program, self-resetting counters) and the two-kernel merge, and
-each fixed-cost `Variant` (alone and all together) on the same cases.
+the fused split merge (last-arriving program, self-resetting counters) and the two-kernel merge, each
+with 0, 2 and 4 K/V tiles prefetched into L2 (the interpreter runs the prefetch's addressing, not its
+asm), and the prefetch rule of the launch config by buffer length.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 at small head counts; on CUDA the same cases run
 plus Llama-3-8B shapes (32 query heads, 8 KV heads, D=128) and a CUDA-graph replay.
@@ -14,16 +15,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from csrc_triton.decode_attention import _COUNTERS, Variant, decode_attention, decode_attention_ref  # noqa: E402
+from csrc_triton.decode_attention import _COUNTERS, decode_attention, decode_attention_ref, default_config  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-# Each switch alone, and all of them (the interpreter runs the logic; the L2 prefetch asm is GPU-only).
-VARIANTS = {
-    "grid_b": Variant(grid_b=True), "early": Variant(early=True), "prefetch": Variant(prefetch=2),
-    "merge_once": Variant(merge_once=True), "q_loop": Variant(q_loop=True),
-    "all": Variant(grid_b=True, early=True, prefetch=2, merge_once=True, q_loop=True),
-}
+PREFETCH = (0, 2, 4)  # K/V tiles of each split asked into L2 before the PDL wait (CONFIG_BY_LENGTH uses 0, 2)
 
 
 def make(B, H, Hkv, L_max, D, dtype, lengths, seed=0):
@@ -48,25 +44,26 @@ def check(q, k, v, lens, **kw):
     assert err <= 2 * torch_err + FLOOR[q.dtype], (err, torch_err)
 
 
-@pytest.mark.parametrize("variant", ["default", "all"])
+@pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lengths,n_splits", [
     ([1, 5], 1), ([1, 5], 4), ([123, 64], 3), ([217, 1], 8), ([3000, 1000], 16), ([5000, 4097], 7),
 ])
-def test_lengths_and_splits(dtype, lengths, n_splits, variant):
+def test_lengths_and_splits(dtype, lengths, n_splits, prefetch):
     q, k, v, lens = make(2, 4, 1, max(lengths) + 9, 64, dtype, lengths)
-    check(q, k, v, lens, n_splits=n_splits, variant=VARIANTS.get(variant, Variant()))
+    check(q, k, v, lens, n_splits=n_splits, prefetch=prefetch)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("prefetch", PREFETCH)
 @pytest.mark.parametrize("lengths,n_splits,block_n", [
     ([217, 1], 8, 32), ([1000, 300], 5, 64), ([300, 129], 3, 128), ([2000, 77], 40, 16),
 ])
-def test_variants(name, lengths, n_splits, block_n):
-    """Every switch alone on whole and partial tiles, empty splits, one key, and 40 splits (more than
-    merge_once takes in one step at D = 64: the stepped merge runs)."""
+def test_prefetch_counts(prefetch, lengths, n_splits, block_n):
+    """Each prefetch count on whole and partial tiles, splits shorter and longer than the prefetched
+    tiles, empty splits, one key, and 40 splits (more than the merge takes in one round trip at D = 64:
+    the stepped merge runs)."""
     q, k, v, lens = make(2, 8, 2, max(lengths) + 5, 64, torch.bfloat16, lengths, seed=11)
-    check(q, k, v, lens, n_splits=n_splits, block_n=block_n, variant=VARIANTS[name])
+    check(q, k, v, lens, n_splits=n_splits, block_n=block_n, prefetch=prefetch)
 
 
 @pytest.mark.parametrize("lengths,n_splits", [([217, 1], 8), ([1000, 300], 5)])
@@ -75,22 +72,22 @@ def test_two_kernel_merge(lengths, n_splits):
     check(q, k, v, lens, n_splits=n_splits, fused=False)
 
 
-@pytest.mark.parametrize("variant", ["default", "all"])
-def test_fused_merge_leaves_its_counters_at_zero(variant):
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_fused_merge_leaves_its_counters_at_zero(prefetch):
     """Each call must reset what it counted, else the next call (or graph replay) never merges and
     leaves the poisoned output unwritten; 20 splits (2 merge steps at D=128, one of them empty)
     and 3 heads per group."""
     q, k, v, lens = make(1, 6, 2, 300, 128, torch.float16, [300], seed=5)
     for n_splits in (20, 3, 20):
-        check(q, k, v, lens, n_splits=n_splits, block_n=16, variant=VARIANTS.get(variant, Variant()))
+        check(q, k, v, lens, n_splits=n_splits, block_n=16, prefetch=prefetch)
         assert not _COUNTERS[str(q.device)].any()
 
 
-@pytest.mark.parametrize("variant", ["default", "all"])
+@pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("H,Hkv,D", [(4, 4, 32), (8, 2, 64), (7, 1, 16), (12, 3, 80)])
-def test_gqa_ratios_and_head_dims(H, Hkv, D, variant):
+def test_gqa_ratios_and_head_dims(H, Hkv, D, prefetch):
     q, k, v, lens = make(1, H, Hkv, 300, D, torch.float16, [257])
-    check(q, k, v, lens, n_splits=3, variant=VARIANTS.get(variant, Variant()))
+    check(q, k, v, lens, n_splits=3, prefetch=prefetch)
 
 
 @pytest.mark.parametrize("block_n,lengths", [(16, [77, 300]), (32, [300, 1]), (128, [129, 300])])
@@ -121,57 +118,57 @@ def test_default_splits_fit_one_wave(per_sm, n_programs):
             assert splits * n_programs <= per_sm * _sm_count(dev)
 
 
-@pytest.mark.parametrize("variant", ["default", "early", "prefetch", "all"])
-def test_length_is_read_from_the_device_tensor(variant):
-    var = VARIANTS.get(variant, Variant())
+@pytest.mark.parametrize("prefetch", PREFETCH)
+def test_length_is_read_from_the_device_tensor(prefetch):
     q, k, v, lens = make(1, 4, 2, 200, 32, torch.float16, [200])
-    a = decode_attention(q, k, v, lens, n_splits=4, variant=var)
+    a = decode_attention(q, k, v, lens, n_splits=4, prefetch=prefetch)
     lens.fill_(37)
-    b = decode_attention(q, k, v, lens, n_splits=4, variant=var)
+    b = decode_attention(q, k, v, lens, n_splits=4, prefetch=prefetch)
     torch.testing.assert_close(b, decode_attention_ref(q.float(), k.float(), v.float(), lens).half(),
                                atol=2e-3, rtol=0)
     assert not torch.allclose(a, b)
 
 
-def test_variant_parse():
-    assert Variant.parse("") == Variant() == Variant.parse("default")
-    assert Variant.parse("grid_b,early,prefetch=2,merge_once,q_loop") == VARIANTS["all"]
-    assert Variant.parse("prefetch=4,q_loop=0") == Variant(prefetch=4)
-    with pytest.raises(ValueError, match="unknown variant switch"):
-        Variant.parse("erly")
+def test_prefetch_rule_by_buffer_length():
+    """No prefetch for buffers of [6K, 16K) slots, 2 tiles otherwise (the H200 session-7 results in
+    CONFIG_BY_LENGTH); the tile config around those bounds is the same, so only the prefetch changes."""
+    picks = {n: default_config(n)[4] for n in (1, 1024, 4096, 6143, 6144, 8192, 8400, 16383, 16384, 32768, 131072)}
+    assert picks == {1: 2, 1024: 2, 4096: 2, 6143: 2, 6144: 0, 8192: 0, 8400: 0, 16383: 0, 16384: 2,
+                     32768: 2, 131072: 2}
+    assert {default_config(n)[:4] for n in (4096, 8192, 32768)} == {(128, 4, 3, 1)}
+    assert default_config(131072)[:4] == (64, 4, 4, 1)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes and graphs need a GPU")
-@pytest.mark.parametrize("variant", ["default", "prefetch", "all"])
+@pytest.mark.parametrize("prefetch", [None, 0, 2, 4])  # None: the launch config's count for the buffer
 @pytest.mark.parametrize("L", [1, 1000, 3277, 8191, 32768])
-def test_llama3_8b_shapes(L, variant):
+def test_llama3_8b_shapes(L, prefetch):
     q, k, v, lens = make(1, 32, 8, L + 64, 128, torch.float16, [L])
-    check(q, k, v, lens, variant=VARIANTS.get(variant, Variant()))
+    check(q, k, v, lens, prefetch=prefetch)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need a GPU")
-@pytest.mark.parametrize("variant", ["default", "all"])
+@pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("n_splits", [2, 16, 64, 200])
-def test_fused_merge_under_many_arrival_orders(n_splits, variant):
+def test_fused_merge_under_many_arrival_orders(n_splits, prefetch):
     """On the GPU any program of a group can arrive last: back-to-back calls at many lengths."""
     q, k, v, lens = make(1, 32, 8, 20000, 128, torch.float16, [20000])
     for n in (20000, 8191, 4097, 129, 64, 1):
         lens.fill_(n)
-        check(q, k, v, lens, n_splits=n_splits, variant=VARIANTS.get(variant, Variant()))
+        check(q, k, v, lens, n_splits=n_splits, prefetch=prefetch)
     assert not _COUNTERS[str(q.device)].any()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("variant", ["default", "all"])
-def test_cuda_graph_replay_follows_the_length(variant):
-    var = VARIANTS.get(variant, Variant())
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_cuda_graph_replay_follows_the_length(prefetch):
     q, k, v, lens = make(1, 32, 8, 4096, 128, torch.bfloat16, [4096])
     out = torch.empty_like(q)
-    decode_attention(q, k, v, lens, out=out, variant=var)  # compile outside the capture
+    decode_attention(q, k, v, lens, out=out, prefetch=prefetch)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode_attention(q, k, v, lens, out=out, variant=var)
+        decode_attention(q, k, v, lens, out=out, prefetch=prefetch)
     for n in (4096, 1000, 17):
         lens.fill_(n)
         graph.replay()
