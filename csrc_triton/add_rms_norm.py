@@ -102,7 +102,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual (..., D) -> (normed (..., D), residual + x (..., D)); residual None -> (rms_norm(x), x).
     `num_warps` overrides the launch (benchmarks)."""
-    key = (tensor_key(x), tensor_key(residual), weight.shape, weight.dtype, eps, num_warps,
+    key = (tensor_key(x), tensor_key(residual), tensor_key(weight), eps, num_warps,
            os.environ.get("TINYVILA_PDL"))  # pdl.options reads it: a changed switch makes a new plan
     plan = _PLANS.get_or_build(key, lambda: _plan(x, residual, weight, eps, num_warps))
     x2 = _rows(x) if plan.rows_x else x
