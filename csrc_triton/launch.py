@@ -1,4 +1,4 @@
-"""Eager Triton launches without Triton's per-call dispatch: `_Launch`, the plan table `Plans`, DIRECT_LAUNCH.
+"""Eager Triton launches without Triton's per-call dispatch: `_Launch` (reference: `launch_ref`), `Plans`, DIRECT_LAUNCH.
 
 Why: an eager launch through `kernel[grid](...)` spends tens of microseconds of host time binding the
 arguments, specialising them, hashing the cache key and building launch metadata (issue 5 at 1 SigLIP
@@ -31,6 +31,15 @@ def _no_hooks(fn) -> bool:
         leave is None or type(leave) is knobs.HookChain and not leave.calls)
 
 
+def launch_ref(fn, grid: tuple[int, ...], tensors: tuple, scalars: tuple, meta: dict):
+    """The reference of a direct launch: the same launch through Triton's own dispatch (binding,
+    specialisation, cache lookup or compile, launch with metadata and hooks). `_Launch` takes this path on
+    its first call per compiled-kernel key, under the interpreter, with hooks, and with DIRECT_LAUNCH off;
+    tests/kernels/test_launch.py checks that its direct calls pass exactly what this one does. Returns
+    Triton's compiled kernel (None when a JIT cache hook skipped the launch)."""
+    return fn[grid](*tensors, *scalars, **meta)
+
+
 class _Launch:
     """One kernel launch with its grid, scalar arguments, constexprs and options fixed; called with the
     kernel's tensor arguments, which must be its leading parameters, in order.
@@ -55,13 +64,13 @@ class _Launch:
 
     def __call__(self, *tensors: torch.Tensor):
         if not (DIRECT_LAUNCH and self.direct and _no_hooks(self.fn)):
-            return self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+            return launch_ref(self.fn, self.grid, tensors, self.scalars, self.meta)
         device = driver.active.get_current_device()
         key = (device, knobs.runtime.debug, *[t.data_ptr() % 16 == 0 for t in tensors])
         entry = self.compiled.get(key)
         if entry is None:
             assert len(tensors) + len(self.tail) == len(self.fn.arg_names)
-            kernel = self.fn[self.grid](*tensors, *self.scalars, **self.meta)
+            kernel = launch_ref(self.fn, self.grid, tensors, self.scalars, self.meta)
             if kernel is not None:  # None: a JIT cache hook skipped the launch
                 self.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
             return kernel

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.launch import _Launch
+from csrc_triton.launch import Plans, _Launch
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -303,8 +303,7 @@ POLY_MAXNREG: tuple[int, int] | None = (96, 115)
 # the host spends launching it). Everything the launcher derives from a call's shapes, strides, dtypes
 # and options (checks, tiles, grids, constexprs, scalar arguments) is a _Plan built once per distinct
 # call; each launch then skips Triton's per-call dispatch after its first (csrc_triton/launch.py).
-_PLANS: dict[tuple, "_Plan"] = {}
-_MAX_PLANS = 256  # distinct calls kept (an encoder makes a handful); past it the table starts over
+_PLANS = Plans()  # distinct calls kept (an encoder makes a handful); past its limit the table starts over
 
 
 class _Plan(NamedTuple):
@@ -379,11 +378,7 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
            None if lse is None else (lse.shape, lse.stride(), lse.dtype), scale,
            None if tiles is None else tuple(tiles), fast_exp, exp_poly, poly_deg,
            FAST_EXP_DEFAULT, DEFAULT_TILES, POLY_MAXNREG)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan(q, k, n_query, lse, scale, tiles, fast_exp, exp_poly, poly_deg)
+    plan = _PLANS.get_or_build(key, lambda: _plan(q, k, n_query, lse, scale, tiles, fast_exp, exp_poly, poly_deg))
     if plan.pass1 is not None:
         lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
         plan.pass1(q, k, lse)

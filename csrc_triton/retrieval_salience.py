@@ -406,7 +406,8 @@ def _plan(q, k, idx, lse, scale, out, block_m, block_n, tiles, num_warps, num_st
     return _Plan((B, Hkv, N), span, ((0, T, launch, key),), provisional)
 
 
-# Programs per SM each compiled "pipe" configuration fits, filled by _pipe after its first launch.
+# Programs per SM each compiled configuration (gather or pipe) fits, filled by retrieval_salience after its
+# first launch; plans built before that are provisional (not kept).
 _RESIDENT: dict[tuple, int] = {}
 
 

@@ -15,6 +15,7 @@ import torch
 
 import csrc_triton.launch as launch
 import csrc_triton.prefill_salience as km
+from csrc_triton.launch import Plans
 from csrc_triton.prefill_salience import prefill_salience
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -27,7 +28,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 @pytest.fixture
 def fresh_plans(monkeypatch):
     """An empty plan table for the test, the module's own restored afterwards."""
-    monkeypatch.setattr(km, "_PLANS", {})
+    monkeypatch.setattr(km, "_PLANS", Plans())
     return km._PLANS
 
 
@@ -106,8 +107,8 @@ def test_bad_calls_are_not_cached(fresh_plans):
     assert not fresh_plans
 
 
-def test_plan_table_is_bounded(fresh_plans, monkeypatch):
-    monkeypatch.setattr(km, "_MAX_PLANS", 2)
+def test_plan_table_is_bounded(fresh_plans):
+    fresh_plans.limit = 2
     q, k = _qk(1, 1, 40, 64, torch.float16, 7)
     outs = [prefill_salience(q, k, n_query=m) for m in (1, 2, 3, 1)]
     assert len(fresh_plans) <= 2
