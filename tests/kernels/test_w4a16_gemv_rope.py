@@ -19,6 +19,7 @@ import dataclasses
 import pytest
 import torch
 from _w4_check import make
+from test_w4a16_gemv import assert_nearly_equal
 from conftest import DEVICE, ON_GPU
 
 from csrc_triton import w4a16_gemv as gemv_mod
@@ -67,12 +68,19 @@ def both(a, cos, sin, slots, rows, poison, pn, H, Hkv, cfg, B, T):
 
 
 def assert_same(mine, ref, slots, rows):
-    """Bit-identical outputs (NaN == NaN for the untouched slots), every target slot written, others not."""
+    """Bit-identical outputs (NaN == NaN for the untouched slots) on the GPU; under the interpreter the written
+    values as test_w4a16_gemv.assert_nearly_equal allows (numpy's matmul may sum a row differently at another
+    place in the tile, and the fused tile's row map differs from the plain GEMV's). Every target slot written,
+    others not, everywhere."""
     for i, (x, r) in enumerate(zip(mine, ref)):
         assert x.shape == r.shape and x.dtype == r.dtype
         assert torch.equal(x.isnan(), r.isnan()), f"output {i}: written elements differ"
-        ne = (x != r) & ~x.isnan()
-        assert not ne.any(), f"output {i}: {int(ne.sum())} of {x.numel()} elements differ"
+        if ON_GPU:
+            ne = (x != r) & ~x.isnan()
+            assert not ne.any(), f"output {i}: {int(ne.sum())} of {x.numel()} elements differ"
+        else:
+            w = ~x.isnan()
+            assert_nearly_equal(x[w], r[w])
     assert not mine[0].isnan().any()
     for i, cache in enumerate(mine[1:]):
         at = slots if i < 2 else rows
