@@ -104,9 +104,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     n_rep = q.shape[1] // k.shape[1]
     T, S = q.shape[2], k.shape[2]
-    if causal and q_start > 0 and _flash_ok(q):
-        # Rows appended to a cache (a question, a prefill chunk): the flash kernel twice, merged by
-        # LSE, without expanding the cached K/V per query head or materialising a (T, S) mask.
+    if causal and S == q_start + T and _flash_ok(q) and (q_start > 0 or T < SDPA_SQUARE_MIN_T):
+        # Causal rows over a cache (a question, a prefill chunk, a short first turn): one flash call, GQA
+        # in the kernel (cached K/V never expanded), no (T, S) mask (see _attention_lse_flash).
         return _attention_lse_flash(q, k, v, q_start)[0]
     if n_rep > 1:  # GQA: each KV head serves n_rep consecutive query heads
         k = k.repeat_interleave(n_rep, dim=1)
@@ -118,6 +118,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     q_pos = torch.arange(q_start, q_start + T, device=q.device)
     mask = torch.arange(S, device=q.device)[None, :] <= q_pos[:, None]  # (T, S) True = attend
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+# Square causal attention (a first turn over an empty cache) from this many rows on goes to SDPA with K/V expanded
+# per query head, where PyTorch picks cuDNN, which beat the one flash call there. H200 run S9-B, 32 / 8 heads, D 128,
+# fp16, graph-replayed: 2048 rows 125.6 vs 162.9 us, 4096 rows 350.9 vs 505.2; 450 rows 24.2 vs 22.1, 17 rows 12.5
+# vs 6.1 (tmp script, numbers in docs/perf_notes.md). Rows over a cache prefix always take the flash call.
+SDPA_SQUARE_MIN_T = 1024
 
 
 def attention_scale(head_dim: int) -> float:
@@ -370,24 +377,17 @@ def _attention_lse_ref(q, k, v, q_start):
 
 
 def _attention_lse_flash(q, k, v, q_start):
-    """Two flash calls merged by their LSEs: the cached prefix (no mask; GQA by folding each group's
-    query heads into the row dim, so cached K/V are never expanded) and the T new keys (square
-    causal, where top-left and bottom-right alignment agree)."""
-    B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    n_rep = H // Hkv
-    flash = torch.ops.aten._scaled_dot_product_flash_attention
-    k_new = k[:, :, q_start:].repeat_interleave(n_rep, dim=1)  # (B, H, T, D)
-    v_new = v[:, :, q_start:].repeat_interleave(n_rep, dim=1)
-    o2, lse2 = flash(q, k_new, v_new, 0.0, True)[:2]
-    if q_start == 0:
-        return o2, lse2
-    qf = q.reshape(B, Hkv, n_rep * T, D)  # (B, Hkv, n_rep*T, D): rows (head in group, t)
-    o1, lse1 = flash(qf, k[:, :, :q_start], v[:, :, :q_start], 0.0, False)[:2]
-    o1, lse1 = o1.view(B, H, T, D), lse1.view(B, H, T)
-    lse = torch.logaddexp(lse1, lse2)
-    o = o1 * torch.exp(lse1 - lse)[..., None] + o2 * torch.exp(lse2 - lse)[..., None]
-    return o.to(q.dtype), lse
+    """One call of PyTorch's flash kernel (torch.ops.aten._scaled_dot_product_flash_attention) for the T
+    new rows over all q_start + T keys. Its causal mask is FlashAttention-2's, aligned bottom-right (row t
+    sees keys <= t + S - T = q_start + t), which is this function's contract; F.scaled_dot_product_attention
+    aligns is_causal top-left and refuses T != S on this backend, hence the direct call. GQA is native (the
+    Hkv cached heads are read as they are, never expanded). Until session 9 this was two calls (cached
+    prefix, then the new rows) merged by their LSEs with ~10 more small ops a layer: a follow-up question's
+    prefill was host-bound on them (docs/perf_notes.md)."""
+    if k.shape[2] != q_start + q.shape[2]:
+        raise ValueError(f"attention over a cache: {k.shape[2]} keys for {q.shape[2]} rows at {q_start}")
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
+    return o, lse
 
 
 def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | range, lse: torch.Tensor,
