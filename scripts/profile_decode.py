@@ -22,7 +22,10 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
+from csrc_triton import pdl  # noqa: E402
 from tinyvila.api import from_config  # noqa: E402
 from tinyvila.config import QuantConfig, preset  # noqa: E402
 from tinyvila.generate import Decoder, SamplingParams, generate  # noqa: E402
@@ -42,7 +45,10 @@ def parse_args(argv):
                         "launch, csrc_triton/pdl.py) or 'lmhead=cublas,lmhead=triton' (ops.DENSE_GEMV) or "
                         "'norm=plain,norm=fused' / 'silu=...' (ops.FUSED_NORM_GEMV, ops.FUSED_SILU: RMSNorms / SwiGLU "
                         "in separate launches, or fused into the W4 GEMVs) or 'rope=kernel,rope=gemv' "
-                        "(ops.FUSED_ROPE_GEMV: RoPE + KV write in the rope_qkv launch, or in the qkv GEMV's epilogue)")
+                        "(ops.FUSED_ROPE_GEMV: RoPE + KV write in the rope_qkv launch, or in the qkv GEMV's epilogue), "
+                        "'gemv=real,gemv=sol,gemv=soltiles,gemv=skip' (every W4 GEMV launch as it is / replaced by a "
+                        "read-only kernel of its packed weights, best tiles or the GEMV's own / left out: see "
+                        "_gemv_patch; tokens are meaningless then)")
     return p.parse_args(argv)
 
 
@@ -84,12 +90,103 @@ def kernel_profile(text, args) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
+@triton.jit
+def _read_weights(w_ptr, out_ptr, K8, STEPS, BN: tl.constexpr, W: tl.constexpr, STAGES: tl.constexpr,
+                  PDL: tl.constexpr, TRIGGER: tl.constexpr = 0):
+    """Read BN rows x STEPS x W words of packed weights (split program_id(1) of the K8 words), W words a row per
+    step, and store one word per program (so the loads are not dead code): a W4 GEMV's weight traffic with none
+    of its arithmetic. TRIGGER as the GEMV's: the next PDL kernel may start at once (0) or after the loop (1)."""
+    pdl.wait(PDL)
+    if TRIGGER == 0:
+        pdl.launch_dependents(PDL)
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    base = w_ptr + tl.program_id(1) * STEPS * W
+    acc = tl.zeros((BN, W), dtype=tl.int32)
+    for s in tl.range(0, STEPS, num_stages=STAGES):
+        acc ^= tl.load(base + rows[:, None] * K8 + s * W + tl.arange(0, W)[None, :])
+    if TRIGGER == 1:
+        pdl.launch_dependents(PDL)
+    tl.store(out_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.xor_sum(tl.xor_sum(acc, 1), 0))
+
+
+# The read-only kernel's tiles: the best of a pure-read sweep at Llama-3-8B shapes (H200 run S9-H, graph-replayed
+# per call, fraction of copy bandwidth): 28672 x 512 words 0.76 at 128 rows x 64 words (3 stages), 4096 x 1792
+# 0.77, 6144 x 512 0.56 and 4096 x 512 0.64 at 16 rows x 128 words (4 stages); 4 warps.
+_SOL_TILES = {True: (128, 64, 3), False: (16, 128, 4)}  # keyed by N >= 16384
+
+
+def _gemv_patch(mode: str):
+    """'gemv=sol': every W4 GEMV launch (plain, norm, SwiGLU, RoPE forms) becomes _read_weights over the same
+    packed weights (the step's speed of light for what the GEMVs read, scales and zeros aside), 'gemv=soltiles':
+    the same with each GEMV's own tile config (gemv_config), 'gemv=soltrig': as 'sol' but the SwiGLU (gate/up)
+    calls let the next kernel start when the GEMV's SwiGLU form does (SILU_TRIGGER), 'gemv=skip': no launch at
+    all (what the rest of the step costs). Outputs are allocated as the GEMV would return them and left
+    unwritten: only the timing means anything."""
+    from csrc_triton import w4a16_gemv
+
+    def fake(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residual, gamma, silu=False, rope=None):
+        M, K8, N = x.shape[0], qweight.shape[1], qweight.shape[0]
+        if out is None:
+            out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        outputs = (out,)
+        if residual is not None:
+            blocks = triton.cdiv(N, (config or w4a16_gemv.gemv_config(M, N, 8 * K8, 128))["BLOCK_N"])
+            outputs = (out, torch.empty(M, N, dtype=x.dtype, device=x.device),
+                       torch.zeros(blocks, 8, dtype=torch.float32, device=x.device))
+        if mode != "skip":
+            if mode in ("sol", "soltrig"):
+                (bn, w, stages), split, warps = _SOL_TILES[N >= 16384], 1, 4
+            else:  # "soltiles": the GEMV's own tiles (rows per program, words per step, stages, K split, warps)
+                cfg = config or w4a16_gemv.gemv_config(M, N, 8 * K8, 128)
+                bn, w, stages, split, warps = (cfg["BLOCK_N"], 16 * cfg["GPS"], cfg["STAGES"], cfg["SPLIT_K"],
+                                               cfg["num_warps"])
+            sink = torch.empty(N // bn * split, dtype=torch.int32, device=x.device)
+            trigger = int(silu and mode == "soltrig") * w4a16_gemv.SILU_TRIGGER
+            _read_weights[(N // bn, split)](qweight, sink, K8, K8 // w // split, BN=bn, W=w, STAGES=stages,
+                                            TRIGGER=trigger, num_warps=warps, **pdl.options(x.device))
+        return outputs
+
+    return mock.patch.object(w4a16_gemv, "_gemv", fake)
+
+
+@triton.jit
+def _no_zero_terms(pairs, z_ptr, idx, s8, dtype, U: tl.constexpr, M_ODD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   GPS: tl.constexpr):
+    return tl.zeros((idx.shape[0], 8), dtype=tl.float32)
+
+
+@triton.jit
+def _unit_scales(s_ptr, idx, dtype, S_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, GPS: tl.constexpr):
+    return tl.full((idx.shape[0], 8), 1.0, tl.float32)
+
+
+ABLATIONS = {"nozero": ("_step_zero_terms", _no_zero_terms), "noscale": ("_step_scales", _unit_scales)}
+
+
+def ablate(names: str) -> None:
+    """TINYVILA_GEMV_ABLATE=nozero[+noscale]: the W4 GEMV (mma and RoPE forms) compiled without its per-step
+    zero-point terms (no zeros loaded, no x sums) and/or with unit scales (no scales loaded): wrong outputs, for
+    timing which part of the GEMV's per-weight work the step pays for. Applied at import, before any kernel
+    compiles (Triton binds a kernel's helpers when it first compiles it), so one setting per process."""
+    from csrc_triton import w4a16_gemv
+
+    for name in names.split("+"):
+        attr, fn = ABLATIONS[name]
+        setattr(w4a16_gemv, attr, fn)
+
+
+if os.environ.get("TINYVILA_GEMV_ABLATE"):
+    ablate(os.environ["TINYVILA_GEMV_ABLATE"])
+
+
 def _patch(setting: str):
     """The mock patch of one 'key=value' setting of --variants."""
     from csrc_triton import w4a16_gemv
     from tinyvila import ops
 
     key, value = setting.split("=")
+    if key == "gemv" and value in ("real", "sol", "soltrig", "soltiles", "skip"):
+        return contextlib.nullcontext() if value == "real" else _gemv_patch(value)
     if key == "pdl":
         return mock.patch.dict(os.environ, {"TINYVILA_PDL": value})
     if key == "lmhead" and value in ("cublas", "triton"):
@@ -103,7 +200,7 @@ def _patch(setting: str):
     if key in ("trigger", "silutrigger") and value in ("0", "1", "2"):
         return mock.patch.object(w4a16_gemv, "TRIGGER" if key == "trigger" else "SILU_TRIGGER", int(value))
     raise SystemExit(f"--variants: unknown setting {setting!r} (pdl=0|1, lmhead=cublas|triton, norm|silu=plain|fused, "
-                     "rope=kernel|gemv, trigger|silutrigger=0|1|2)")
+                     "rope=kernel|gemv, trigger|silutrigger=0|1|2, gemv=real|sol|soltrig|soltiles|skip)")
 
 
 def variants(text, args) -> dict[str, float]:
