@@ -160,13 +160,39 @@ def _unit_scales(s_ptr, idx, dtype, S_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr
     return tl.full((idx.shape[0], 8), 1.0, tl.float32)
 
 
-ABLATIONS = {"nozero": ("_step_zero_terms", _no_zero_terms), "noscale": ("_step_scales", _unit_scales)}
+@triton.jit
+def _no_prenorm(pin_ptr, NP, norm_d, eps, M, BLOCK_M: tl.constexpr, NPB: tl.constexpr):
+    return tl.full((BLOCK_M,), 1.0, tl.float32)
+
+
+@triton.jit
+def _finish_plain(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, SPLIT_K,
+                  res_ptr, g_ptr, xg_ptr, pout_ptr, r, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                  FENCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPI: tl.constexpr,
+                  PRENORM: tl.constexpr, rope=None, ROPE_D: tl.constexpr = 0, SECOND: tl.constexpr = False):
+    """The GEMV's tail without its epilogue: the tile stored plainly into y's first columns (no split-K merge, no
+    residual / norm sums, no SwiGLU, no RoPE or cache write)."""
+    if EPI == 2:
+        limit = N // 2
+    elif EPI == 3:
+        limit = ROPE_D  # q's first head: in bounds whatever the head count
+    else:
+        limit = N
+    mask = (offs_m < M)[:, None] & (offs_n < limit)[None, :]
+    if PRENORM:
+        out = out * r[:, None]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+ABLATIONS = {"nozero": ("_step_zero_terms", _no_zero_terms), "noscale": ("_step_scales", _unit_scales),
+             "noepi": ("_finish", _finish_plain), "noprenorm": ("_prenorm_rows", _no_prenorm)}
 
 
 def ablate(names: str) -> None:
-    """TINYVILA_GEMV_ABLATE=nozero[+noscale]: the W4 GEMV (mma and RoPE forms) compiled without its per-step
-    zero-point terms (no zeros loaded, no x sums) and/or with unit scales (no scales loaded): wrong outputs, for
-    timing which part of the GEMV's per-weight work the step pays for. Applied at import, before any kernel
+    """TINYVILA_GEMV_ABLATE=nozero[+noscale][+noepi][+noprenorm]: the W4 GEMV (mma and RoPE forms) compiled without
+    its per-step zero-point terms (no zeros loaded, no x sums), with unit scales (no scales loaded), without its
+    epilogue (_finish_plain) and/or without the RMSNorm prologue (r = 1): wrong outputs, for timing which part of
+    the GEMV's work the step pays for. Applied at import, before any kernel
     compiles (Triton binds a kernel's helpers when it first compiles it), so one setting per process."""
     from csrc_triton import w4a16_gemv
 
@@ -179,12 +205,30 @@ if os.environ.get("TINYVILA_GEMV_ABLATE"):
     ablate(os.environ["TINYVILA_GEMV_ABLATE"])
 
 
+def _mma(bn: int, warps: int, split: int, gps: int) -> dict:
+    return {"kernel": "mma", "BLOCK_N": bn, "num_warps": warps, "STAGES": 3, "SPLIT_K": split, "GPS": gps}
+
+
+# 'gemvtable=...': M = 1 GEMV configs with more, lighter programs than GEMV_TABLE's (which has 64-128 rows a program:
+# qkv 96, o 64, gate_up 224, down 64 x 2 programs), to see whether the step depends on how many programs each GEMV
+# has when PDL places them (docs/perf_notes.md, session 9). "half": half the rows a program; "quarter": a quarter
+# (one 16-row tile a warp, as rope_ok requires of qkv).
+SMALL_TILES = {
+    "half": {(1, 6144, 4096): _mma(32, 2, 1, 8), (1, 4096, 4096): _mma(32, 2, 1, 8),
+             (1, 28672, 4096): _mma(64, 4, 1, 4), (1, 4096, 14336): _mma(32, 2, 2, 8)},
+    "quarter": {(1, 6144, 4096): _mma(16, 1, 1, 8), (1, 4096, 4096): _mma(16, 1, 1, 8),
+                (1, 28672, 4096): _mma(32, 2, 1, 4), (1, 4096, 14336): _mma(16, 1, 2, 8)},
+}
+
+
 def _patch(setting: str):
     """The mock patch of one 'key=value' setting of --variants."""
     from csrc_triton import w4a16_gemv
     from tinyvila import ops
 
     key, value = setting.split("=")
+    if key == "gemvtable" and value in SMALL_TILES:
+        return mock.patch.dict(w4a16_gemv.GEMV_TABLE, SMALL_TILES[value])
     if key == "gemv" and value in ("real", "sol", "soltrig", "soltiles", "skip"):
         return contextlib.nullcontext() if value == "real" else _gemv_patch(value)
     if key == "pdl":
@@ -200,7 +244,7 @@ def _patch(setting: str):
     if key in ("trigger", "silutrigger") and value in ("0", "1", "2"):
         return mock.patch.object(w4a16_gemv, "TRIGGER" if key == "trigger" else "SILU_TRIGGER", int(value))
     raise SystemExit(f"--variants: unknown setting {setting!r} (pdl=0|1, lmhead=cublas|triton, norm|silu=plain|fused, "
-                     "rope=kernel|gemv, trigger|silutrigger=0|1|2, gemv=real|sol|soltrig|soltiles|skip)")
+                     "rope=kernel|gemv, trigger|silutrigger=0|1|2, gemv=real|sol|soltrig|soltiles|skip, gemvtable=half|quarter)")
 
 
 def variants(text, args) -> dict[str, float]:
