@@ -381,11 +381,13 @@ def _attention_lse_flash(q, k, v, q_start):
     new rows over all q_start + T keys. Its causal mask is FlashAttention-2's, aligned bottom-right (row t
     sees keys <= t + S - T = q_start + t), which is this function's contract; F.scaled_dot_product_attention
     aligns is_causal top-left and refuses T != S on this backend, hence the direct call. GQA is native (the
-    Hkv cached heads are read as they are, never expanded). Until session 9 this was two calls (cached
+    Hkv cached heads are read as they are, never expanded; checked against the fp32 reference on an H200 with
+    torch 2.11 and by tests/test_cache_attention.py on any GPU). Until session 9 this was two calls (cached
     prefix, then the new rows) merged by their LSEs with ~10 more small ops a layer: a follow-up question's
     prefill was host-bound on them (docs/perf_notes.md)."""
     if k.shape[2] != q_start + q.shape[2]:
-        raise ValueError(f"attention over a cache: {k.shape[2]} keys for {q.shape[2]} rows at {q_start}")
+        raise ValueError(f"attention over a cache: k/v hold {k.shape[2]} keys for {q.shape[2]} new rows at position "
+                         f"{q_start}; pass the cache up to the last new row ({q_start + q.shape[2]} keys)")
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
     return o, lse
 
