@@ -121,9 +121,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 # Square causal attention (a first turn over an empty cache) from this many rows on goes to SDPA with K/V expanded
-# per query head, where PyTorch picks cuDNN, which beat the one flash call there. H200 run S9-B, 32 / 8 heads, D 128,
-# fp16, graph-replayed: 2048 rows 125.6 vs 162.9 us, 4096 rows 350.9 vs 505.2; 450 rows 24.2 vs 22.1, 17 rows 12.5
-# vs 6.1 (tmp script, numbers in docs/perf_notes.md). Rows over a cache prefix always take the flash call.
+# per query head, where PyTorch picks cuDNN, which beat the one flash call there. H200 run S9-G
+# (scripts/diag/cache_attention.py; 32 / 8 heads, D 128, fp16, graph-replayed), SDPA vs the flash call: 450 rows
+# 24.1 vs 21.7 us, 1024 rows 53.7 vs 55.1, 2048 rows 125.4 vs 162, 4096 rows 342.9 vs 506. Rows over a cache prefix
+# always take the flash call.
 SDPA_SQUARE_MIN_T = 1024
 
 

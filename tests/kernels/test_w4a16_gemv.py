@@ -20,7 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from _w4_check import LLAMA3_8B, assert_w4_close, make, poisoned  # noqa: E402
+from _w4_check import LLAMA3_8B, assert_nearly_equal, assert_w4_close, make, poisoned  # noqa: E402
 
 from csrc_triton import w4a16_gemv as gemv_mod  # noqa: E402
 from csrc_triton.w4a16_gemv import (INTERPRET_CONFIG, INTERPRET_MMA_CONFIG, gemv_config,  # noqa: E402
@@ -359,17 +359,6 @@ def test_llama3_8b_norm_chain(producer, consumer, M, dtype):
 SILU_CONFIGS = [("mma", MMA), ("mma split", {**MMA, "SPLIT_K": 2}), ("mma 2 tiles per warp", {**MMA, "BLOCK_N": 128})]
 
 
-def assert_nearly_equal(x: torch.Tensor, ref: torch.Tensor, max_moved: float = 0.1) -> None:
-    """Interpreter stand-in for torch.equal between two kernels that run the same code on differently laid out
-    tiles: numpy's matmul (the interpreter's tl.dot) may sum a row in an order that depends on its place in the
-    tile (OpenBLAS's AVX-512 kernels do), so a few fp32 sums move by an ulp, which can move a rounded output by
-    more after cancellation (up to 3.4% of the outputs on the session-9 host). At most `max_moved` of the outputs
-    may differ (a wrong row map or epilogue moves nearly all), each by at most 2^-9 of the largest."""
-    moved = (x != ref).float().mean().item()
-    assert moved <= max_moved, f"{moved:.1%} of outputs differ (the same code on another tile layout)"
-    torch.testing.assert_close(x.float(), ref.float(), rtol=0, atol=2 ** -9 * ref.float().abs().max().item())
-
-
 @pytest.mark.parametrize("prenorm", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 3, 8])
@@ -378,9 +367,9 @@ def test_silu_epilogue_equals_gemv_then_silu_mul(name, cfg, M, dtype, prenorm):
     """w4a16_gemv_silu = the silu_mul kernel on the plain GEMV's output (the same SwiGLU code, so the same
     exponentials also under the interpreter): bit for bit on the GPU. Under the interpreter tl.dot is numpy's
     matmul, whose fp32 sum for a row depends on the row's place in the tile on some hosts (OpenBLAS's AVX-512
-    kernels: seen on a session-9 machine, where 1 of 128 outputs moved by one fp16 ulp), and the fused tile
-    places the gate and up rows elsewhere than the plain GEMV's: there fp16 is held to nearly all outputs
-    bit-equal and the rest within a few ulps; bf16 (whose plain interpreter store truncates) to a looser bound."""
+    kernels, seen on a session-9 machine), and the fused tile places the gate and up rows elsewhere than the
+    plain GEMV's: there fp16 is held to _w4_check.assert_nearly_equal; bf16 (whose plain interpreter store
+    truncates) to a looser bound."""
     from csrc_triton.silu_mul import silu_mul
 
     a = make(M, 256, 256, 128, dtype, seed=M * 3 + 1, device=DEVICE)

@@ -18,8 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from _w4_check import make
-from test_w4a16_gemv import assert_nearly_equal
+from _w4_check import assert_nearly_equal, make
 from conftest import DEVICE, ON_GPU
 
 from csrc_triton import w4a16_gemv as gemv_mod
@@ -69,7 +68,7 @@ def both(a, cos, sin, slots, rows, poison, pn, H, Hkv, cfg, B, T):
 
 def assert_same(mine, ref, slots, rows):
     """Bit-identical outputs (NaN == NaN for the untouched slots) on the GPU; under the interpreter the written
-    values as test_w4a16_gemv.assert_nearly_equal allows (numpy's matmul may sum a row differently at another
+    values as _w4_check.assert_nearly_equal allows (numpy's matmul may sum a row differently at another
     place in the tile, and the fused tile's row map differs from the plain GEMV's). Every target slot written,
     others not, everywhere."""
     for i, (x, r) in enumerate(zip(mine, ref)):

@@ -1,0 +1,103 @@
+"""Where a follow-up question's eager prefill spends its time (issues 6, 7): vila-8b shapes, synthetic weights,
+the quant and sparse pipelines of scripts/bench.py's image chat.
+
+A first turn replays a CUDA graph; a later turn's prefill runs eagerly (its attention reads a cache prefix whose
+length the host knows only per turn). For each pipeline this runs the 3-turn chat twice to warm up, then turn 3's
+ask (1 new token) three ways: timed, under torch.profiler (self CPU and device time per op), and under cProfile
+(the Python calls behind the host time).
+
+    PYTHONPATH=. python scripts/diag/followup_prefill.py [--pipelines quant,sparse] [--top 30]
+    (one GPU, ~1 min; on CPU with --preset tiny-siglip-llama --group-size 32 it runs the reference path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import bench as B  # noqa: E402
+import tinyvila  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def to_turn_3(chat, turns) -> None:
+    """A fresh conversation up to (not including) turn 3's question."""
+    chat.clear()
+    chat.add_image(turns[0].images)
+    for t in turns[:2]:
+        for _ in chat.ask(t.question, tinyvila.SamplingParams(max_new_tokens=8)):
+            pass
+    sync()
+
+
+def ask_turn_3(chat, turns) -> None:
+    for _ in chat.ask(turns[2].question, tinyvila.SamplingParams(max_new_tokens=1)):
+        pass
+    sync()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="vila-8b")
+    p.add_argument("--group-size", default="128")
+    p.add_argument("--pipelines", default="quant,sparse")
+    p.add_argument("--top", type=int, default=30)
+    a = p.parse_args(argv)
+    args = B.parse_args(["--images", "1", "--rounds", "3", "--new-tokens", "8", "--prefill-keep", "0.5",
+                         "--decode-keep", "0.25", "--preset", a.preset, "--group-size", a.group_size])
+    base = B.preset(args.preset)
+    tok, tmpl = B.tokenizer_and_template(args, base)
+    turns = B.conversation(args, base, tok, tmpl)
+    cuda = torch.cuda.is_available()
+    for name in a.pipelines.split(","):
+        pipe = B.build(name, args, base, turns, 4096, tok, tmpl)
+        pipe.run(turns, 8)
+        pipe.run(turns, 8)
+        chat = pipe.chat
+        to_turn_3(chat, turns)
+        t0 = time.perf_counter()
+        ask_turn_3(chat, turns)
+        print(f"[{name}] turn-3 ask (1 token): wall {1e3 * (time.perf_counter() - t0):.2f} ms, prefill "
+              f"{chat.stats.prefill_ms:.2f} ms for {chat.stats.prefill_tokens} tokens", flush=True)
+        to_turn_3(chat, turns)
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            ask_turn_3(chat, turns)
+        ka = prof.key_averages()
+        print(f"[{name}] torch.profiler, by self CPU time")
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+        if cuda:
+            print(f"[{name}] torch.profiler, by device time")
+            print(ka.table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
+        to_turn_3(chat, turns)
+        pr = cProfile.Profile()
+        pr.enable()
+        ask_turn_3(chat, turns)
+        pr.disable()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(a.top)
+        print(f"[{name}] cProfile, by own time\n{out.getvalue()}")
+        del pipe, chat
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
