@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -221,12 +222,37 @@ SMALL_TILES = {
 }
 
 
+# 'gemvcfg=SHAPE:FIELDS': one M = 1 GEMV_TABLE entry changed for a variant, SHAPE in GEMV_SHAPES or 'all', FIELDS
+# letters each followed by a number: w num_warps, n BLOCK_N rows, g GPS groups per K step, s STAGES, k SPLIT_K
+# (fields not named keep the table's value), e.g. 'gemvcfg=all:s4' or 'gemvcfg=o:g4s5+gemvcfg=qkv:g4s5'. The
+# session-10 question: the table's STAGES 3 leaves one K step in flight while a step computes (offline SASS,
+# docs/perf_notes.md); the sweeps before it never timed more stages.
+GEMV_SHAPES = {"qkv": (1, 6144, 4096), "o": (1, 4096, 4096), "gate_up": (1, 28672, 4096), "down": (1, 4096, 14336)}
+GEMV_FIELDS = {"w": "num_warps", "n": "BLOCK_N", "g": "GPS", "s": "STAGES", "k": "SPLIT_K"}
+
+
+def gemv_cfg_entries(value: str) -> dict:
+    """GEMV_TABLE entries for one 'gemvcfg' value (see GEMV_SHAPES)."""
+    from csrc_triton import w4a16_gemv
+
+    shape, _, fields = value.partition(":")
+    pairs = re.findall(r"([a-z])(\d+)", fields)
+    if shape not in (*GEMV_SHAPES, "all") or not pairs or "".join(a + b for a, b in pairs) != fields or \
+            any(a not in GEMV_FIELDS for a, _ in pairs):
+        raise SystemExit(f"--variants: bad gemvcfg {value!r} (SHAPE:FIELDS, SHAPE in {list(GEMV_SHAPES)} or all, "
+                         f"FIELDS letters of {GEMV_FIELDS} each with a number, e.g. o:g4s5)")
+    keys = list(GEMV_SHAPES.values()) if shape == "all" else [GEMV_SHAPES[shape]]
+    return {key: {**w4a16_gemv.GEMV_TABLE[key], **{GEMV_FIELDS[a]: int(b) for a, b in pairs}} for key in keys}
+
+
 def _patch(setting: str):
     """The mock patch of one 'key=value' setting of --variants."""
     from csrc_triton import w4a16_gemv
     from tinyvila import ops
 
     key, value = setting.split("=")
+    if key == "gemvcfg":
+        return mock.patch.dict(w4a16_gemv.GEMV_TABLE, gemv_cfg_entries(value))
     if key == "gemvtable" and value in SMALL_TILES:
         return mock.patch.dict(w4a16_gemv.GEMV_TABLE, SMALL_TILES[value])
     if key == "gemv" and value in ("real", "sol", "soltrig", "soltiles", "skip"):
@@ -244,7 +270,8 @@ def _patch(setting: str):
     if key in ("trigger", "silutrigger") and value in ("0", "1", "2"):
         return mock.patch.object(w4a16_gemv, "TRIGGER" if key == "trigger" else "SILU_TRIGGER", int(value))
     raise SystemExit(f"--variants: unknown setting {setting!r} (pdl=0|1, lmhead=cublas|triton, norm|silu=plain|fused, "
-                     "rope=kernel|gemv, trigger|silutrigger=0|1|2, gemv=real|sol|soltrig|soltiles|skip, gemvtable=half|quarter)")
+                     "rope=kernel|gemv, trigger|silutrigger=0|1|2, gemv=real|sol|soltrig|soltiles|skip, gemvtable=half|quarter, "
+                     "gemvcfg=SHAPE:FIELDS)")
 
 
 def variants(text, args) -> dict[str, float]:
