@@ -199,38 +199,23 @@ def _raw_planes(words, dtype, UNPACK: tl.constexpr):
                                      is_pure=True, pack=1)
 
 
-@triton.jit
-def _words_only(words, dtype, UNPACK: tl.constexpr):
-    return words  # (GPS, BN, 16) int32, consumed by _xor_dots
-
-
-@triton.jit
-def _xor_dots(a, xs, BLOCK_M: tl.constexpr, GPS: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """_shared_x_dots without the unpack, the x operand and the mma: each row's words xor-reduced (so every weight
-    load stays live) into one finite value per row, in every column."""
-    v = tl.xor_sum(tl.xor_sum(a, 2), 0)  # (BN,)
-    v = ((v & 0x3FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
-    return tl.broadcast_to(v[:, None], (a.shape[1], 8))
-
-
-ABLATIONS = {"nozero": [("_step_zero_terms", _no_zero_terms)], "noscale": [("_step_scales", _unit_scales)],
-             "noepi": [("_finish", _finish_plain)], "noprenorm": [("_prenorm_rows", _no_prenorm)],
-             "nounpack": [("_magic_planes", _raw_planes)],
-             "nomath": [("_mma_operand", _words_only), ("_shared_x_dots", _xor_dots)]}
+ABLATIONS = {"nozero": ("_step_zero_terms", _no_zero_terms), "noscale": ("_step_scales", _unit_scales),
+             "noepi": ("_finish", _finish_plain), "noprenorm": ("_prenorm_rows", _no_prenorm),
+             "nounpack": ("_magic_planes", _raw_planes)}
 
 
 def ablate(names: str) -> None:
-    """TINYVILA_GEMV_ABLATE=nozero[+noscale][+noepi][+noprenorm][+nounpack|+nomath]: the W4 GEMV (mma and RoPE forms)
+    """TINYVILA_GEMV_ABLATE=nozero[+noscale][+noepi][+noprenorm][+nounpack]: the W4 GEMV (mma and RoPE forms)
     compiled without its per-step zero-point terms (no zeros loaded, no x sums), with unit scales (no scales loaded),
-    without its epilogue (_finish_plain), without the RMSNorm prologue (r = 1), without the nibble unpack (the raw
-    words fed to the mma: _raw_planes) and/or without the unpack, the x operand and the mma (_xor_dots): wrong
-    outputs, for timing which part of the GEMV's work the step pays for. Applied at import, before any kernel
-    compiles (Triton binds a kernel's helpers when it first compiles it), so one setting per process."""
+    without its epilogue (_finish_plain), without the RMSNorm prologue (r = 1) and/or without the nibble unpack
+    (the raw words fed to the mma: _raw_planes): wrong outputs, for timing which part of the GEMV's work the step
+    pays for. Applied at import, before any kernel compiles (Triton binds a kernel's helpers when it first compiles
+    it), so one setting per process."""
     from csrc_triton import w4a16_gemv
 
     for name in names.split("+"):
-        for attr, fn in ABLATIONS[name]:
-            setattr(w4a16_gemv, attr, fn)
+        attr, fn = ABLATIONS[name]
+        setattr(w4a16_gemv, attr, fn)
 
 
 if os.environ.get("TINYVILA_GEMV_ABLATE"):
