@@ -611,11 +611,12 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
               stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
               UNPACK: tl.constexpr, S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
-              EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, TRIGGER: tl.constexpr = 0,
+              EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr, TRIGGER: tl.constexpr = 0,
               PDL: tl.constexpr = False, rope=None, ROPE_D: tl.constexpr = 0, SECOND: tl.constexpr = False):
     """Row block pid_n, K split pid_k of the mma kernel: y (or its split-K partial) for BLOCK_N rows. Each K
     step: GPS groups' words -> A (_mma_operand), GPS dots against the step's x (_shared_x_dots), scaled per
-    group and column (_step_scales), plus the step's x-only terms (_step_zero_terms)."""
+    group and column (_step_scales), plus the step's x-only terms (_step_zero_terms). WRAP: N % BLOCK_N != 0,
+    so the last row block's rows past N wrap around (the launcher sets it; SwiGLU tiles never wrap, silu_ok)."""
     dtype = y_ptr.dtype.element_ty
     U_INV: tl.constexpr = 8.0 if dtype == tl.bfloat16 else 64.0  # 1 / u of the magic values (_magic_planes)
     M_ODD: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0  # their m at odd k
@@ -623,7 +624,10 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
     if EPI == 2:  # SwiGLU: BN / 2 gate rows j, then up rows N / 2 + j (the epilogue pairs them)
         HALF: tl.constexpr = BLOCK_N // 2
         i = tl.arange(0, BLOCK_N)
-        rows = (pid_n * HALF + i % HALF) % (N // 2) + tl.where(i >= HALF, N // 2, 0)
+        rows = pid_n * HALF + i % HALF
+        if WRAP:
+            rows = rows % (N // 2)
+        rows += tl.where(i >= HALF, N // 2, 0)
     elif EPI == 3:  # RoPE: BN / 2 dims d of one head's first half, then dims d + D / 2 (the epilogue pairs them)
         HALF: tl.constexpr = BLOCK_N // 2
         CHUNKS: tl.constexpr = ROPE_D // BLOCK_N  # programs per head
@@ -631,8 +635,10 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
         rows = ((pid_n // CHUNKS) * ROPE_D + (pid_n % CHUNKS) * HALF + i % HALF
                 + tl.where(i >= HALF, ROPE_D // 2, 0))
         cols = rows  # the bias and the split-K partials are indexed by row (all rows < N: no wrap)
-    else:
+    elif WRAP:
         rows = cols % N  # rows past N wrap around instead of being masked (unmasked loads); the store drops them
+    else:  # N % BLOCK_N == 0: no row wraps, and no runtime modulo (~16 SASS a row, after the PDL wait) is paid
+        rows = cols
     if PRENORM:  # before the K loop: its round trip overlaps the weights'
         r = _prenorm_rows(pin_ptr, NP_IN, norm_d, eps, M, BLOCK_M, NPB)
     else:
@@ -674,7 +680,8 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
                            HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr, S_PAIRS: tl.constexpr,
                            FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
                            SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, EPI: tl.constexpr,
-                           PRENORM: tl.constexpr, NPB: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr):
+                           PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr, TRIGGER: tl.constexpr,
+                           PDL: tl.constexpr):
     # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's
     # 64 GPS bytes are contiguous, so each step reads longer runs of every row, and the per-step costs
     # (pipeline barriers, B operand through shared memory) are paid once per GPS groups. The launcher
@@ -691,7 +698,7 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     _mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr,
               res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
               M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, TRIGGER, PDL)
+              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, WRAP, TRIGGER, PDL)
     if TRIGGER == 2:
         pdl.launch_dependents(PDL)
 
@@ -705,8 +712,8 @@ def _w4a16_gemv_rope_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, q_ptr, ws_ptr
                             stride_v2s, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr,
                             S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
                             BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
-                            EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, TRIGGER: tl.constexpr,
-                            PDL: tl.constexpr, ROPE_D: tl.constexpr, SECOND: tl.constexpr):
+                            EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr,
+                            TRIGGER: tl.constexpr, PDL: tl.constexpr, ROPE_D: tl.constexpr, SECOND: tl.constexpr):
     # The mma kernel with the RoPE epilogue (EPI 3, _store_rope): its own entry point, so the plain kernel's
     # signature (and so its compiled code) stays as it was. q_ptr takes y's place.
     pdl.wait(PDL)
@@ -718,7 +725,7 @@ def _w4a16_gemv_rope_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, q_ptr, ws_ptr
     _mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, q_ptr, ws_ptr, lock_ptr,
               res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
               M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, TRIGGER, PDL, rope, ROPE_D, SECOND)
+              UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, WRAP, TRIGGER, PDL, rope, ROPE_D, SECOND)
     if TRIGGER == 2:
         pdl.launch_dependents(PDL)
 
@@ -1057,12 +1064,13 @@ def _gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residua
         _w4a16_gemv_rope_kernel[(row_blocks, split)](x32, qweight, sc, zeros, b, out, ws, locks, *epi_args, *shape_args,
                                                      x32.stride(0), out.stride(0), *tail, cos, sin, T, cos.stride(0),
                                                      sin.stride(0), H, Hkv, *caches, **meta, UPCAST_DOT=not on_gpu,
-                                                     ROPE_D=D, SECOND=second is not None, **cfg)
+                                                     WRAP=N % block_n != 0, ROPE_D=D, SECOND=second is not None,
+                                                     **cfg)
     elif kernel == "mma":
         x32 = _pairs_view(x)  # x as int32 pairs: 4-byte elements, which Triton pipelines with cp.async
         _w4a16_gemv_mma_kernel[(row_blocks, split)](x32, qweight, sc, zeros, b, out, ws, locks, *epi_args,
                                                     *shape_args, x32.stride(0), out.stride(0), *tail, **meta,
-                                                    UPCAST_DOT=not on_gpu, **cfg)
+                                                    UPCAST_DOT=not on_gpu, WRAP=N % block_n != 0, **cfg)
     else:
         cfg["BLOCK_W"] = bw
         even = N % cfg["BLOCK_N"] == 0 and K8 % bw == 0  # no masks needed

@@ -301,7 +301,8 @@ def _make_pf_kernels(whole: bool):
                    HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr, S_PAIRS: tl.constexpr,
                    FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, EPI: tl.constexpr,
-                   PRENORM: tl.constexpr, NPB: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr):
+                   PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr, TRIGGER: tl.constexpr,
+                   PDL: tl.constexpr):
         _l2_prefetch(qw_ptr, tl.program_id(0), tl.program_id(1), N, K8, W_SPLIT, BLOCK_N, GPS, STAGES, EPI, 0, W)
         pdl.wait(PDL)
         if TRIGGER == 0:
@@ -309,7 +310,7 @@ def _make_pf_kernels(whole: bool):
         _g._mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
                      lock_ptr, res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
                      M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-                     UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, TRIGGER, PDL)
+                     UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, WRAP, TRIGGER, PDL)
         if TRIGGER == 2:
             pdl.launch_dependents(PDL)
 
@@ -322,8 +323,8 @@ def _make_pf_kernels(whole: bool):
                     stride_v2s, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr,
                     S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
-                    EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, TRIGGER: tl.constexpr,
-                    PDL: tl.constexpr, ROPE_D: tl.constexpr, SECOND: tl.constexpr):
+                    EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr,
+                    TRIGGER: tl.constexpr, PDL: tl.constexpr, ROPE_D: tl.constexpr, SECOND: tl.constexpr):
         _l2_prefetch(qw_ptr, tl.program_id(0), tl.program_id(1), N, K8, W_SPLIT, BLOCK_N, GPS, STAGES, EPI, ROPE_D,
                      W)
         pdl.wait(PDL)
@@ -335,7 +336,8 @@ def _make_pf_kernels(whole: bool):
         _g._mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, q_ptr, ws_ptr,
                      lock_ptr, res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
                      M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-                     UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, TRIGGER, PDL, rope, ROPE_D, SECOND)
+                     UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, WRAP, TRIGGER, PDL, rope, ROPE_D,
+                     SECOND)
         if TRIGGER == 2:
             pdl.launch_dependents(PDL)
 
