@@ -91,15 +91,36 @@ def kernel_profile(text, args) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
+def _spin_asm(cycles: int) -> str:
+    """PTX: spin until %clock64 has advanced `cycles` SM clocks (one statement per program: unique label)."""
+    return ("{\n.reg .u64 t0, t1;\n.reg .pred p;\nmov.u64 t0, %clock64;\nSPIN_LOOP:\nmov.u64 t1, %clock64;\n"
+            f"sub.u64 t1, t1, t0;\nsetp.lt.u64 p, t1, {cycles};\n@p bra SPIN_LOOP;\nmov.u32 $0, 0;\n}}")
+
+
+# gemv=soldelayN: each read-only program spins N SM clocks after its wait (~0.5 / 1 / 2 us at 1.8 GHz).
+SPIN_CYCLES = (900, 1800, 3600)
+_SPIN_900 = tl.constexpr(_spin_asm(900))
+_SPIN_1800 = tl.constexpr(_spin_asm(1800))
+_SPIN_3600 = tl.constexpr(_spin_asm(3600))
+
+
 @triton.jit
 def _read_weights(w_ptr, out_ptr, K8, STEPS, BN: tl.constexpr, W: tl.constexpr, STAGES: tl.constexpr,
-                  PDL: tl.constexpr, TRIGGER: tl.constexpr = 0):
+                  PDL: tl.constexpr, TRIGGER: tl.constexpr = 0, DELAY: tl.constexpr = 0):
     """Read BN rows x STEPS x W words of packed weights (split program_id(1) of the K8 words), W words a row per
     step, and store one word per program (so the loads are not dead code): a W4 GEMV's weight traffic with none
-    of its arithmetic. TRIGGER as the GEMV's: the next PDL kernel may start at once (0) or after the loop (1)."""
+    of its arithmetic. TRIGGER as the GEMV's: the next PDL kernel may start at once (0) or after the loop (1).
+    DELAY (one of SPIN_CYCLES, else none): each program first spins that many SM clocks after the wait (is the
+    step sensitive to a fixed per-program latency?)."""
     pdl.wait(PDL)
     if TRIGGER == 0:
         pdl.launch_dependents(PDL)
+    if DELAY == 900:
+        tl.inline_asm_elementwise(_SPIN_900, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    elif DELAY == 1800:
+        tl.inline_asm_elementwise(_SPIN_1800, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    elif DELAY == 3600:
+        tl.inline_asm_elementwise(_SPIN_3600, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     base = w_ptr + tl.program_id(1) * STEPS * W
     acc = tl.zeros((BN, W), dtype=tl.int32)
@@ -121,7 +142,8 @@ def _gemv_patch(mode: str):
     packed weights (the step's speed of light for what the GEMVs read, scales and zeros aside), 'gemv=soltiles':
     the same with each GEMV's own tile config (gemv_config), 'gemv=soltrig': as 'sol' but the SwiGLU (gate/up)
     calls let the next kernel start when the GEMV's SwiGLU form does (SILU_TRIGGER), 'gemv=skip': no launch at
-    all (what the rest of the step costs). Outputs are allocated as the GEMV would return them and left
+    all (what the rest of the step costs), 'gemv=soldelayN' (N in SPIN_CYCLES): 'soltiles' with each program spinning
+    N SM clocks after its PDL wait. Outputs are allocated as the GEMV would return them and left
     unwritten: only the timing means anything."""
     from csrc_triton import w4a16_gemv
 
@@ -137,14 +159,15 @@ def _gemv_patch(mode: str):
         if mode != "skip":
             if mode in ("sol", "soltrig"):
                 (bn, w, stages), split, warps = _SOL_TILES[N >= 16384], 1, 4
-            else:  # "soltiles": the GEMV's own tiles (rows per program, words per step, stages, K split, warps)
+            else:  # "soltiles" (and soldelayN): the GEMV's own tiles (rows a program, words a step, stages, split, warps)
                 cfg = config or w4a16_gemv.gemv_config(M, N, 8 * K8, 128)
                 bn, w, stages, split, warps = (cfg["BLOCK_N"], 16 * cfg["GPS"], cfg["STAGES"], cfg["SPLIT_K"],
                                                cfg["num_warps"])
             sink = torch.empty(N // bn * split, dtype=torch.int32, device=x.device)
             trigger = int(silu and mode == "soltrig") * w4a16_gemv.SILU_TRIGGER
+            delay = int(mode[len("soldelay"):]) if mode.startswith("soldelay") else 0
             _read_weights[(N // bn, split)](qweight, sink, K8, K8 // w // split, BN=bn, W=w, STAGES=stages,
-                                            TRIGGER=trigger, num_warps=warps, **pdl.options(x.device))
+                                            TRIGGER=trigger, DELAY=delay, num_warps=warps, **pdl.options(x.device))
         return outputs
 
     return mock.patch.object(w4a16_gemv, "_gemv", fake)
@@ -367,7 +390,7 @@ def _patch(setting: str):
         return mock.patch.dict(w4a16_gemv.GEMV_TABLE, gemv_cfg_entries(value))
     if key == "gemvtable" and value in SMALL_TILES:
         return mock.patch.dict(w4a16_gemv.GEMV_TABLE, SMALL_TILES[value])
-    if key == "gemv" and value in ("real", "sol", "soltrig", "soltiles", "skip"):
+    if key == "gemv" and value in ("real", "sol", "soltrig", "soltiles", "skip", *(f"soldelay{c}" for c in SPIN_CYCLES)):
         return contextlib.nullcontext() if value == "real" else _gemv_patch(value)
     if key == "pdl":
         return mock.patch.dict(os.environ, {"TINYVILA_PDL": value})
