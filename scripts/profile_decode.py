@@ -105,6 +105,17 @@ _SPIN_3600 = tl.constexpr(_spin_asm(3600))
 
 
 @triton.jit
+def _spin(CYCLES: tl.constexpr):
+    """Spin CYCLES SM clocks (one of SPIN_CYCLES; any other value: nothing)."""
+    if CYCLES == 900:
+        tl.inline_asm_elementwise(_SPIN_900, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    elif CYCLES == 1800:
+        tl.inline_asm_elementwise(_SPIN_1800, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    elif CYCLES == 3600:
+        tl.inline_asm_elementwise(_SPIN_3600, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _read_weights(w_ptr, out_ptr, K8, STEPS, BN: tl.constexpr, W: tl.constexpr, STAGES: tl.constexpr,
                   PDL: tl.constexpr, TRIGGER: tl.constexpr = 0, DELAY: tl.constexpr = 0):
     """Read BN rows x STEPS x W words of packed weights (split program_id(1) of the K8 words), W words a row per
@@ -115,12 +126,7 @@ def _read_weights(w_ptr, out_ptr, K8, STEPS, BN: tl.constexpr, W: tl.constexpr, 
     pdl.wait(PDL)
     if TRIGGER == 0:
         pdl.launch_dependents(PDL)
-    if DELAY == 900:
-        tl.inline_asm_elementwise(_SPIN_900, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    elif DELAY == 1800:
-        tl.inline_asm_elementwise(_SPIN_1800, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    elif DELAY == 3600:
-        tl.inline_asm_elementwise(_SPIN_3600, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    _spin(DELAY)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     base = w_ptr + tl.program_id(1) * STEPS * W
     acc = tl.zeros((BN, W), dtype=tl.int32)
@@ -283,10 +289,11 @@ def gemv_cfg_entries(value: str) -> dict:
     keys = list(GEMV_SHAPES.values()) if shape == "all" else [GEMV_SHAPES[shape]]
     return {key: {**w4a16_gemv.GEMV_TABLE[key], **{GEMV_FIELDS[a]: int(b) for a, b in pairs}} for key in keys}
 
-# 'gemvpf=stages|all': every W4 GEMV program first asks L2 for the first STAGES - 1 K steps of its weights ('stages',
+# 'gemvpf=stages|all|spinN': every W4 GEMV program first asks L2 for the first STAGES - 1 K steps of its weights ('stages',
 # what its pipeline's prologue loads next) or for its whole K range ('all'), then waits for its predecessor (PDL):
 # the weights never depend on the previous kernel, so their DRAM latency can pass while it runs. Session 3 tried a
-# prefetch before the wait plus prefetches inside the loop, on an older kernel, and found it slower.
+# prefetch before the wait plus prefetches inside the loop, on an older kernel, and found it slower. 'spinN': no
+# prefetch; each program spins N SM clocks after its wait (does the real GEMV's post-wait latency reach the step?).
 from csrc_triton import w4a16_gemv as _g  # noqa: E402
 
 _PF_ASM = tl.constexpr("cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;")
@@ -314,8 +321,12 @@ def _l2_prefetch(qw_ptr, pid_n, pid_k, N, K8, W_SPLIT, BLOCK_N: tl.constexpr, GP
     tl.inline_asm_elementwise(_PF_ASM, "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def _make_pf_kernels(whole: bool):
-    W = tl.constexpr(whole)
+def _make_pf_kernels(pf: int, spin: int = 0):
+    """The two mma-kernel entries with, before the PDL wait, pf = 1 / 2: _l2_prefetch of the first K steps / the
+    whole K range (0: none), and after it a spin of `spin` SM clocks (one of SPIN_CYCLES, else none)."""
+    PF = tl.constexpr(pf)
+    W = tl.constexpr(pf == 2)
+    SPIN = tl.constexpr(spin)
 
     @triton.jit
     def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, res_ptr, g_ptr, xg_ptr,
@@ -326,10 +337,12 @@ def _make_pf_kernels(whole: bool):
                    SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, EPI: tl.constexpr,
                    PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr, TRIGGER: tl.constexpr,
                    PDL: tl.constexpr):
-        _l2_prefetch(qw_ptr, tl.program_id(0), tl.program_id(1), N, K8, W_SPLIT, BLOCK_N, GPS, STAGES, EPI, 0, W)
+        if PF:
+            _l2_prefetch(qw_ptr, tl.program_id(0), tl.program_id(1), N, K8, W_SPLIT, BLOCK_N, GPS, STAGES, EPI, 0, W)
         pdl.wait(PDL)
         if TRIGGER == 0:
             pdl.launch_dependents(PDL)
+        _spin(SPIN)
         _g._mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
                      lock_ptr, res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
                      M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
@@ -348,11 +361,13 @@ def _make_pf_kernels(whole: bool):
                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
                     EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr,
                     TRIGGER: tl.constexpr, PDL: tl.constexpr, ROPE_D: tl.constexpr, SECOND: tl.constexpr):
-        _l2_prefetch(qw_ptr, tl.program_id(0), tl.program_id(1), N, K8, W_SPLIT, BLOCK_N, GPS, STAGES, EPI, ROPE_D,
-                     W)
+        if PF:
+            _l2_prefetch(qw_ptr, tl.program_id(0), tl.program_id(1), N, K8, W_SPLIT, BLOCK_N, GPS, STAGES, EPI,
+                         ROPE_D, W)
         pdl.wait(PDL)
         if TRIGGER == 0:
             pdl.launch_dependents(PDL)
+        _spin(SPIN)
         rope = ((cos_ptr, sin_ptr, T, stride_ct, stride_st, H, HKV),
                 (k_ptr, v_ptr, slot_ptr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs),
                 (k2_ptr, v2_ptr, slot2_ptr, stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h, stride_v2s))
@@ -367,7 +382,8 @@ def _make_pf_kernels(whole: bool):
     return mma_kernel, rope_kernel
 
 
-PF_KERNELS = {"stages": _make_pf_kernels(False), "all": _make_pf_kernels(True)}
+PF_KERNELS = {"stages": _make_pf_kernels(1), "all": _make_pf_kernels(2),
+              **{f"spin{c}": _make_pf_kernels(0, c) for c in SPIN_CYCLES}}
 
 
 def _pf_patch(value: str):
