@@ -201,15 +201,25 @@ def _gpu_fence(t, FENCE: tl.constexpr):
 
 
 @triton.jit
-def _prenorm_rows(pin_ptr, NP, norm_d, eps, M, BLOCK_M: tl.constexpr, NPB: tl.constexpr):
-    """RMSNorm's inverse root of each row, (BM,) fp32: r[m] = rsqrt(sum_p pin[p, m] / D + eps) from the
-    producer's per-row-block sums of squares (pin (NP, 8) fp32, NP <= NPB). Every program sums the same
-    values in the same order, so all agree on r bit for bit."""
+def _prenorm_parts(pin_ptr, NP, M, BLOCK_M: tl.constexpr, NPB: tl.constexpr):
+    """The producer's per-row-block sums of squares, pin (NP, 8) fp32, as (NPB, BM) (zero past NP and M)."""
     offs_p = tl.arange(0, NPB)
     offs_m = tl.arange(0, BLOCK_M)
-    parts = tl.load(pin_ptr + offs_p[:, None] * 8 + offs_m[None, :],
-                    mask=(offs_p < NP)[:, None] & (offs_m < M)[None, :], other=0.0)
+    return tl.load(pin_ptr + offs_p[:, None] * 8 + offs_m[None, :],
+                   mask=(offs_p < NP)[:, None] & (offs_m < M)[None, :], other=0.0)
+
+
+@triton.jit
+def _prenorm_finish(parts, norm_d, eps):
+    """RMSNorm's inverse root of each row, (BM,) fp32: r[m] = rsqrt(sum_p parts[p, m] / D + eps). Every program
+    sums the same values in the same order, so all agree on r bit for bit."""
     return tl.rsqrt(tl.sum(parts, axis=0) / norm_d + eps)
+
+
+@triton.jit
+def _prenorm_rows(pin_ptr, NP, norm_d, eps, M, BLOCK_M: tl.constexpr, NPB: tl.constexpr):
+    """_prenorm_finish of _prenorm_parts: r (BM,) at once."""
+    return _prenorm_finish(_prenorm_parts(pin_ptr, NP, M, BLOCK_M, NPB), norm_d, eps)
 
 
 @triton.jit
@@ -344,8 +354,9 @@ def _finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr,
             SECOND: tl.constexpr = False):
     """out (BM, BN): this program's fp32 sum for rows offs_m, output columns offs_n (any order) -> y.
     PRENORM: x was gamma * h of an RMSNorm left unnormalised, so out (linear in x) is scaled by each row's
-    r = rsqrt(mean(h^2) + eps) (_prenorm_rows, loaded before the K loop so its round trip hides under the
-    weights') before the bias. EPI: see _store_y.
+    r = rsqrt(mean(h^2) + eps) (_prenorm_finish; the mma kernel loads the sums before its K loop and reduces them
+    after it, so their round trip hides under the weights' and the first weight loads do not wait for it) before
+    the bias. EPI: see _store_y.
     SPLIT (SPLIT_K > 1): partials go to ws (SPLIT_K, M, N) fp32; the last program of row block pid_n to arrive (an
     acq_rel counter) sums them in split order, so the result does not depend on the arrival order."""
     if PRENORM:
@@ -639,10 +650,8 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
         rows = cols % N  # rows past N wrap around instead of being masked (unmasked loads); the store drops them
     else:  # N % BLOCK_N == 0: no row wraps, and no runtime modulo (~16 SASS a row, after the PDL wait) is paid
         rows = cols
-    if PRENORM:  # before the K loop: its round trip overlaps the weights'
-        r = _prenorm_rows(pin_ptr, NP_IN, norm_d, eps, M, BLOCK_M, NPB)
-    else:
-        r = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
+    if PRENORM:  # loaded here, reduced after the K loop: the loop's first weight loads must not wait for the
+        parts = _prenorm_parts(pin_ptr, NP_IN, M, BLOCK_M, NPB)  # round trip and the cross-warp sum (S10-H)
     g_lo = pid_k * (W_SPLIT // 16)
     g_hi = tl.minimum(g_lo + W_SPLIT // 16, NG)  # this program's groups [g_lo, g_hi), a multiple of GPS
     offs_m = tl.arange(0, BLOCK_M)
@@ -666,6 +675,10 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
         acc += s8 * dots + _step_zero_terms(pairs, z_ptr, s_idx, s8, dtype, 1.0 / U_INV, M_ODD, BLOCK_M, GPS)
     if TRIGGER == 1:
         pdl.launch_dependents(PDL)  # the next kernel may start once every program is past its K loop
+    if PRENORM:
+        r = _prenorm_finish(parts, norm_d, eps)
+    else:
+        r = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
     # Fold the column blocks (groups; zero past GPS) into BLOCK_M columns.
     out = tl.sum(tl.reshape(acc, (BLOCK_N, 8 // BLOCK_M, BLOCK_M)), axis=1) * U_INV  # (BN, BM)
     _finish(tl.trans(out), offs_m, cols, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, ws_ptr, lock_ptr, SPLIT_K,
