@@ -627,7 +627,8 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
     """Row block pid_n, K split pid_k of the mma kernel: y (or its split-K partial) for BLOCK_N rows. Each K
     step: GPS groups' words -> A (_mma_operand), GPS dots against the step's x (_shared_x_dots), scaled per
     group and column (_step_scales), plus the step's x-only terms (_step_zero_terms). WRAP: N % BLOCK_N != 0,
-    so the last row block's rows past N wrap around (the launcher sets it; SwiGLU tiles never wrap, silu_ok)."""
+    so the last row block's plain rows past N wrap around (the launcher sets it; SwiGLU and RoPE tiles never
+    wrap: silu_ok, rope_ok)."""
     dtype = y_ptr.dtype.element_ty
     U_INV: tl.constexpr = 8.0 if dtype == tl.bfloat16 else 64.0  # 1 / u of the magic values (_magic_planes)
     M_ODD: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0  # their m at odd k
@@ -635,10 +636,7 @@ def _mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr
     if EPI == 2:  # SwiGLU: BN / 2 gate rows j, then up rows N / 2 + j (the epilogue pairs them)
         HALF: tl.constexpr = BLOCK_N // 2
         i = tl.arange(0, BLOCK_N)
-        rows = pid_n * HALF + i % HALF
-        if WRAP:
-            rows = rows % (N // 2)
-        rows += tl.where(i >= HALF, N // 2, 0)
+        rows = pid_n * HALF + i % HALF + tl.where(i >= HALF, N // 2, 0)  # never wraps: N / 2 is whole half-tiles
     elif EPI == 3:  # RoPE: BN / 2 dims d of one head's first half, then dims d + D / 2 (the epilogue pairs them)
         HALF: tl.constexpr = BLOCK_N // 2
         CHUNKS: tl.constexpr = ROPE_D // BLOCK_N  # programs per head
