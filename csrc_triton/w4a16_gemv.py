@@ -119,8 +119,13 @@ def _magic_asm(out: str, magic: tuple[int, ...]) -> str:
     (src & mask) | magic. fp16 (two magics: 16.0 and 1.0): nibbles 0/4 and, after a shift by 8, 2/6 sit at
     bits 0-3 of each half, under 16.0; 1/5 and 3/7 at bits 4-7, under 1.0. bf16 (one magic, 16.0) has only
     7 mantissa bits, so every nibble pair is first shifted to bits 0-3 (by 0, 4, 8, 12).
-    out == "f32": each 16-bit value widened exactly by cvt.f32.f16; out == "b16": the 16-bit values."""
-    lines = [".reg .b32 t, p;", ".reg .b16 lo, hi;"]
+    out == "f32": each 16-bit value widened exactly by cvt.f32.f16 ($8 the word); out == "pairs": the lop3
+    results themselves, $i = (v_i, v_{i + 4}) as one 32-bit register ($4 the word), split into 16-bit
+    planes by _word_halves. Handing ptxas whole 32-bit results (rather than "=h" halves from a mov.b32 {lo, hi})
+    lets it use them as mma's operand registers directly: no IMAD.MOV re-pairing (docs/perf_notes.md,
+    session 11)."""
+    word = "$4" if out == "pairs" else "$8"
+    lines = [".reg .b32 t, p;", ".reg .b16 lo, hi;"] if out == "f32" else [".reg .b32 t;"]
     if len(magic) == 2:  # (shift, mask, magic) for nibble pairs (0, 4), (1, 5), (2, 6), (3, 7)
         steps = [(0, 0x000F000F, magic[0]), (0, 0x00F000F0, magic[1]), (8, 0x000F000F, magic[0]),
                  (8, 0x00F000F0, magic[1])]
@@ -128,19 +133,25 @@ def _magic_asm(out: str, magic: tuple[int, ...]) -> str:
         steps = [(4 * i, 0x000F000F, magic[0]) for i in range(4)]
     for i, (shift, mask, c) in enumerate(steps):
         if shift and (i == 0 or steps[i - 1][0] != shift):
-            lines.append(f"shr.u32 t, $8, {shift};")
-        src = "t" if shift else "$8"
-        lines.append(f"lop3.b32 p, {src}, {mask:#010x}, {c:#010x}, 0xEA;")
+            lines.append(f"shr.u32 t, {word}, {shift};")
+        src = "t" if shift else word
         if out == "f32":
-            lines += ["mov.b32 {lo, hi}, p;", f"cvt.f32.f16 ${i}, lo;", f"cvt.f32.f16 ${i + 4}, hi;"]
+            lines += [f"lop3.b32 p, {src}, {mask:#010x}, {c:#010x}, 0xEA;", "mov.b32 {lo, hi}, p;",
+                      f"cvt.f32.f16 ${i}, lo;", f"cvt.f32.f16 ${i + 4}, hi;"]
         else:
-            lines.append(f"mov.b32 {{${i}, ${i + 4}}}, p;")
+            lines.append(f"lop3.b32 ${i}, {src}, {mask:#010x}, {c:#010x}, 0xEA;")
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 _MAGIC_F32 = tl.constexpr(_magic_asm("f32", (0x4C004C00, 0x3C003C00)))  # fp16 pairs 16.0, 1.0 -> fp32
-_MAGIC_F16 = tl.constexpr(_magic_asm("b16", (0x4C004C00, 0x3C003C00)))  # fp16 pairs 16.0, 1.0
-_MAGIC_BF16 = tl.constexpr(_magic_asm("b16", (0x41804180,)))  # bf16 pairs 16.0
+_MAGIC_F16 = tl.constexpr(_magic_asm("pairs", (0x4C004C00, 0x3C003C00)))  # fp16 pairs 16.0, 1.0
+_MAGIC_BF16 = tl.constexpr(_magic_asm("pairs", (0x41804180,)))  # bf16 pairs 16.0
+
+
+@triton.jit
+def _word_halves(p, dtype):
+    """One 32-bit word -> its low and high 16-bit halves as `dtype` (a bitcast each, no arithmetic)."""
+    return p.to(tl.int16).to(dtype, bitcast=True), (p >> 16).to(tl.int16).to(dtype, bitcast=True)
 
 
 @triton.jit
@@ -152,12 +163,14 @@ def _magic_planes(words, dtype, UNPACK: tl.constexpr):
         if dtype == tl.float32:
             v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
                 _MAGIC_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-        elif dtype == tl.bfloat16:
-            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-                _MAGIC_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
         else:
-            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-                _MAGIC_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(_MAGIC_BF16 if dtype == tl.bfloat16 else _MAGIC_F16,
+                                                       "=r,=r,=r,=r,r", [words], dtype=(tl.int32,) * 4,
+                                                       is_pure=True, pack=1)
+            v0, v4 = _word_halves(p0, dtype)
+            v1, v5 = _word_halves(p1, dtype)
+            v2, v6 = _word_halves(p2, dtype)
+            v3, v7 = _word_halves(p3, dtype)
     else:
         u: tl.constexpr = 0.125 if dtype == tl.bfloat16 else 0.015625
         m_odd: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0
@@ -811,15 +824,17 @@ def _pairs_view(x: torch.Tensor) -> torch.Tensor:
 # (BLOCK_M = next_pow2(M), N, K) -> config, for group 128: the fastest of the H200 sweep (TINYVILA_W4_SWEEP
 # prints this dict), per call replayed from a CUDA graph with programmatic dependent launch on (run S5-D,
 # docs/perf_notes.md). "S4": session 4's table, before the shared x operand and scalar-base addressing.
-GEMV_TABLE: dict[tuple[int, int, int], dict] = {  # H200 sweep, session 5 (run S5-D), per call graph-replayed
+GEMV_TABLE: dict[tuple[int, int, int], dict] = {  # H200 sweeps, per call graph-replayed, M = 1, fp16: session 5
+    # (run S5-D) chose the tiles; session 11 (run S11-B, the pairs unpack) re-timed them and moved gate_up from
+    # 128 rows x 4 groups (27.1-27.3 us with the pairs unpack, 24.7 before it) to 64 x 8 (decode step +3.5%, S11-C)
     (1, 4096, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1,
-                      "GPS": 8},  # 7.87 us (S4: 9.15)
+                      "GPS": 8},  # 7.08-7.10 us (S5-D: 7.87)
     (1, 4096, 14336): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 2,
-                       "GPS": 8},  # 15.75 us (S4: 17.8)
+                       "GPS": 8},  # 13.99 us (S5-D: 15.75)
     (1, 6144, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1,
-                      "GPS": 8},  # 8.24 us (S4: 10.4)
-    (1, 28672, 4096): {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1,
-                       "GPS": 4},  # 24.4 us (S4: 27.4)
+                      "GPS": 8},  # 7.55-7.72 us (S5-D: 8.24)
+    (1, 28672, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1,
+                       "GPS": 8},  # 23.0-23.3 us (S5-D, 128 rows x 4 groups: 24.4)
 }
 
 

@@ -124,17 +124,24 @@ def _bf16(bits: int) -> float:
 
 def _emulate(asm: str, word: int) -> dict[int, int]:
     """Runs one of _magic_asm's PTX blocks on an unsigned 32-bit word: {output index: 16-bit pattern or
-    fp32 value}. Knows exactly the instructions the blocks use; anything else fails the test."""
-    regs, out = {"$8": word}, {}
+    fp32 value}. Knows exactly the instructions the blocks use; anything else fails the test. The "pairs"
+    blocks (word in $4) write 32-bit $0..$3, which _magic_planes splits with _word_halves: the low half is
+    output i, the high half output i + 4."""
+    pairs = "$8" not in asm
+    regs, out = {"$4" if pairs else "$8": word}, {}
     for line in asm.strip("{}\n").splitlines():
         if line.startswith(".reg"):
             continue
         if m := re.fullmatch(r"shr\.u32 (\w+), (\$?\w+), (\d+);", line):
             regs[m[1]] = regs[m[2]] >> int(m[3])
-        elif m := re.fullmatch(r"lop3\.b32 (\w+), (\$?\w+), (0x[0-9a-f]+), (0x[0-9a-f]+), (0x[0-9A-F]+);", line):
+        elif m := re.fullmatch(r"lop3\.b32 (\$?\w+), (\$?\w+), (0x[0-9a-f]+), (0x[0-9a-f]+), (0x[0-9A-F]+);", line):
             a, b, c, lut = regs[m[2]], int(m[3], 16), int(m[4], 16), int(m[5], 16)
             regs[m[1]] = sum(((lut >> (((a >> i & 1) << 2) | ((b >> i & 1) << 1) | (c >> i & 1))) & 1) << i
                              for i in range(32))
+            if pairs and m[1].startswith("$"):
+                i = int(m[1][1:])
+                assert i < 4, f"pairs block writes ${i}"
+                out[i], out[i + 4] = regs[m[1]] & 0xFFFF, regs[m[1]] >> 16
         elif m := re.fullmatch(r"mov\.b32 \{(\$?\w+), (\$?\w+)\}, (\w+);", line):
             lo, hi = regs[m[3]] & 0xFFFF, regs[m[3]] >> 16
             regs[m[1]], regs[m[2]] = lo, hi
@@ -193,14 +200,15 @@ def test_sweep_tiles_from_the_environment(monkeypatch):
     """TINYVILA_W4_SWEEP_TILES: 4-5 numbers per tile; the register cap reaches the configs, and the table's own
     config (the same tile at split 1) is timed once."""
     bench = _bench_module()
-    monkeypatch.setenv(bench.GEMV_TILES_ENV, "4,128,4,3;4,128,4,3,168;8,128,2,3,0")
+    monkeypatch.setenv(bench.GEMV_TILES_ENV, "4,64,8,3;4,64,8,3,168;8,128,2,3,0")
     cfgs = bench.gemv_sweep_configs(28672, 4096)
     names = [bench.gemv_config_name(c) for c in cfgs]
-    assert names == ["mma w4 n128 g4 s3 k1", "mma w4 n128 g4 s3 k2", "mma w4 n128 g4 s3 k4",
-                     "mma w4 n128 g4 s3 k1 r168", "mma w4 n128 g4 s3 k2 r168", "mma w4 n128 g4 s3 k4 r168",
-                     "mma w8 n128 g2 s3 k1", "mma w8 n128 g2 s3 k2", "mma w8 n128 g2 s3 k4"]  # k8: > 8 programs per SM
+    # 448 row blocks of 64 rows: k4 would be > 8 programs per SM; 224 blocks of 128 rows: k8 would
+    assert names == ["mma w4 n64 g8 s3 k1", "mma w4 n64 g8 s3 k2",
+                     "mma w4 n64 g8 s3 k1 r168", "mma w4 n64 g8 s3 k2 r168",
+                     "mma w8 n128 g2 s3 k1", "mma w8 n128 g2 s3 k2", "mma w8 n128 g2 s3 k4"]
     assert cfgs[0] == gemv_config(1, 28672, 4096, 128)
-    assert cfgs[3] == {"kernel": "mma", "BLOCK_N": 128, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 4,
+    assert cfgs[2] == {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 8,
                        "maxnreg": 168}
     for bad in ("4,128,4,3,1", "4,128,4,3,1,0", "4,128,4"):  # the removed 5-9 number form (chains, ...); too few
         monkeypatch.setenv(bench.GEMV_TILES_ENV, bad)
