@@ -214,8 +214,6 @@ def _finish_plain(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bia
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-from csrc_triton.w4a16_gemv import _magic_planes as _ORIGINAL_PLANES  # noqa: E402  (before any patch)
-
 # The raw words as the 16-bit pairs (no lop3 / shift): what the mma consumes without the unpack (fp16 and bf16).
 _RAW_PAIRS = tl.constexpr("mov.b32 {$0, $4}, $8;\nmov.b32 {$1, $5}, $8;\nmov.b32 {$2, $6}, $8;\nmov.b32 {$3, $7}, $8;")
 
@@ -230,44 +228,18 @@ def _raw_planes(words, dtype, UNPACK: tl.constexpr):
                                      is_pure=True, pack=1)
 
 
-# Not an ablation: the same values by another route (docs/perf_notes.md, session 10, offline): the fp16 unpack as four
-# 32-bit pairs split into planes in Triton, so ptxas needs no register moves to build mma's operand quads.
-_PAIRS_F16 = tl.constexpr("{.reg .b32 t;\nlop3.b32 $0, $4, 0x000f000f, 0x4c004c00, 0xEA;\n"
-                          "lop3.b32 $1, $4, 0x00f000f0, 0x3c003c00, 0xEA;\nshr.u32 t, $4, 8;\n"
-                          "lop3.b32 $2, t, 0x000f000f, 0x4c004c00, 0xEA;\nlop3.b32 $3, t, 0x00f000f0, 0x3c003c00, 0xEA;}")
-
-
-@triton.jit
-def _halves(p):
-    return p.to(tl.int16).to(tl.float16, bitcast=True), (p >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _pairs_planes(words, dtype, UNPACK: tl.constexpr):
-    """_magic_planes with fp16 on the GPU as 32-bit pairs (other cases: the original)."""
-    if UNPACK == 1 and dtype == tl.float16:
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(_PAIRS_F16, "=r,=r,=r,=r,r", [words], dtype=(tl.int32,) * 4,
-                                                   is_pure=True, pack=1)
-        v0, v4 = _halves(p0)
-        v1, v5 = _halves(p1)
-        v2, v6 = _halves(p2)
-        v3, v7 = _halves(p3)
-        return v0, v1, v2, v3, v4, v5, v6, v7
-    return _ORIGINAL_PLANES(words, dtype, UNPACK)
-
-
 ABLATIONS = {"nozero": ("_step_zero_terms", _no_zero_terms), "noscale": ("_step_scales", _unit_scales),
              "noepi": ("_finish", _finish_plain), "noprenorm": ("_prenorm_finish", _no_prenorm),
-             "nounpack": ("_magic_planes", _raw_planes), "pairs": ("_magic_planes", _pairs_planes)}
+             "nounpack": ("_magic_planes", _raw_planes)}
 
 
 def ablate(names: str) -> None:
-    """TINYVILA_GEMV_ABLATE=nozero[+noscale][+noepi][+noprenorm][+nounpack|+pairs]: the W4 GEMV (mma and RoPE forms)
+    """TINYVILA_GEMV_ABLATE=nozero[+noscale][+noepi][+noprenorm][+nounpack]: the W4 GEMV (mma and RoPE forms)
     compiled without its per-step zero-point terms (no zeros loaded, no x sums), with unit scales (no scales loaded),
     without its epilogue (_finish_plain), without the RMSNorm prologue (r = 1) and/or without the nibble unpack
     (the raw words fed to the mma: _raw_planes): wrong outputs, for timing which part of the GEMV's work the step
-    pays for. 'pairs' is the exception: the same outputs through _pairs_planes (a candidate unpack). Applied at
-    import, before any kernel compiles (Triton binds a kernel's helpers when it first compiles it), so one setting
+    pays for. (Session 10's 'pairs', a candidate unpack with the same outputs, is the kernel's own since session 11.)
+    Applied at import, before any kernel compiles (Triton binds a kernel's helpers when it first compiles it), so one setting
     per process."""
     from csrc_triton import w4a16_gemv
 
