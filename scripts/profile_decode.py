@@ -395,9 +395,30 @@ def _pf_patch(value: str):
     return stack
 
 
+# 'attncfg=FIELDS': the decoding attention's launch config (csrc_triton/decode_attention.py, default_config) for every
+# buffer length, FIELDS letters each followed by a number: n block_n keys a tile, w num_warps, s num_stages,
+# c programs per SM (sets the split count), p K/V tiles prefetched into L2 before the PDL wait; fields not named keep
+# the first CONFIG_BY_LENGTH row's value, e.g. 'attncfg=n64s2'. The sweeps timed single calls; in the step a
+# program's shared memory (s x 2 tiles) also decides whether it can start beside the qkv GEMV's programs (PDL).
+ATTN_FIELDS = "nwscp"
+
+
+def attn_cfg(value: str):
+    """default_config's stand-in for one 'attncfg' value."""
+    from csrc_triton import decode_attention
+
+    pairs = re.findall(r"([a-z])(\d+)", value)
+    if not pairs or "".join(a + b for a, b in pairs) != value or any(a not in ATTN_FIELDS for a, _ in pairs):
+        raise SystemExit(f"--variants: bad attncfg {value!r} (letters of {ATTN_FIELDS!r} each with a number, e.g. n64s2)")
+    cfg = list(decode_attention.CONFIG_BY_LENGTH[0][1:])
+    for a, b in pairs:
+        cfg[ATTN_FIELDS.index(a)] = int(b)
+    return lambda max_len: tuple(cfg)
+
+
 def _patch(setting: str):
     """The mock patch of one 'key=value' setting of --variants."""
-    from csrc_triton import w4a16_gemv
+    from csrc_triton import decode_attention, w4a16_gemv
     from tinyvila import ops
 
     key, value = setting.split("=")
@@ -413,6 +434,10 @@ def _patch(setting: str):
         return mock.patch.dict(os.environ, {"TINYVILA_PDL": value})
     if key == "lmhead" and value in ("cublas", "triton"):
         return mock.patch.object(ops, "DENSE_GEMV", value == "triton")
+    if key == "attn" and value == "skip":  # no decoding-attention launch: its output is the query (timing only)
+        return mock.patch.object(ops, "decode_attention", lambda q, k, v, lengths: q)
+    if key == "attncfg":
+        return mock.patch.object(decode_attention, "default_config", attn_cfg(value))
     if key == "silu" and value in ("plain", "fused"):
         return mock.patch.object(ops, "FUSED_SILU", value == "fused")
     if key == "rope" and value in ("kernel", "gemv"):
@@ -421,9 +446,9 @@ def _patch(setting: str):
         return mock.patch.object(ops, "FUSED_NORM_GEMV", "off" if value == "plain" else "auto")
     if key in ("trigger", "silutrigger") and value in ("0", "1", "2"):
         return mock.patch.object(w4a16_gemv, "TRIGGER" if key == "trigger" else "SILU_TRIGGER", int(value))
-    raise SystemExit(f"--variants: unknown setting {setting!r} (pdl=0|1, lmhead=cublas|triton, norm|silu=plain|fused, "
-                     "rope=kernel|gemv, trigger|silutrigger=0|1|2, gemv=real|sol|soltrig|soltiles|skip, gemvtable=half|quarter, "
-                     "gemvcfg=SHAPE:FIELDS)")
+    raise SystemExit(f"--variants: unknown setting {setting!r} (pdl=0|1, lmhead=cublas|triton, attn=skip, "
+                     "attncfg=FIELDS, norm|silu=plain|fused, rope=kernel|gemv, trigger|silutrigger=0|1|2, "
+                     "gemv=real|sol|soltrig|soltiles|skip, gemvtable=half|quarter, gemvcfg=SHAPE:FIELDS)")
 
 
 def variants(text, args) -> dict[str, float]:

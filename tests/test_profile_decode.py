@@ -35,3 +35,20 @@ def test_gemvcfg_patch_is_undone_after_the_variant():
 def test_gemvcfg_rejects_malformed_settings(value):
     with pytest.raises(SystemExit, match="bad gemvcfg"):
         profile_decode.gemv_cfg_entries(value)
+
+
+def test_attncfg_sets_the_named_fields_for_every_length_and_is_undone():
+    from csrc_triton import decode_attention
+
+    first = decode_attention.CONFIG_BY_LENGTH[0][1:]  # (block_n, warps, stages, programs per SM, prefetch)
+    before = decode_attention.default_config
+    with profile_decode._patch("attncfg=n64s2p0"):
+        for max_len in (100, 8192, 200_000):
+            assert decode_attention.default_config(max_len) == (64, first[1], 2, first[3], 0)
+    assert decode_attention.default_config is before
+
+
+@pytest.mark.parametrize("value", ["", "n", "n64x", "q4", "64"])
+def test_attncfg_rejects_malformed_settings(value):
+    with pytest.raises(SystemExit, match="bad attncfg"):
+        profile_decode.attn_cfg(value)
