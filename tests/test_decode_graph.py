@@ -12,6 +12,7 @@ import torch
 
 from tinyvila.api import from_config
 from tinyvila.config import QuantConfig, SparsityConfig, preset
+from tinyvila.errors import ContextLimitError
 from tinyvila.generate import Decoder, SamplingParams, generate
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
@@ -154,6 +155,25 @@ def test_step_index_after_a_run_of_steps(keep):
     assert (st.slot.tolist(), st.row.tolist(), st.pos.tolist()) == ([slot], [row], [pos])
     assert st.lengths.tolist() == [(row if keep < 1 else slot) + 1]
     assert dec._count.tolist() == [9] and dec._token.tolist() == [[out[-1]]] and dec.length == 23 + 9
+
+
+def test_decode_steps_stop_at_the_packed_buffers_room():
+    """A packed buffer sized for fewer tokens than the steps would append: a ContextLimitError before any step
+    runs, nothing written (pack's room is the turn's token budget; the API passes max_new_tokens)."""
+    vlm = tiny()
+    dec = Decoder(vlm.model.text)
+    cache = dec.cache
+    for kind, a, b in (("system", 0, 3), ("visual", 3, 19), ("question", 19, 23)):
+        cache.add_span(kind, a, b)
+    cache.begin_scoring(19)
+    dec.prefill(prompt(vlm))
+    rows = cache.pack(0.5, dec.length, room=4)  # 15 rows + 4: a buffer of 32 rows
+    assert cache.packed.k[0].shape[2] == 32
+    dec.greedy(5, 32 - rows)  # exactly fills it
+    before = (dec.length, cache.packed.k_stack.clone())
+    with pytest.raises(ContextLimitError, match="packed decode buffer holds 32 rows"):
+        dec.greedy(5, 1)
+    assert dec.length == before[0] and torch.equal(cache.packed.k_stack, before[1])
 
 
 # -- CUDA graphs -----------------------------------------------------------------------------------

@@ -88,6 +88,19 @@ def test_packed_buffers_are_reused_across_turns():
     assert cache.packed.k_stack is first and cache.packed.k[0].data_ptr() == first[0].data_ptr()
 
 
+def test_pack_room_sizes_the_buffer_to_a_power_of_two_within_the_cache():
+    cache = filled_cache(batch=1)  # max_seq_len: see filled_cache
+    cache.add_span("visual", 0, 30)
+    score_question(cache, 30, 34)
+    rows = cache.pack(0.5, 34, room=5)
+    assert rows == 19 and cache.packed.k[0].shape[2] == 32  # 19 rows + 5: the next power of two
+    assert cache.packed.k_stack.shape[3] == 32
+    cache.unpack()
+    score_question(cache, 30, 34, seed=3)
+    whole = cache.max_seq_len - 34 + rows  # room past the cache's own: capped there
+    assert cache.pack(0.5, 34, room=10 * cache.max_seq_len) == rows and cache.packed.k[0].shape[2] == whole
+
+
 # -- retrieval scoring: one run of slots is scored as a range (the kernel's contiguous-span form) -------------
 @pytest.mark.parametrize("spans,q_from,want", [
     ([("system", 0, 3), ("visual", 3, 20)], 24, range(3, 20)),                    # one image

@@ -302,7 +302,7 @@ class Chat:
         logits = decoder.prefill(model.embed(ids, images), positions)
         if sparse:  # this turn decodes over the top decode_keep of the scored retrievable tokens
             stats.decode_rows = decoder.cache.pack(self.sparsity.decode_keep, decoder.length,
-                                                   self.sparsity.decode_window)
+                                                   self.sparsity.decode_window, room=sampling.max_new_tokens)
         _sync(model.device)
         t1 = time.perf_counter()
         stats.prefill_ms, stats.prefill_tokens = 1000 * (t1 - t0), decoder.length - start

@@ -158,6 +158,12 @@ class Decoder:
                 f"the conversation would need {self.length + n_new} tokens ({self.length} cached + "
                 f"{n_new} new) but the model's context is {self.max_len}; shorten the prompt, "
                 "start a new conversation (/clear), or load with a larger max_seq_len")
+        p = self.cache.packed
+        if p is not None and self.length - p.dropped + n_new > p.k[0].shape[2]:
+            raise ContextLimitError(
+                f"this turn's packed decode buffer holds {p.k[0].shape[2]} rows but the step would need "
+                f"{self.length - p.dropped + n_new}: pack() was given less room than the turn decodes; "
+                "pass the turn's max_new_tokens as its room")
 
     @torch.inference_mode()
     def prefill(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

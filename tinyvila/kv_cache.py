@@ -329,10 +329,17 @@ class KVCache:
             self.scoring.scored = [True] * self.n_layers
 
     # -- packed decode buffer ------------------------------------------------------------------
-    def pack(self, keep: float, length: int, window: int = 0) -> int:
+    def pack(self, keep: float, length: int, window: int = 0, room: int | None = None) -> int:
         """End scoring; keep the top `keep` of the scored slots per layer and KV head (at least one;
         `sparsity.decode_select`, with `window` over text spans), gather [non-retrievable | selected |
         rest] of slots 0..length-1 into the packed buffers. Returns the number of packed rows per head.
+
+        `room`: at most how many tokens this turn's decode steps append (the answer's token budget; None:
+        every slot the cache has left). The buffers hold the packed rows plus that room, rounded up to a
+        power of two (so a few sizes serve a whole conversation, each with its captured decode graph)
+        and never past the cache's own room: the decoding attention picks its tiles and split count from
+        the buffer's length, and a buffer sized for the whole context (~40K slots for a 2K-row turn of a
+        long video) ran it with the long-buffer tiles (docs/benchmarks.md, S11-I).
 
         Every layer at once: one selection over the stacked scores, one sort, one pack launch for all
         layers' K and V (a handful of launches per question, not a handful per layer), and no
@@ -348,6 +355,8 @@ class KVCache:
         others = rest.nonzero()[:, 0].to(self.k[0].device, torch.int32, non_blocking=True)  # (length - N,)
         rows = length - N + n_keep
         cap = rows + self.max_seq_len - length  # room for every token this turn can still append
+        if room is not None:
+            cap = min(cap, 1 << (rows + max(room, 1) - 1).bit_length())
         self._ensure_packed(cap, n_keep, length - rows)
         top = decode_select(sc.scores, n_keep, sc.idx, window, sc.windowed)  # (L, B, Hkv, n_keep)
         chosen = sc.idx[top]  # slots

@@ -129,14 +129,15 @@ def test_length_is_read_from_the_device_tensor(prefetch):
     assert not torch.allclose(a, b)
 
 
-def test_prefetch_rule_by_buffer_length():
-    """No prefetch for buffers of [6K, 16K) slots, 2 tiles otherwise (the H200 session-7 results in
-    CONFIG_BY_LENGTH); the tile config around those bounds is the same, so only the prefetch changes."""
-    picks = {n: default_config(n)[4] for n in (1, 1024, 4096, 6143, 6144, 8192, 8400, 16383, 16384, 32768, 131072)}
-    assert picks == {1: 2, 1024: 2, 4096: 2, 6143: 2, 6144: 0, 8192: 0, 8400: 0, 16383: 0, 16384: 2,
-                     32768: 2, 131072: 2}
-    assert {default_config(n)[:4] for n in (4096, 8192, 32768)} == {(128, 4, 3, 1)}
-    assert default_config(131072)[:4] == (64, 4, 4, 1)
+def test_config_rule_by_buffer_length():
+    """CONFIG_BY_LENGTH's rows (H200 sessions 7 and 11): 128-key tiles prefetching 2 below 2K slots, 64-key
+    tiles without prefetch in [2K, 6K), 128-key tiles without prefetch in [6K, 16K) and with 2 up to 32K,
+    64-key tiles with 4 stages beyond; the first row that covers a length applies."""
+    picks = {n: default_config(n) for n in (1, 1024, 2047, 2048, 4096, 6143, 6144, 8192, 16383, 16384, 32768,
+                                            32769, 131072)}
+    small, mid, big = (128, 4, 3, 1, 2), (64, 4, 3, 1, 0), (128, 4, 3, 1, 0)
+    assert picks == {1: small, 1024: small, 2047: small, 2048: mid, 4096: mid, 6143: mid, 6144: big, 8192: big,
+                     16383: big, 16384: small, 32768: small, 32769: (64, 4, 4, 1, 2), 131072: (64, 4, 4, 1, 2)}
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes and graphs need a GPU")
