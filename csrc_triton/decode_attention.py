@@ -65,9 +65,9 @@ MERGE_ELEMS = 8192  # fp32 partial elements the merging program holds per step (
 # Buffers of [2K, 6K) slots: 64-key tiles, 3 stages, no prefetch. Those sweeps timed single calls; inside the
 # decode step (session 11, run S11-H, scripts/profile_decode.py --variants attncfg=..., 2304 keys in a 2768-slot
 # cache, graph tok/s) this tile gave 444.9 against 432.7 / 432.9 for 128-key tiles (64-key tiles with 3 stages
-# and 2 / 4 prefetched tiles 439.7 / 436.9, 4 stages 437.8): a 64-key program's shared memory fits beside a
-# W4 GEMV program, so under PDL it starts before the qkv GEMV's programs leave. At 1K keys (S11-G) 64-key
-# tiles were within noise of 128-key ones (453.4 vs 450.5 / 452.4), so buffers below 2K keep the sweep's tile.
+# and 2 / 4 prefetched tiles 439.7 / 436.9, 4 stages 437.8; offline the 64-key program takes 74 KB of shared
+# memory, the 128-key one 140 KB, a W4 GEMV program ~75 KB). At 1K keys (S11-G) 64-key tiles were within noise
+# of 128-key ones (453.4 vs 450.5 / 452.4), so buffers below 2K keep the sweep's tile.
 CONFIG_BY_LENGTH = ((2047, 128, 4, 3, 1, 2), (6143, 64, 4, 3, 1, 0), (16383, 128, 4, 3, 1, 0),
                     (32768, 128, 4, 3, 1, 2), (None, 64, 4, 4, 1, 2))
 
