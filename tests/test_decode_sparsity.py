@@ -136,6 +136,25 @@ def test_chat_mode_keeps_history_and_the_visual_cache(vlm):
     assert chat.decoder.cache.retrievable_slots().numel() == vlm.cfg.image_tokens
 
 
+def test_a_turns_packed_buffer_holds_its_rows_plus_the_answer_budget(vlm):
+    """The API packs with room = max_new_tokens: the buffer is that many rows past the packed ones, rounded up
+    to a power of two, not the whole remaining context (the decoding attention picks its tiles by it)."""
+    chat = vlm.chat(sampling=greedy(5), sparsity=SparsityConfig(decode_keep=0.5), max_seq_len=2048)
+    seen = []
+    pack = chat.decoder.cache.pack
+
+    def spy(*args, **kwargs):
+        rows = pack(*args, **kwargs)
+        seen.append((rows, chat.decoder.cache.packed.k[0].shape[2], chat.decoder.max_len - chat.decoder.length))
+        return rows
+
+    chat.decoder.cache.pack = spy
+    ask(chat, QUESTIONS[0], image=True)
+    ((rows, cap, left),) = seen
+    assert cap == min(rows + left, 1 << (rows + 5 - 1).bit_length()) and cap < rows + left
+    assert len(chat.turns[-1][2]) == 5  # the whole budget decoded inside it
+
+
 def test_fifty_eval_rounds_leave_no_stale_state(vlm):
     chat = vlm.chat(sampling=greedy(3), sparsity=SparsityConfig(decode_keep=0.4), mode="eval")
     chat.add_image(DEMO_IMAGE)
