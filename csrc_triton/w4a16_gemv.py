@@ -150,7 +150,9 @@ _MAGIC_BF16 = tl.constexpr(_magic_asm("pairs", (0x41804180,)))  # bf16 pairs 16.
 
 @triton.jit
 def _word_halves(p, dtype):
-    """One 32-bit word -> its low and high 16-bit halves as `dtype` (a bitcast each, no arithmetic)."""
+    """int32 words -> their low and high 16-bit halves as `dtype`, a bitcast each (no mask: the int16 cast
+    drops the high bits and the shifted-in sign bits). For a 16-bit tensor viewed as int32: the elements at even
+    and odd positions (little-endian)."""
     return p.to(tl.int16).to(dtype, bitcast=True), (p >> 16).to(tl.int16).to(dtype, bitcast=True)
 
 
@@ -504,15 +506,6 @@ def _mma_operand(words, dtype, UNPACK: tl.constexpr):
     return tl.reshape(t, (BN, 128 * GPS))
 
 
-@triton.jit
-def _split_pairs(pairs, dtype):
-    """int32 words of a 16-bit tensor viewed as int32 -> their (low, high) halves in `dtype`: the elements at
-    even and odd positions (little-endian)."""
-    lo = (pairs & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
-    hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True)  # the int16 cast drops the shifted-in sign bits
-    return lo, hi
-
-
 # The x operand: GPS dots of (BN, 128) x (128, 8) per K step, all with one B = x of the step's groups side by
 # side (column jg BM + m: row m of x over group jg). Dot jg's column block jg is group jg's sum; its other
 # columns (W_jg x_j) are dropped by a select. B is 1024 values per step, and Triton loads it from the
@@ -527,7 +520,7 @@ def _x_shared(pairs, dtype, BLOCK_M: tl.constexpr, GPS: tl.constexpr):
     (finite; _shared_x_dots discards their sums). x is loaded contiguously (4-byte elements, which Triton
     pipelines with cp.async like the weights) and permuted here in registers: gathering it in p order would
     take 2-byte loads that cannot be pipelined, i.e. one exposed memory round trip per K step."""
-    lo, hi = _split_pairs(pairs, dtype)
+    lo, hi = _word_halves(pairs, dtype)
     x = tl.reshape(tl.join(lo, hi), (BLOCK_M, GPS, 2, 2, 2, 2, 2, 2, 2))  # [m, jg, j3, j2, j1, j0, e, c1, c0]
     x = tl.permute(x, (4, 5, 8, 2, 3, 7, 6, 1, 0))  # [j1, j0, c0, j3, j2, c1, e, jg, m]: p, then columns
     y = tl.reshape(x, (128, GPS * BLOCK_M))
@@ -584,7 +577,7 @@ def _step_scales(s_ptr, idx, dtype, S_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr
         s = _load_scales(s_ptr, idx, idx, dtype, S_PAIRS, False)[:, None]  # (BN, 1)
     else:
         pair_idx = tl.multiple_of(idx >> 1, GPS // 2)
-        lo, hi = _split_pairs(tl.load(s_ptr + pair_idx[:, None] + tl.arange(0, GPS // 2)[None, :]), dtype)
+        lo, hi = _word_halves(tl.load(s_ptr + pair_idx[:, None] + tl.arange(0, GPS // 2)[None, :]), dtype)
         s = tl.reshape(tl.join(lo, hi), (BN, GPS)).to(tl.float32)
     return tl.reshape(tl.broadcast_to(s[:, None, :, None], (BN, J // GPS, GPS, BLOCK_M)), (BN, 8))
 
@@ -602,7 +595,7 @@ def _dot(a, b, UPCAST_DOT: tl.constexpr):
 def _pair_sums(pairs, dtype):
     """(BM, G, 64) int32 pairs of x (even k low, odd k high) -> fp32 sums over each group's even k and
     odd k, (BM, G) each: the x-only parts of a group's zero-point terms."""
-    lo, hi = _split_pairs(pairs, dtype)
+    lo, hi = _word_halves(pairs, dtype)
     return tl.sum(lo.to(tl.float32), axis=2), tl.sum(hi.to(tl.float32), axis=2)
 
 
