@@ -277,18 +277,25 @@ GEMV_SHAPES = {"qkv": (1, 6144, 4096), "o": (1, 4096, 4096), "gate_up": (1, 2867
 GEMV_FIELDS = {"w": "num_warps", "n": "BLOCK_N", "g": "GPS", "s": "STAGES", "k": "SPLIT_K"}
 
 
+def letter_fields(text: str, letters) -> list[tuple[str, int]] | None:
+    """'n64s2' -> [('n', 64), ('s', 2)]: letters of `letters`, each with a number, nothing else; None if not."""
+    pairs = re.findall(r"([a-z])(\d+)", text)
+    if not pairs or "".join(a + b for a, b in pairs) != text or any(a not in letters for a, _ in pairs):
+        return None
+    return [(a, int(b)) for a, b in pairs]
+
+
 def gemv_cfg_entries(value: str) -> dict:
     """GEMV_TABLE entries for one 'gemvcfg' value (see GEMV_SHAPES)."""
     from csrc_triton import w4a16_gemv
 
-    shape, _, fields = value.partition(":")
-    pairs = re.findall(r"([a-z])(\d+)", fields)
-    if shape not in (*GEMV_SHAPES, "all") or not pairs or "".join(a + b for a, b in pairs) != fields or \
-            any(a not in GEMV_FIELDS for a, _ in pairs):
+    shape, _, text = value.partition(":")
+    fields = letter_fields(text, GEMV_FIELDS)
+    if shape not in (*GEMV_SHAPES, "all") or fields is None:
         raise SystemExit(f"--variants: bad gemvcfg {value!r} (SHAPE:FIELDS, SHAPE in {list(GEMV_SHAPES)} or all, "
                          f"FIELDS letters of {GEMV_FIELDS} each with a number, e.g. o:g4s5)")
     keys = list(GEMV_SHAPES.values()) if shape == "all" else [GEMV_SHAPES[shape]]
-    return {key: {**w4a16_gemv.GEMV_TABLE[key], **{GEMV_FIELDS[a]: int(b) for a, b in pairs}} for key in keys}
+    return {key: {**w4a16_gemv.GEMV_TABLE[key], **{GEMV_FIELDS[a]: b for a, b in fields}} for key in keys}
 
 # 'gemvpf=stages|all|spinN': every W4 GEMV program first asks L2 for the first STAGES - 1 K steps of its weights ('stages',
 # what its pipeline's prologue loads next) or for its whole K range ('all'), then waits for its predecessor (PDL):
@@ -464,12 +471,12 @@ def attn_cfg(value: str):
     """default_config's stand-in for one 'attncfg' value."""
     from csrc_triton import decode_attention
 
-    pairs = re.findall(r"([a-z])(\d+)", value)
-    if not pairs or "".join(a + b for a, b in pairs) != value or any(a not in ATTN_FIELDS for a, _ in pairs):
+    fields = letter_fields(value, ATTN_FIELDS)
+    if fields is None:
         raise SystemExit(f"--variants: bad attncfg {value!r} (letters of {ATTN_FIELDS!r} each with a number, e.g. n64s2)")
     cfg = list(decode_attention.CONFIG_BY_LENGTH[0][1:])
-    for a, b in pairs:
-        cfg[ATTN_FIELDS.index(a)] = int(b)
+    for a, b in fields:
+        cfg[ATTN_FIELDS.index(a)] = b
     return lambda max_len: tuple(cfg)
 
 
