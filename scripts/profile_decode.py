@@ -394,65 +394,8 @@ PF_KERNELS = {"stages": _make_pf_kernels(1), "all": _make_pf_kernels(2),
               **{f"spin{c}": _make_pf_kernels(0, c) for c in SPIN_CYCLES}}
 
 
-# 'gemvk=const': the two mma-kernel entries with K8 and NG (packed words and groups a row) as constexprs, so each K
-# compiles its own kernel (Llama: two) and the loop's row strides are constants. Offline (sm_90a, the o launch):
-# 184 -> 114 registers, loop 612 -> 623 SASS, i.e. 3 programs an SM instead of 2 (shared memory then limits).
-# Same outputs. The entries copy the kernel's signatures (as the gemvpf ones do), with only K8 / NG changed.
-@triton.jit
-def _mma_kernel_constk(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, res_ptr, g_ptr, xg_ptr,
-                       pout_ptr, pin_ptr, NP_IN, norm_d, eps, M, N, stride_xm,
-                       stride_ym, K8: tl.constexpr, NG: tl.constexpr, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr, S_PAIRS: tl.constexpr,
-                       FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, EPI: tl.constexpr,
-                       PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr, TRIGGER: tl.constexpr,
-                       PDL: tl.constexpr):
-    pdl.wait(PDL)
-    if TRIGGER == 0:
-        pdl.launch_dependents(PDL)
-    _g._mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr,
-                 res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
-                 M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-                 UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, WRAP, TRIGGER, PDL)
-    if TRIGGER == 2:
-        pdl.launch_dependents(PDL)
-
-
-@triton.jit
-def _rope_kernel_constk(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, q_ptr, ws_ptr, lock_ptr, res_ptr, g_ptr,
-                        xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps, M, N, stride_xm, stride_ym,
-                        K8: tl.constexpr, NG: tl.constexpr,
-                        W_SPLIT, SPLIT_K, cos_ptr, sin_ptr, T, stride_ct, stride_st, H, HKV,
-                        k_ptr, v_ptr, slot_ptr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                        k2_ptr, v2_ptr, slot2_ptr, stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h,
-                        stride_v2s, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr,
-                        S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
-                        EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr,
-                        TRIGGER: tl.constexpr, PDL: tl.constexpr, ROPE_D: tl.constexpr, SECOND: tl.constexpr):
-    pdl.wait(PDL)
-    if TRIGGER == 0:
-        pdl.launch_dependents(PDL)
-    rope = ((cos_ptr, sin_ptr, T, stride_ct, stride_st, H, HKV),
-            (k_ptr, v_ptr, slot_ptr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs),
-            (k2_ptr, v2_ptr, slot2_ptr, stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h, stride_v2s))
-    _g._mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, q_ptr, ws_ptr, lock_ptr,
-                 res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
-                 M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-                 UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, WRAP, TRIGGER, PDL, rope, ROPE_D,
-                 SECOND)
-    if TRIGGER == 2:
-        pdl.launch_dependents(PDL)
-
-
-CONSTK_KERNELS = (_mma_kernel_constk, _rope_kernel_constk)
-
-
 def _pf_patch(value: str):
-    return _entries_patch(*PF_KERNELS[value])
-
-
-def _entries_patch(mma_kernel, rope_kernel):
+    mma_kernel, rope_kernel = PF_KERNELS[value]
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(_g, "_w4a16_gemv_mma_kernel", mma_kernel))
     stack.enter_context(mock.patch.object(_g, "_w4a16_gemv_rope_kernel", rope_kernel))
@@ -488,8 +431,6 @@ def _patch(setting: str):
     key, value = setting.split("=")
     if key == "gemvpf" and value in PF_KERNELS:
         return _pf_patch(value)
-    if key == "gemvk" and value == "const":
-        return _entries_patch(*CONSTK_KERNELS)
     if key == "gemvcfg":
         return mock.patch.dict(w4a16_gemv.GEMV_TABLE, gemv_cfg_entries(value))
     if key == "gemvtable" and value in SMALL_TILES:
@@ -513,7 +454,7 @@ def _patch(setting: str):
     if key in ("trigger", "silutrigger") and value in ("0", "1", "2"):
         return mock.patch.object(w4a16_gemv, "TRIGGER" if key == "trigger" else "SILU_TRIGGER", int(value))
     raise SystemExit(f"--variants: unknown setting {setting!r} (pdl=0|1, lmhead=cublas|triton, attn=skip, "
-                     "attncfg=FIELDS, gemvk=const, norm|silu=plain|fused, rope=kernel|gemv, trigger|silutrigger=0|1|2, "
+                     "attncfg=FIELDS, norm|silu=plain|fused, rope=kernel|gemv, trigger|silutrigger=0|1|2, "
                      "gemv=real|sol|soltrig|soltiles|skip, gemvtable=half|quarter, gemvcfg=SHAPE:FIELDS)")
 
 
