@@ -205,3 +205,13 @@ def test_range_kernel_scores_equal_the_slot_tensor_ones_on_the_gpu(T, chunks):
         results.append((scores, cache.packed.idx.clone()))
     (s0, i0), (s1, i1) = results
     assert s0.sum() > 0 and torch.equal(s0, s1) and torch.equal(i0, i1)
+
+
+def test_packed_slots_is_the_next_power_of_two_that_holds_the_turn():
+    from tinyvila.kv_cache import packed_slots
+
+    assert packed_slots(4046, 50) == 4096  # exactly full: no doubling
+    assert packed_slots(4047, 50) == 8192
+    assert packed_slots(3277, 50) == 4096 and packed_slots(8192, 50) == 16384
+    assert packed_slots(7, 0) == 8  # a turn appends at least the one token its first step writes
+    assert packed_slots(1, 1) == 2

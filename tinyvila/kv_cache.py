@@ -108,6 +108,13 @@ class _Packed:
     v_stack: torch.Tensor | None = None
 
 
+
+def packed_slots(rows: int, room: int) -> int:
+    """Slots of a packed decode buffer for `rows` packed rows and a turn that appends at most `room` tokens:
+    their sum rounded up to a power of two (a few sizes serve a whole conversation, one captured decode graph
+    each). KVCache.pack allocates this, capped by the cache's own room."""
+    return 1 << (rows + max(room, 1) - 1).bit_length()
+
 class KVCache:
     """Preallocated keys and values, spans, and the SparseVILA scoring/packing state.
 
@@ -356,7 +363,7 @@ class KVCache:
         rows = length - N + n_keep
         cap = rows + self.max_seq_len - length  # room for every token this turn can still append
         if room is not None:
-            cap = min(cap, 1 << (rows + max(room, 1) - 1).bit_length())
+            cap = min(cap, packed_slots(rows, room))
         self._ensure_packed(cap, n_keep, length - rows)
         top = decode_select(sc.scores, n_keep, sc.idx, window, sc.windowed)  # (L, B, Hkv, n_keep)
         chosen = sc.idx[top]  # slots
