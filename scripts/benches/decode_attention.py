@@ -3,6 +3,7 @@
     PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention [--quick]
     DECODE_SWEEP=1|decode,retrieval,pack PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention
     DECODE_SWEEP=prefetch PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention
+    DECODE_SWEEP=decode DECODE_SWEEP_CASES=4096:3277,16384:13107 PYTHONPATH=. python scripts/bench_kernels.py ...
 
 Rows: decoding attention over a packed buffer of L rows (graph-replayed, GB/s against the measured
 copy bandwidth; the fused split merge and the older two-kernel merge side by side); keep 0.25 / 0.1
@@ -73,21 +74,25 @@ TURN_ROOM = 50
 def sparse_vs_sdpa(caches, keeps, room=TURN_ROOM) -> list[dict]:
     """Both sides timed the same two ways: replayed from a CUDA graph (us, sdpa_us) and eager. Each keep runs
     twice: in the buffer KVCache.pack allocates for it (kv_cache.packed_slots: the kept rows plus a turn's room,
-    rounded up to a power of two; its length picks the kernel's tile and split count), and, as sessions 1-11
-    measured it, with the kept rows at the head of a buffer as long as the whole cache."""
+    rounded up to a power of two; its length picks the kernel's tile and split count), and with the kept rows at
+    the head of a buffer as long as the whole cache. Each rotates through enough input sets that the bytes it
+    READS exceed L2 (until session 12 the keep rows rotated two cache-sized sets, so keep 0.1 of 32K, 13 MB a
+    call, was read from L2)."""
     rows = []
     q = torch.randn(1, H, D, device="cuda", dtype=DT)
     for S in caches:
         kv = _kv(S, common.n_copies(4 * HKV * S * D))
         sdpa_fn = lambda k, v: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)  # noqa: E731
         sdpa_eager, sdpa = common.bench(sdpa_fn, kv), common.graph_ms(sdpa_fn, kv)
+        del kv
         for keep in keeps:
             L = round(keep * S)
             lens = torch.tensor([L], dtype=torch.int32, device="cuda")
             fn = lambda k, v, lens=lens: ops.decode_attention(q, k, v, lens)  # noqa: E731
             slots = min(S, packed_slots(L, room))
-            packed = [(k[:, :, :slots].contiguous(), v[:, :, :slots].contiguous()) for k, v in kv]
-            for buffer, sets in ((f"packed ({slots} slots)", packed), (f"cache-long ({S} slots)", kv)):
+            n_sets = common.n_copies(4 * HKV * L * D)
+            for buffer, L_max in ((f"packed ({slots} slots)", slots), (f"cache-long ({S} slots)", S)):
+                sets = _kv(L_max, n_sets)
                 eager = common.bench(fn, sets)
                 ms = common.graph_ms(fn, sets) or eager
                 speedup = sdpa / ms if sdpa and ms else None
@@ -96,8 +101,7 @@ def sparse_vs_sdpa(caches, keeps, room=TURN_ROOM) -> list[dict]:
                              "of_ideal": speedup * keep if speedup else None,
                              "eager_us": 1000 * eager, "sdpa_eager_us": 1000 * sdpa_eager,
                              "eager_of_ideal": sdpa_eager / eager * keep, "target": ">=0.8 of ideal"})
-            del packed
-        del kv
+                del sets
     return rows
 
 
@@ -108,29 +112,40 @@ SWEEP = [  # (block_n, num_warps, num_stages, ctas_per_sm, fused merge)
 ]
 
 
-def sweep_rows(lengths=(1024, 8192, 32768, 131072)) -> list[dict]:
-    """Tile configurations and split counts of the decode kernel, graph-timed."""
-    from csrc_triton.decode_attention import decode_attention, default_splits
+def _sweep_cases() -> list[tuple[int, int]]:
+    """(buffer slots, keys) of the decode sweep: DECODE_SWEEP_CASES "SLOTS:KEYS,..." (e.g. the packed buffers of
+    keep 0.1 of 32K and 128K, "4096:3277,16384:13107"), else full buffers of 1K, 8K, 32K and 128K."""
+    spec = os.environ.get("DECODE_SWEEP_CASES", "")
+    if not spec:
+        return [(L, L) for L in (1024, 8192, 32768, 131072)]
+    return [tuple(int(x) for x in c.split(":")) for c in spec.split(",") if c.strip()]
+
+
+def sweep_rows() -> list[dict]:
+    """Tile configurations and split counts of the decode kernel, graph-timed, at the _sweep_cases."""
+    from csrc_triton.decode_attention import decode_attention, default_config, default_splits
 
     rows, bw = [], common.copy_bandwidth_gbs()
     q = torch.randn(1, H, D, device="cuda", dtype=DT)
-    for L in lengths:
-        kv = _kv(L, common.n_copies(4 * HKV * L * D))
-        lens = torch.tensor([L], dtype=torch.int32, device="cuda")
-        for bn, warps, stages, per_sm, fused in SWEEP:
-            splits = default_splits(L, HKV, q.device, per_sm)
-            fn = functools.partial(decode_attention, q, lengths=lens, n_splits=splits, block_n=bn,
-                                   num_warps=warps, num_stages=stages, fused=fused)
-            name = f"n{bn}w{warps}s{stages}c{per_sm}{'f' if fused else ''}"
-            try:
-                ms = common.graph_ms(fn, kv)
-            except Exception as e:  # a config that does not compile (shared memory) is a row, not a crash
-                print(f"config {name} failed: {type(e).__name__}: {e}")
-                ms = None
-            gbs = 4 * HKV * L * D / ms / 1e6 if ms else None
-            rows.append({"case": "sweep (graph)", "L": L, "config": name, "splits": splits,
-                         "us": 1000 * ms if ms else None, "GB/s": gbs, "of_copy_bw": gbs / bw if gbs else None})
-            print(rows[-1], flush=True)  # a sweep cut short by a time limit still reports
+    for L, n in _sweep_cases():
+        kv = _kv(L, common.n_copies(4 * HKV * n * D))
+        lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+        for pf in sorted({0, default_config(L)[4]}):
+            for bn, warps, stages, per_sm, fused in SWEEP:
+                splits = default_splits(L, HKV, q.device, per_sm)
+                fn = functools.partial(decode_attention, q, lengths=lens, n_splits=splits, block_n=bn,
+                                       num_warps=warps, num_stages=stages, fused=fused, prefetch=pf)
+                name = f"n{bn}w{warps}s{stages}c{per_sm}p{pf}{'f' if fused else ''}"
+                try:
+                    ms = common.graph_ms(fn, kv)
+                except Exception as e:  # a config that does not compile (shared memory) is a row, not a crash
+                    print(f"config {name} failed: {type(e).__name__}: {e}")
+                    ms = None
+                gbs = 4 * HKV * n * D / ms / 1e6 if ms else None
+                rows.append({"case": "sweep (graph)", "L": L, "keys": n, "config": name, "splits": splits,
+                             "picked": (bn, warps, stages, per_sm, pf) == default_config(L) and fused,
+                             "us": 1000 * ms if ms else None, "GB/s": gbs, "of_copy_bw": gbs / bw if gbs else None})
+                print(rows[-1], flush=True)  # a sweep cut short by a time limit still reports
         del kv
     return rows
 
