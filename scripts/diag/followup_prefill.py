@@ -8,6 +8,7 @@ ask (1 new token) three ways: timed, under torch.profiler (self CPU and device t
 
     PYTHONPATH=. python scripts/diag/followup_prefill.py [--pipelines quant,sparse] [--top 30]
     (one GPU, ~1 min; on CPU with --preset tiny-siglip-llama --group-size 32 it runs the reference path)
+    ... --frames 256   (the video conversation of scripts/bench.py at the paper's keeps, 0.25 / 0.1, instead)
 """
 
 from __future__ import annotations
@@ -58,15 +59,19 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", default="128")
     p.add_argument("--pipelines", default="quant,sparse")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--frames", type=int, default=0, help="a video of this many frames instead of one image")
     a = p.parse_args(argv)
-    args = B.parse_args(["--images", "1", "--rounds", "3", "--new-tokens", "8", "--prefill-keep", "0.5",
-                         "--decode-keep", "0.25", "--preset", a.preset, "--group-size", a.group_size])
+    media = ["--frames", str(a.frames), "--prefill-keep", "0.25", "--decode-keep", "0.1"] if a.frames else \
+        ["--images", "1", "--prefill-keep", "0.5", "--decode-keep", "0.25"]
+    args = B.parse_args([*media, "--rounds", "3", "--new-tokens", "8", "--preset", a.preset,
+                         "--group-size", a.group_size])
     base = B.preset(args.preset)
     tok, tmpl = B.tokenizer_and_template(args, base)
     turns = B.conversation(args, base, tok, tmpl)
+    max_seq_len = max(4096, B.context_needed(base, turns, args.new_tokens, tok, tmpl))
     cuda = torch.cuda.is_available()
     for name in a.pipelines.split(","):
-        pipe = B.build(name, args, base, turns, 4096, tok, tmpl)
+        pipe = B.build(name, args, base, turns, max_seq_len, tok, tmpl)
         pipe.run(turns, 8)
         pipe.run(turns, 8)
         chat = pipe.chat
