@@ -215,3 +215,21 @@ def test_packed_slots_is_the_next_power_of_two_that_holds_the_turn():
     assert packed_slots(3277, 50) == 4096 and packed_slots(8192, 50) == 16384
     assert packed_slots(7, 0) == 8  # a turn appends at least the one token its first step writes
     assert packed_slots(1, 1) == 2
+
+
+def test_retrievable_slots_of_many_spans_in_order():
+    """The retrievable slots of every retrievable span (cut at `end`), in span order, as int32."""
+    cfg = TextConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=50, max_seq_len=400)
+    cache = KVCache(cfg)
+    cache.add_span("system", 0, 3)
+    want = []
+    for a in range(3, 300, 9):  # 33 frames of 7 visual slots, each followed by 2 text slots
+        cache.add_span("visual", a, a + 7)
+        cache.add_span("text", a + 7, a + 9)
+        want += range(a, a + 7)
+    cache.add_span("text", 300, 320, retrievable=True)  # a document
+    got = cache.retrievable_slots()
+    assert got.dtype == torch.int32 and got.tolist() == want + list(range(300, 320))
+    assert cache.retrievable_slots(end=310).tolist() == want + list(range(300, 310))
+    assert cache.retrievable_slots(end=5).tolist() == [3, 4]
+    assert KVCache(cfg).retrievable_slots().numel() == 0

@@ -241,9 +241,15 @@ class KVCache:
     def retrievable_slots(self, end: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """(N,) int32 slots of the retrievable spans (before `end`), in order, on `device` (default:
         the cache's)."""
-        parts = [torch.arange(s.start, min(s.end, end or s.end)) for s in self.spans
-                 if s.retrievable and s.start < (end or s.end)]
-        idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        # A few tensor ops whatever the span count (a 256-frame video has 256 visual spans: one arange per span
+        # took ~1.3 ms of host time per question on the H200's host, S12-I).
+        runs = [(s.start, min(s.end, end or s.end)) for s in self.spans if s.retrievable and s.start < (end or s.end)]
+        idx = torch.zeros(0, dtype=torch.long)
+        if runs:
+            starts, stops = torch.tensor(runs, dtype=torch.long).unbind(1)
+            lens = stops - starts
+            # slot of output i = its run's start + (i - the run's first output index)
+            idx = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts - (lens.cumsum(0) - lens), lens)
         return idx.to(self.k[0].device if device is None else device, torch.int32)
 
     @staticmethod
