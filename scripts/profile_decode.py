@@ -297,111 +297,6 @@ def gemv_cfg_entries(value: str) -> dict:
     keys = list(GEMV_SHAPES.values()) if shape == "all" else [GEMV_SHAPES[shape]]
     return {key: {**w4a16_gemv.GEMV_TABLE[key], **{GEMV_FIELDS[a]: b for a, b in fields}} for key in keys}
 
-# 'gemvpf=stages|all|spinN': every W4 GEMV program first asks L2 for the first STAGES - 1 K steps of its weights ('stages',
-# what its pipeline's prologue loads next) or for its whole K range ('all'), then waits for its predecessor (PDL):
-# the weights never depend on the previous kernel, so their DRAM latency can pass while it runs. Session 3 tried a
-# prefetch before the wait plus prefetches inside the loop, on an older kernel, and found it slower. 'spinN': no
-# prefetch; each program spins N SM clocks after its wait (does the real GEMV's post-wait latency reach the step?).
-from csrc_triton import w4a16_gemv as _g  # noqa: E402
-
-_PF_ASM = tl.constexpr("cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;")
-
-
-@triton.jit
-def _l2_prefetch(qw_ptr, pid_n, pid_k, N, K8, W_SPLIT, BLOCK_N: tl.constexpr, GPS: tl.constexpr, STAGES: tl.constexpr,
-                 EPI: tl.constexpr, ROPE_D: tl.constexpr, WHOLE: tl.constexpr):
-    """The program's rows exactly as _mma_tile maps them; one bulk L2 prefetch per row."""
-    i = tl.arange(0, BLOCK_N)
-    if EPI == 2:
-        HALF: tl.constexpr = BLOCK_N // 2
-        rows = (pid_n * HALF + i % HALF) % (N // 2) + tl.where(i >= HALF, N // 2, 0)
-    elif EPI == 3:
-        HALF: tl.constexpr = BLOCK_N // 2
-        CHUNKS: tl.constexpr = ROPE_D // BLOCK_N
-        rows = ((pid_n // CHUNKS) * ROPE_D + (pid_n % CHUNKS) * HALF + i % HALF + tl.where(i >= HALF, ROPE_D // 2, 0))
-    else:
-        rows = (pid_n * BLOCK_N + i) % N
-    addr = (qw_ptr + rows.to(tl.int64) * K8 + pid_k * W_SPLIT).to(tl.int64, bitcast=True)
-    if WHOLE:
-        nbytes = tl.full((BLOCK_N,), 4, tl.int32) * W_SPLIT
-    else:
-        nbytes = tl.full((BLOCK_N,), 64 * GPS * (STAGES - 1), tl.int32)
-    tl.inline_asm_elementwise(_PF_ASM, "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def _make_pf_kernels(pf: int, spin: int = 0):
-    """The two mma-kernel entries with, before the PDL wait, pf = 1 / 2: _l2_prefetch of the first K steps / the
-    whole K range (0: none), and after it a spin of `spin` SM clocks (one of SPIN_CYCLES, else none)."""
-    PF = tl.constexpr(pf)
-    W = tl.constexpr(pf == 2)
-    SPIN = tl.constexpr(spin)
-
-    @triton.jit
-    def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, lock_ptr, res_ptr, g_ptr, xg_ptr,
-                   pout_ptr, pin_ptr, NP_IN, norm_d, eps, M, N, stride_xm,
-                   stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr, S_PAIRS: tl.constexpr,
-                   FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, EPI: tl.constexpr,
-                   PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr, TRIGGER: tl.constexpr,
-                   PDL: tl.constexpr):
-        if PF:
-            _l2_prefetch(qw_ptr, tl.program_id(0), tl.program_id(1), N, K8, W_SPLIT, BLOCK_N, GPS, STAGES, EPI, 0, W)
-        pdl.wait(PDL)
-        if TRIGGER == 0:
-            pdl.launch_dependents(PDL)
-        _spin(SPIN)
-        _g._mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
-                     lock_ptr, res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
-                     M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-                     UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, WRAP, TRIGGER, PDL)
-        if TRIGGER == 2:
-            pdl.launch_dependents(PDL)
-
-    @triton.jit
-    def rope_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, q_ptr, ws_ptr, lock_ptr, res_ptr, g_ptr,
-                    xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps, M, N, stride_xm, stride_ym, K8, NG,
-                    W_SPLIT, SPLIT_K, cos_ptr, sin_ptr, T, stride_ct, stride_st, H, HKV,
-                    k_ptr, v_ptr, slot_ptr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                    k2_ptr, v2_ptr, slot2_ptr, stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h,
-                    stride_v2s, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, UNPACK: tl.constexpr,
-                    S_PAIRS: tl.constexpr, FENCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
-                    EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr,
-                    TRIGGER: tl.constexpr, PDL: tl.constexpr, ROPE_D: tl.constexpr, SECOND: tl.constexpr):
-        if PF:
-            _l2_prefetch(qw_ptr, tl.program_id(0), tl.program_id(1), N, K8, W_SPLIT, BLOCK_N, GPS, STAGES, EPI,
-                         ROPE_D, W)
-        pdl.wait(PDL)
-        if TRIGGER == 0:
-            pdl.launch_dependents(PDL)
-        _spin(SPIN)
-        rope = ((cos_ptr, sin_ptr, T, stride_ct, stride_st, H, HKV),
-                (k_ptr, v_ptr, slot_ptr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs),
-                (k2_ptr, v2_ptr, slot2_ptr, stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h, stride_v2s))
-        _g._mma_tile(tl.program_id(0), tl.program_id(1), x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, q_ptr, ws_ptr,
-                     lock_ptr, res_ptr, g_ptr, xg_ptr, pout_ptr, pin_ptr, NP_IN, norm_d, eps,
-                     M, N, stride_xm, stride_ym, K8, NG, W_SPLIT, SPLIT_K, BLOCK_M, HAS_BIAS, UNPACK, S_PAIRS, FENCE,
-                     UPCAST_DOT, BLOCK_N, SPLIT, STAGES, GPS, EPI, PRENORM, NPB, WRAP, TRIGGER, PDL, rope, ROPE_D,
-                     SECOND)
-        if TRIGGER == 2:
-            pdl.launch_dependents(PDL)
-
-    return mma_kernel, rope_kernel
-
-
-PF_KERNELS = {"stages": _make_pf_kernels(1), "all": _make_pf_kernels(2),
-              **{f"spin{c}": _make_pf_kernels(0, c) for c in SPIN_CYCLES}}
-
-
-def _pf_patch(value: str):
-    mma_kernel, rope_kernel = PF_KERNELS[value]
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(_g, "_w4a16_gemv_mma_kernel", mma_kernel))
-    stack.enter_context(mock.patch.object(_g, "_w4a16_gemv_rope_kernel", rope_kernel))
-    return stack
-
-
 # 'attncfg=FIELDS': the decoding attention's launch config (csrc_triton/decode_attention.py, default_config) for every
 # buffer length, FIELDS letters each followed by a number: n block_n keys a tile, w num_warps, s num_stages,
 # c programs per SM (sets the split count), p K/V tiles prefetched into L2 before the PDL wait; fields not named keep
@@ -429,8 +324,6 @@ def _patch(setting: str):
     from tinyvila import ops
 
     key, value = setting.split("=")
-    if key == "gemvpf" and value in PF_KERNELS:
-        return _pf_patch(value)
     if key == "gemvcfg":
         return mock.patch.dict(w4a16_gemv.GEMV_TABLE, gemv_cfg_entries(value))
     if key == "gemvtable" and value in SMALL_TILES:

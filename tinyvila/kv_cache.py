@@ -108,12 +108,12 @@ class _Packed:
     v_stack: torch.Tensor | None = None
 
 
-
 def packed_slots(rows: int, room: int) -> int:
     """Slots of a packed decode buffer for `rows` packed rows and a turn that appends at most `room` tokens:
     their sum rounded up to a power of two (a few sizes serve a whole conversation, one captured decode graph
     each). KVCache.pack allocates this, capped by the cache's own room."""
     return 1 << (rows + max(room, 1) - 1).bit_length()
+
 
 class KVCache:
     """Preallocated keys and values, spans, and the SparseVILA scoring/packing state.
@@ -241,8 +241,8 @@ class KVCache:
     def retrievable_slots(self, end: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """(N,) int32 slots of the retrievable spans (before `end`), in order, on `device` (default:
         the cache's)."""
-        # A few tensor ops whatever the span count (a 256-frame video has 256 visual spans: one arange per span
-        # took ~1.3 ms of host time per question on the H200's host, S12-I).
+        # A few tensor ops whatever the span count: a 256-frame video has 256 visual spans, and one arange per
+        # span took 1.02 ms of CPU per question for them (0.45 ms now, session 12, measured on the dev machine).
         runs = [(s.start, min(s.end, end or s.end)) for s in self.spans if s.retrievable and s.start < (end or s.end)]
         idx = torch.zeros(0, dtype=torch.long)
         if runs:
@@ -348,11 +348,10 @@ class KVCache:
         rest] of slots 0..length-1 into the packed buffers. Returns the number of packed rows per head.
 
         `room`: at most how many tokens this turn's decode steps append (the answer's token budget; None:
-        every slot the cache has left). The buffers hold the packed rows plus that room, rounded up to a
-        power of two (so a few sizes serve a whole conversation, each with its captured decode graph)
-        and never past the cache's own room: the decoding attention picks its tiles and split count from
-        the buffer's length, and a buffer sized for the whole context (~40K slots for a 2K-row turn of a
-        long video) ran it with the long-buffer tiles (docs/benchmarks.md, S11-I).
+        every slot the cache has left). The buffers hold `packed_slots(rows, room)`, never past the cache's own
+        room: the decoding attention picks its tiles and split count from the buffer's length, and a buffer
+        sized for the whole context (~40K slots for a 2K-row turn of a long video) ran it with the long-buffer
+        tiles (docs/benchmarks.md, S11-I).
 
         Every layer at once: one selection over the stacked scores, one sort, one pack launch for all
         layers' K and V (a handful of launches per question, not a handful per layer), and no
