@@ -241,8 +241,8 @@ class KVCache:
     def retrievable_slots(self, end: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """(N,) int32 slots of the retrievable spans (before `end`), in order, on `device` (default:
         the cache's)."""
-        # A few tensor ops whatever the span count: a 256-frame video has 256 visual spans, and one arange per
-        # span took 1.02 ms of CPU per question for them (0.45 ms now, session 12, measured on the dev machine).
+        # A few tensor ops whatever the span count (a 256-frame video has 256 visual spans; one arange per span
+        # was a Python loop of 256 small ops on every question).
         runs = [(s.start, min(s.end, end or s.end)) for s in self.spans if s.retrievable and s.start < (end or s.end)]
         idx = torch.zeros(0, dtype=torch.long)
         if runs:

@@ -9,6 +9,8 @@ ask (1 new token) three ways: timed, under torch.profiler (self CPU and device t
     PYTHONPATH=. python scripts/diag/followup_prefill.py [--pipelines quant,sparse] [--top 30]
     (one GPU, ~1 min; on CPU with --preset tiny-siglip-llama --group-size 32 it runs the reference path)
     ... --frames 256   (the video conversation of scripts/bench.py at the paper's keeps, 0.25 / 0.1, instead)
+    ... --split        (instead of the profiles: turn 3 twice with each of begin_scoring, the prefill and pack
+                        followed by a device sync, printing each one's host time and the wait after it)
 """
 
 from __future__ import annotations
@@ -53,6 +55,43 @@ def ask_turn_3(chat, turns) -> None:
     sync()
 
 
+def split_turn_3(chat, turns, name: str) -> None:
+    """Turn 3 twice, each step of the question's prefill (KVCache.begin_scoring, Decoder.prefill, KVCache.pack)
+    timed on the host and then synchronised: host ms and the device wait after it, per step. A wait near zero
+    means the step's host work, not the GPU, set its pace."""
+    from tinyvila.generate import Decoder
+    from tinyvila.kv_cache import KVCache
+
+    log = []
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            t1 = time.perf_counter()
+            sync()
+            log.append((fn.__name__, 1e3 * (t1 - t0), 1e3 * (time.perf_counter() - t1)))
+            return out
+        return wrapper
+
+    steps = [(KVCache, "begin_scoring"), (Decoder, "prefill"), (KVCache, "pack")]
+    for _ in range(2):
+        to_turn_3(chat, turns)
+        log.clear()
+        originals = [getattr(cls, attr) for cls, attr in steps]
+        for (cls, attr), fn in zip(steps, originals):
+            setattr(cls, attr, timed(fn))
+        try:
+            t0 = time.perf_counter()
+            ask_turn_3(chat, turns)
+            wall = 1e3 * (time.perf_counter() - t0)
+        finally:
+            for (cls, attr), fn in zip(steps, originals):
+                setattr(cls, attr, fn)
+        print(f"[{name}] turn-3 ask, steps synchronised: wall {wall:.2f} ms; "
+              + "; ".join(f"{n} host {h:.2f} ms, wait {w:.2f}" for n, h, w in log), flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="vila-8b")
@@ -60,6 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--pipelines", default="quant,sparse")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--frames", type=int, default=0, help="a video of this many frames instead of one image")
+    p.add_argument("--split", action="store_true", help="host time and device wait per prefill step, no profiles")
     a = p.parse_args(argv)
     media = ["--frames", str(a.frames), "--prefill-keep", "0.25", "--decode-keep", "0.1"] if a.frames else \
         ["--images", "1", "--prefill-keep", "0.5", "--decode-keep", "0.25"]
@@ -75,6 +115,10 @@ def main(argv=None) -> int:
         pipe.run(turns, 8)
         pipe.run(turns, 8)
         chat = pipe.chat
+        if a.split:
+            split_turn_3(chat, turns, name)
+            del pipe, chat
+            continue
         to_turn_3(chat, turns)
         t0 = time.perf_counter()
         ask_turn_3(chat, turns)
