@@ -5,7 +5,13 @@
 q (B, H, T, D), k (B, H, N, D), fp16/bf16/fp32, any strides with unit stride along D (views of a
 fused qkv projection work as they are); rows m < M = n_query (all T, or the first few: CLIP's CLS /
 summary tokens); B frames independent. Result (B, N) fp32; extra memory O(B*H*(M+N)), never M x N.
-Pass 1 (`_row_lse_kernel`, a FlashAttention forward without V) gives each row's natural-log LSE.
+Pass 1 (`_row_lse_kernel`, a FlashAttention forward without V) gives each row's LSE (log2 units,
+negated, as pass 2's exponent adds it). Its default form first sums 2^logit with NO running max: the
+max costs an FMNMX per score plus a shuffle, exp2 and rescale per row and tile (offline sm_90a, D = 80:
+6.1 -> 4.6 instructions per score in the loop); the sum is exact to fp32 rounding while it stays in
+[2^-60, 2^100) (no term overflowed, underflowed terms negligible; see _SUM_LO), which holds unless a
+row's logits exceed ~100 - log2 N or all lie below ~-60 (log2 units): then that block of rows reruns
+with the running max. Ordinary attention logits (tens) never leave the range.
 Pass 2 (`_prefill_salience_kernel`) keeps a tile of keys resident and streams the query rows past
 it, computing S^T = K Q^T so the column sum is a cheap in-thread row sum (summing down the rows of
 Q K^T costs a cross-warp reduction per tile; that layout was 2-2.7x slower on the H200). Fused: the salience layer's
@@ -38,8 +44,7 @@ import triton.language as tl
 from csrc_triton.launch import Plans, _Launch
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-_LOG2E, _LN2 = tl.constexpr(LOG2E), tl.constexpr(LN2)  # what a @triton.jit body may read
+_LOG2E = tl.constexpr(LOG2E)  # what a @triton.jit body may read
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels below are interpreted
 FAST_EXP_DEFAULT = False  # fp16x2 exponentials for 16-bit inputs on CUDA (see docs/perf_notes.md)
 
@@ -90,8 +95,10 @@ def _horner(f, DEG: tl.constexpr):
 
 @triton.jit
 def _exp2_poly(x, DEG: tl.constexpr):
-    """2^x for fp32 x <= 127 without MUFU: FMNMX, 3 FADD, DEG FFMA, one shift-add (FMA/ALU pipes)."""
-    x = tl.maximum(x, -127.0)  # below: j >= -127, so the exponent field never wraps; -inf -> exactly 0
+    """2^x for fp32 x without MUFU: 2 FMNMX, 3 FADD, DEG FFMA, one shift-add (FMA/ALU pipes). x is clamped to
+    [-127, 127], so the exponent field never wraps: -inf -> exactly 0, x > 127 -> ~2^127 (finite, unlike
+    exp2, which pass 1's unshifted sums rely on only through its range check: 2^127 fails it too)."""
+    x = tl.minimum(tl.maximum(x, -127.0), 127.0)
     r = x + _ROUND  # round to nearest: bits(r) = bits(_ROUND) + j, j = rn(x)
     f = x - (r - _ROUND)  # exact: |f| <= 0.5 and x, j share the fractional grid
     p = _horner(f, DEG)  # 2^f in [0.707, 1.415], p(0) = 1 exactly
@@ -168,12 +175,66 @@ def _lse_update(s, m_i, l_i, scale_log2, POLY: tl.constexpr, BLOCK_S: tl.constex
 
 
 @triton.jit
+def _lse_online(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+                POLY: tl.constexpr, DEG: tl.constexpr):
+    """log2 sum_n 2^(scale_log2 q.k_n) of the resident rows, with a running max (any logits)."""
+    m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    n_full = N - N % BLOCK_S
+    for n0 in range(0, n_full, BLOCK_S):
+        offs_n = n0 + tl.arange(0, BLOCK_S)
+        s = _dot_streamed(q0, q1, k_ptr, offs_n, m_ok, skn, D, D0, D1, PRECISION, UPCAST, False)
+        m_i, l_i = _lse_update(s, m_i, l_i, scale_log2, POLY, BLOCK_S, DEG)
+    if n_full < N:
+        offs_n = n_full + tl.arange(0, BLOCK_S)
+        n_ok = offs_n < N
+        s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
+        s = tl.where(n_ok[None, :], s, -float("inf"))
+        m_i, l_i = _lse_update(s, m_i, l_i, scale_log2, POLY, BLOCK_S, DEG)
+    return m_i + tl.log2(l_i)
+
+
+@triton.jit
+def _sum_exp2_unshifted(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr, D0: tl.constexpr,
+                        D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_S: tl.constexpr, POLY: tl.constexpr, DEG: tl.constexpr):
+    """sum_n 2^(scale_log2 q.k_n) of the resident rows with no max subtracted: per score one FMUL, one
+    exp2 and one FADD (the running max costs an FMNMX per score and a shuffle, rescale and exp2 per row
+    and tile). Valid only when the caller checks the sums' range (_row_lse_kernel)."""
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    n_full = N - N % BLOCK_S
+    for n0 in range(0, n_full, BLOCK_S):
+        offs_n = n0 + tl.arange(0, BLOCK_S)
+        s = _dot_streamed(q0, q1, k_ptr, offs_n, m_ok, skn, D, D0, D1, PRECISION, UPCAST, False)
+        l_i += tl.sum(_exp2_split(s * scale_log2, POLY, BLOCK_S, DEG), axis=1)
+    if n_full < N:
+        offs_n = n_full + tl.arange(0, BLOCK_S)
+        n_ok = offs_n < N
+        s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
+        l_i += tl.sum(_exp2_split(tl.where(n_ok[None, :], s * scale_log2, -float("inf")), POLY, BLOCK_S, DEG), axis=1)
+    return l_i
+
+
+# The unshifted sum is kept when every resident row's lies in [2^-60, 2^100). Then no term overflowed (each
+# is below 2^100) and a term that underflowed (below 2^-126, flushed or denormal) is under 2^-66 of its row's
+# sum, N of them under 2^-46 of it for N <= 2^20: the sum equals the max-shifted one to fp32 rounding (the
+# shift by the max, a power of two, only changes the exponents). Otherwise (logits above ~100 - log2 N or all
+# below ~-60, in log2 units, or NaN) the block reruns with the running max.
+_SUM_LO = tl.constexpr(2.0 ** -60)
+_SUM_HI = tl.constexpr(2.0 ** 100)
+
+
+@triton.jit
 def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N, scale_log2,
                     D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_S: tl.constexpr, DIET: tl.constexpr, POLY: tl.constexpr, DEG: tl.constexpr):
-    """Pass 1: lse[bh, m] = ln sum_n exp(scale q.k) for BLOCK_R resident rows, online over key tiles.
-    DIET (the exp_poly variant): full tiles unmasked, POLY columns of each tile on the FMA pipe."""
+    """Pass 1: out[bh, m] = -lse2, lse2 = log2 sum_n 2^(scale_log2 q.k) (log2 units, negated: pass 2 adds
+    it in its FFMA) for BLOCK_R resident rows. DIET (the default, and the exp_poly variant): full tiles
+    unmasked, POLY columns of each tile on the FMA pipe, and first the sum with no running max
+    (_sum_exp2_unshifted), the online form only for a block whose sums leave the safe range.
+    Otherwise the original masked online form."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     sqm, skn = sqm * ALIGN, skn * ALIGN  # strides arrive divided by ALIGN (see prefill_salience)
@@ -182,21 +243,17 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N
     offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_ok = offs_m < M
     q0, q1 = _load_resident(q_ptr, offs_m, m_ok, sqm, D, D0, D1, UPCAST)
-    m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
     if DIET:
-        n_full = N - N % BLOCK_S
-        for n0 in range(0, n_full, BLOCK_S):
-            offs_n = n0 + tl.arange(0, BLOCK_S)
-            s = _dot_streamed(q0, q1, k_ptr, offs_n, m_ok, skn, D, D0, D1, PRECISION, UPCAST, False)
-            m_i, l_i = _lse_update(s, m_i, l_i, scale_log2, POLY, BLOCK_S, DEG)
-        if n_full < N:
-            offs_n = n_full + tl.arange(0, BLOCK_S)
-            n_ok = offs_n < N
-            s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
-            s = tl.where(n_ok[None, :], s, -float("inf"))
-            m_i, l_i = _lse_update(s, m_i, l_i, scale_log2, POLY, BLOCK_S, DEG)
+        l_i = _sum_exp2_unshifted(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST,
+                                  BLOCK_R, BLOCK_S, POLY, DEG)
+        lse2 = tl.log2(l_i)
+        unsafe = (l_i < _SUM_LO) | (l_i >= _SUM_HI) | (l_i != l_i)  # the last: NaN
+        if tl.max(unsafe.to(tl.int32), axis=0) > 0:  # uniform over the block: rare, the whole block reruns
+            lse2 = _lse_online(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST,
+                               BLOCK_R, BLOCK_S, POLY, DEG)
     else:
+        m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
         for n0 in range(0, N, BLOCK_S):
             offs_n = n0 + tl.arange(0, BLOCK_S)
             n_ok = offs_n < N
@@ -205,7 +262,21 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds at least one valid key
             l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(_exp2(s - m_new[:, None], FAST), axis=1)
             m_i = m_new
-    tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, (m_i + tl.log2(l_i)) * _LN2, mask=m_ok)
+        lse2 = m_i + tl.log2(l_i)
+    tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, -lse2, mask=m_ok)  # negated: pass 2 adds it
+
+
+@triton.jit
+def _neg_lse2(ptr, ok, NEG_LSE2: tl.constexpr, MASKED: tl.constexpr):
+    """-LSE in log2 units of a tile's rows (MASKED: rows with ok False read -inf, so exp2 gives exactly 0).
+    Pass 1 writes it so, which saves one op per column and tile; a caller's natural-log LSE takes an FMUL."""
+    if MASKED:
+        lse = tl.load(ptr, mask=ok, other=-float("inf") if NEG_LSE2 else float("inf"))
+    else:
+        lse = tl.load(ptr)
+    if NEG_LSE2:
+        return lse
+    return lse * -_LOG2E
 
 
 @triton.jit
@@ -213,9 +284,12 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
                              H, M, N, scale_log2, inv_count, D: tl.constexpr, D0: tl.constexpr,
                              D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                              FAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_S: tl.constexpr, DIET: tl.constexpr, POLY: tl.constexpr, DEG: tl.constexpr):
-    """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q - log2e lse[m]), BLOCK_R resident keys.
-    DIET (the exp_poly variant): full tiles unmasked, POLY columns of each tile on the FMA pipe."""
+                             BLOCK_S: tl.constexpr, DIET: tl.constexpr, POLY: tl.constexpr, DEG: tl.constexpr,
+                             NEG_LSE2: tl.constexpr):
+    """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q - lse2[m]), BLOCK_R resident keys; lse2
+    = the LSE in log2 units: -lse2 as pass 1 writes it (NEG_LSE2) or log2(e) x the caller's natural-log LSE.
+    DIET (the default, and the exp_poly variant): full tiles unmasked, POLY columns of each tile on the
+    FMA pipe."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     sqm, skn = sqm * ALIGN, skn * ALIGN
@@ -230,23 +304,23 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
         m_full = M - M % BLOCK_S
         for m0 in range(0, m_full, BLOCK_S):
             offs_m = m0 + tl.arange(0, BLOCK_S)
-            lse2 = tl.load(lse_ptr + offs_m) * _LOG2E
+            nlse2 = _neg_lse2(lse_ptr + offs_m, n_ok, NEG_LSE2, False)
             s = _dot_streamed(k0, k1, q_ptr, offs_m, n_ok, sqm, D, D0, D1, PRECISION, UPCAST, False)
-            acc += tl.sum(_exp2_split(s * scale_log2 - lse2[None, :], POLY, BLOCK_S, DEG), axis=1)
+            acc += tl.sum(_exp2_split(s * scale_log2 + nlse2[None, :], POLY, BLOCK_S, DEG), axis=1)
         if m_full < M:
             offs_m = m_full + tl.arange(0, BLOCK_S)
             m_ok = offs_m < M
-            lse2 = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("inf")) * _LOG2E  # past M: exp2 -> 0
+            nlse2 = _neg_lse2(lse_ptr + offs_m, m_ok, NEG_LSE2, True)
             s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST, True)
-            acc += tl.sum(_exp2_split(s * scale_log2 - lse2[None, :], POLY, BLOCK_S, DEG), axis=1)
+            acc += tl.sum(_exp2_split(s * scale_log2 + nlse2[None, :], POLY, BLOCK_S, DEG), axis=1)
     else:
         for m0 in range(0, M, BLOCK_S):
             offs_m = m0 + tl.arange(0, BLOCK_S)
             m_ok = offs_m < M
-            # Rows past M get lse = +inf, so exp2 gives exactly 0 and no extra select is needed.
-            lse2 = tl.load(lse_ptr + offs_m, mask=m_ok, other=float("inf")) * _LOG2E
+            # Rows past M get -lse2 = -inf, so exp2 gives exactly 0 and no extra select is needed.
+            nlse2 = _neg_lse2(lse_ptr + offs_m, m_ok, NEG_LSE2, True)
             s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST, True)  # K Q^T
-            acc += tl.sum(_exp2(s * scale_log2 - lse2[None, :], FAST), axis=1)
+            acc += tl.sum(_exp2(s * scale_log2 + nlse2[None, :], FAST), axis=1)
     tl.store(out_ptr + bh.to(tl.int64) * N + offs_n, acc * inv_count, mask=n_ok)
 
 
@@ -293,10 +367,11 @@ DEFAULT_TILES = (128, 64, 4, 3)
 # vs 3.80 ms, 4K 0.251 vs 0.269, 8 SigLIP frames 0.090 vs 0.095, 64 frames 0.593 vs 0.601, 1 frame equal;
 # every polynomial fraction tried (1/8, 1/4) was slower than 0. None: the original masked kernels.
 EXP_POLY_DEFAULT: float | None = 0.0
-# Register caps of the exp_poly variant at DEFAULT_TILES (pass 1, pass 2): the default kernels' own
-# counts (sm_90a), so 4 programs still share an SM. Uncapped, ptxas gives the variant 102-128
-# (unmasked loop + peeled tail); capped, offline sm_90a shows no spills at any fraction. None: uncapped.
-POLY_MAXNREG: tuple[int, int] | None = (96, 115)
+# Register caps of the exp_poly variant (the default kernels) at DEFAULT_TILES (pass 1, pass 2), so 4 programs
+# still share an SM (4 x 128 threads x 120 <= 64K registers; shared memory allows 4 too). Uncapped, ptxas gives
+# pass 1 (the unshifted loop plus its running-max rerun) 150; offline sm_90a, D = 72 and 80: no spills at
+# 120 (at 96, the old cap: 43 spill instructions, 2 in the loop at D = 72). Pass 2: 115, its own count.
+POLY_MAXNREG: tuple[int, int] | None = (120, 115)
 
 
 # Per-call host work (issue 5: at 1 SigLIP frame the kernels run for microseconds, so a call costs what
@@ -351,7 +426,7 @@ def _plan(q, k, n_query, lse, scale, tiles, fast_exp, exp_poly, poly_deg) -> _Pl
     pass2 = _Launch(_prefill_salience_kernel, (triton.cdiv(N, res), B * H),
                     (*strides, *lse_strides, H, M, N, scale_log2, 1.0 / (H * M)),
                     dict(BLOCK_R=res, BLOCK_S=streamed_m, POLY=poly_columns(exp_poly, streamed_m), maxnreg=cap[1],
-                         **meta))
+                         NEG_LSE2=lse is None, **meta))
     return _Plan((B, H, M) if lse is None else None, lse is not None and lse.stride(2) != 1, (B, H, N), pass1, pass2)
 
 

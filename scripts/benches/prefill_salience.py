@@ -323,6 +323,8 @@ def _compile_sm90(which: int, D: int, extra: dict, maxnreg: int | None):
     R, S, W, P = km.DEFAULT_TILES
     consts = dict(D=D, D0=d0, D1=d1, PRECISION="tf32", UPCAST=False, FAST=False, ALIGN=8, BLOCK_R=R, BLOCK_S=S,
                   DIET=False, POLY=0, DEG=km.POLY_DEG_DEFAULT)
+    if which == 2:
+        consts["NEG_LSE2"] = True  # pass 1's LSE, as a standalone call hands it over
     consts.update(extra)
     sig.update({n: "constexpr" for n in names if n not in sig})
     src = ASTSource(fn, sig, consts, {(i,): [["tt.divisibility", 16]] for i in div})
@@ -331,7 +333,8 @@ def _compile_sm90(which: int, D: int, extra: dict, maxnreg: int | None):
 
 
 def _sass_stats(kernel) -> dict:
-    """Registers, spills and per-score instruction mix of the longest loop (one thread: 64 scores)."""
+    """Registers, spills and per-score instruction mix of the main loop (one thread: 64 scores): the first
+    loop of the kernel (pass 1's unshifted sum; its running-max rerun comes after)."""
     import triton
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -349,7 +352,7 @@ def _sass_stats(kernel) -> dict:
     for i, text in enumerate(ins):
         if text.startswith("BRA") and (m := re.search(r"(L_x_\d+)", text)) and labels.get(m.group(1), i + 1) <= i:
             loops.append(ins[labels[m.group(1)]:i + 1])
-    ops = Counter(t.split()[0].split(".")[0] for t in max(loops, key=len))
+    ops = Counter(t.split()[0].split(".")[0] for t in next(lp for lp in loops if len(lp) > 64))
     per = 128 * 64 / 128  # scores per thread per tile at DEFAULT_TILES
     out = dict(regs=int(re.search(r"REG:(\d+)", res.stdout).group(1)),
                spills=sum(t.startswith(("STL", "LDL")) for t in ins), sass=sum(ops.values()) / per,

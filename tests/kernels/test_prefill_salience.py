@@ -131,7 +131,8 @@ POLY_REL_ERR = {5: 2.1e-7, 4: 3.4e-6, 3: 1.4e-4}
 @pytest.mark.parametrize("deg", sorted(POLY_COEFFS))
 def test_exp2_poly_precision(deg):
     """2^x by the polynomial: relative error at its bound over [-126, 8] (every f in [-0.5, 0.5], both
-    signs of j), exactly 0 at -inf and -127 and below, under 2^-126 (no wrapped exponent) in (-127, -126)."""
+    signs of j), exactly 0 at -inf and -127 and below, under 2^-126 (no wrapped exponent) in (-127, -126),
+    finite ~2^127 at 127 and above (+inf included)."""
     g = torch.Generator().manual_seed(deg)
     x = torch.cat([torch.linspace(-126, 8, 200_003), -126 + 134 * torch.rand(100_000, generator=g),
                    torch.arange(-126, 9).float() + 0.5, torch.arange(-126, 9).float()])
@@ -144,6 +145,10 @@ def test_exp2_poly_precision(deg):
     assert rel <= POLY_REL_ERR[deg], f"degree {deg}: max relative error {rel:.3g}"
     tail = y[x.numel():].cpu()
     assert (tail[:4] == 0).all() and (tail >= 0).all() and (tail < 2.0 ** -126).all(), tail
+    big = torch.tensor([127.0, 200.0, 1e30, float("inf")], device=DEVICE)
+    y = torch.full_like(big, float("nan"))
+    _exp2_poly_probe[(1,)](big, y, big.numel(), DEG=deg, BLOCK=16)
+    assert torch.isfinite(y).all() and (y >= 2.0 ** 126.5).all(), y  # clamped at 127: never wraps
 
 
 def test_poly_columns():
@@ -186,6 +191,47 @@ def test_exp_poly_columns_take_the_polynomial():
     err = {f: (prefill_salience(q, k, exp_poly=f, poly_deg=3).double() - ref).abs().max().item()
            for f in (0.0, 0.5, 1.0)}
     assert err[0.0] < 1e-5 * ref.max().item() < err[0.5] < err[1.0], err
+
+
+def _extreme_inputs(D, dtype, case):
+    """fp16-representable q, k whose logits leave pass 1's unshifted range in one resident block:
+    "large" (one head's rows scaled x12: logits up to ~190 in log2 units, past fp32's 2^128),
+    "negative" (row 5 anti-aligned with every key: logits ~ -220, all below fp32's normal range, so the
+    unshifted sum is 0). Either way the unshifted result alone would be inf or -inf: the rerun must run."""
+    q, k = _inputs(1, 2, 197, D, torch.float32, seed=D + 11)
+    if case == "large":
+        q[:, 1] *= 12
+    else:
+        u = torch.ones(D, device=q.device)
+        k = k + 3 * u
+        q[:, :, 5] = -6 * u
+    return q.to(dtype), k.to(dtype)
+
+
+@pytest.mark.parametrize("form", ["default", "original", "poly"])
+@pytest.mark.parametrize("case", ["large", "negative"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [72, 80])
+def test_logits_outside_the_unshifted_range(D, dtype, case, form, poisoned, monkeypatch):
+    """Pass 1 sums 2^logit with no running max and reruns a block with one when a row's sum leaves
+    [2^-60, 2^100): both ways out give the reference salience (and sum to 1). The original masked
+    kernels (always a running max) and the polynomial variant alongside."""
+    import csrc_triton.prefill_salience as mod
+
+    if form == "original":
+        monkeypatch.setattr(mod, "EXP_POLY_DEFAULT", None)
+    exp_poly = 0.25 if form == "poly" else None
+    q, k = _extreme_inputs(D, dtype, case)
+    lo = (q[0, :, :, None, :].double() * k[0, :, None, :, :].double()).sum(-1) * D ** -0.5 * 1.4426950408889634
+    if case == "large":
+        assert lo.max() > 140  # 2^logit overflows fp32
+    else:
+        assert lo[:, 5].max() < -150  # the whole row underflows fp32
+    out = prefill_salience(q, k, exp_poly=exp_poly)
+    _assert_within(out, q, k, None)
+    torch.testing.assert_close(out.sum(-1), torch.ones(1, device=DEVICE), rtol=1e-4, atol=1e-4)
+    if dtype == torch.float32:  # the tightest check: fp64 reference, fp32 kernel
+        torch.testing.assert_close(out.double(), prefill_salience_ref(q.double(), k.double()), rtol=1e-4, atol=1e-7)
 
 
 def test_reused_lse_runs_only_the_column_pass(poisoned):
