@@ -86,6 +86,32 @@ def test_matches_hf_fp32(name, select_layer, request):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind, patch, size", [("siglip", 14, 61), ("siglip", 7, 28), ("clip", 14, 56), ("siglip", 8, 60)])
+def test_patch_embedding_is_the_convolution(kind, patch, size, monkeypatch):
+    """embed() computes the checkpoint's Conv2d (kernel = stride = patch) as one GEMM over the cut-out
+    patches: the same hidden_states[0] as the convolution itself, in float64, whether the patch's C P P
+    pixels are a multiple of 8 (192 at 8) or are zero-padded to one (588 at 14, 147 at 7), and when
+    the image leaves pixels past the last whole patch (61 px at 14: 4 patches, 5 pixels dropped).
+    Buffers from torch.empty start as NaN, so unwritten (unpadded) patch columns would show."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    Config = transformers.SiglipVisionConfig if kind == "siglip" else transformers.CLIPVisionConfig
+    hf = _randomize((transformers.SiglipVisionModel if kind == "siglip" else transformers.CLIPVisionModel)(
+        Config(**{**TINY, "patch_size": patch}, image_size=size)), 3)
+    enc = _ours(hf, -1, dtype=torch.float64)
+    px = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    conv = torch.nn.functional.conv2d(px, enc.patch_embed.weight, enc.patch_embed.bias, stride=patch)
+    ref = conv.flatten(2).transpose(1, 2)  # (B, G*G, D)
+    if enc.cls_token is not None:
+        ref = torch.cat([enc.cls_token.expand(2, 1, -1), ref], dim=1)
+    ref = ref + enc.pos_embed
+    ref = ref if enc.pre_norm is None else enc.pre_norm(ref)
+    with torch.no_grad():
+        out = enc.embed(px)
+    assert out.shape == ref.shape == (2, enc.cfg.n_tokens, 48)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("prefixed", [False, True])
 def test_clip_patch_drops_cls(clip, prefixed):
     enc = _ours(clip, -2, select_feature="patch", prefixed=prefixed)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from tinyvila import ops
 from tinyvila.config import VisionConfig
@@ -142,9 +143,27 @@ class VisionEncoder(GraphOwner, nn.Module):
         self.graphs: GraphCache | None = None  # see use_cuda_graphs
 
     def embed(self, pixels: torch.Tensor) -> torch.Tensor:
-        """(B, C, S, S) -> (B, T, D) = hidden_states[0]: patches (+ CLS first) + positions (+ pre_norm)."""
-        x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))  # (B, D, G, G)
-        x = x.flatten(2).transpose(1, 2)  # (B, G*G, D), row-major over the patch grid
+        """(B, C, S, S) -> (B, T, D) = hidden_states[0]: patches (+ CLS first) + positions (+ pre_norm).
+
+        The patch embedding is the checkpoint's Conv2d (kernel = stride = P) computed as what it is, one
+        GEMM over each patch's C x P x P pixels: the patches are cut out with one copy (pixels past the
+        last whole patch are dropped, as the convolution drops them; rows zero-padded to a multiple of 8)
+        and the weight is viewed (D, C P P) (padded alike).
+        cuDNN's convolution of 3 input channels runs an implicit GEMM at ~45 TFLOP/s plus NCHW <-> NHWC
+        conversions and a transposing copy (H200, run S13-D in docs/benchmarks.md: with the position add,
+        ~3.2 ms of a 65 ms W8A8 SigLIP-so400m encode of 64 images)."""
+        w = self.patch_embed.weight  # (D, C, P, P)
+        D, C, P = w.shape[0], w.shape[1], w.shape[2]
+        B, gh, gw = pixels.shape[0], pixels.shape[2] // P, pixels.shape[3] // P
+        K = C * P * P
+        Kp = -(-K // 8) * 8  # rows of 16-byte multiples (588 -> 592 at P = 14): cuBLAS's aligned kernels
+        patches = torch.empty(B, gh, gw, Kp, dtype=w.dtype, device=pixels.device)  # row-major over the grid
+        if Kp > K:
+            patches[..., K:].zero_()
+            w = F.pad(w.reshape(D, K), (0, Kp - K))
+        patches[..., :K].view(B, gh, gw, C, P, P).copy_(
+            pixels[:, :, :gh * P, :gw * P].reshape(B, C, gh, P, gw, P).permute(0, 2, 4, 1, 3, 5))
+        x = F.linear(patches.view(B * gh * gw, Kp), w.reshape(D, Kp), self.patch_embed.bias).view(B, gh * gw, D)
         if self.cls_token is not None:
             cls = self.cls_token.to(x.dtype).expand(x.shape[0], 1, -1)  # (B, 1, D)
             x = torch.cat([cls, x], dim=1)  # (B, T, D)
