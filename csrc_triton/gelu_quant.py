@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .quant_per_token import _launch_rows, _row_block, _row_scales, _store_q, quantize_rows_ref
+from .quant_per_token import _launch_rows, _rmax_abs, _row_block, _row_scales, _store_q, quantize_rows_ref
 from .rounding import INTERPRET
 
 KINDS = {"gelu": 0, "gelu_tanh": 1, "quick_gelu": 2}
@@ -72,15 +72,6 @@ def _gelu(h, KIND: tl.constexpr):
 
 
 @triton.jit
-def _amax(g, ROWS: tl.constexpr):
-    """Row maxima of |g| (ROWS, BLOCK): (ROWS,), or a scalar when ROWS == 1 (layout-free: see the kernel)."""
-    if ROWS == 1:
-        return tl.max(tl.abs(g))
-    else:
-        return tl.max(tl.abs(g), axis=1)
-
-
-@triton.jit
 def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, stride_hm, stride_qm, K: tl.constexpr, KIND: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     # Row = head block + tail block, as quant_per_token; GELU(0) = 0, so padding lanes stay 0.
@@ -90,17 +81,15 @@ def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, stride_hm, stride_qm, K: tl.c
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     h, mask, offs = _row_block(h_ptr, rows, stride_hm, M, K, 0, BLOCK_K)
     g = _gelu(h, KIND)
-    amax = _amax(g, ROWS)
+    amax = _rmax_abs(g, ROWS)
     if BLOCK_T > 0:
         ht, mask_t, offs_t = _row_block(h_ptr, rows, stride_hm, M, K, BLOCK_K, BLOCK_T)
         gt = _gelu(ht, KIND)
-        amax = tl.maximum(amax, _amax(gt, ROWS))
+        amax = tl.maximum(amax, _rmax_abs(gt, ROWS))
     inv, scale = _row_scales(amax)
-    if ROWS == 1:  # back to (ROWS,) for the stores
-        inv, scale = tl.zeros((ROWS,), tl.float32) + inv, tl.zeros((ROWS,), tl.float32) + scale
-    _store_q(g, mask, offs, rows, q_ptr, stride_qm, inv)
+    _store_q(g, mask, offs, rows, q_ptr, stride_qm, inv, ROWS)
     if BLOCK_T > 0:
-        _store_q(gt, mask_t, offs_t, rows, q_ptr, stride_qm, inv)
+        _store_q(gt, mask_t, offs_t, rows, q_ptr, stride_qm, inv, ROWS)
     tl.store(scale_ptr + rows, scale, mask=rows < M)
 
 

@@ -15,46 +15,50 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_per_token import _launch_rows, _row_block, _row_scales, _store_q, quantize_rows_ref
+from .quant_per_token import (_launch_rows, _per_row, _rmax_abs, _row_block, _row_scales, _rsum, _store_q,
+                              quantize_rows_ref)
 
 
 @triton.jit
-def _affine(xc, rstd, w_ptr, b_ptr, offs, K: tl.constexpr):
-    """(x - mu) * rstd * w + b of one column block (ROWS, BLOCK) at columns `offs`."""
-    w = tl.load(w_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-    return xc * rstd[:, None] * w[None, :] + b[None, :]
+def _affine(xc, rstd, w_ptr, b_ptr, offs, K: tl.constexpr, ROWS: tl.constexpr):
+    """(x - mu) * rstd * w + b of one column block (ROWS, BLOCK) at columns `offs` (rstd per row, _per_row).
+    w and b are loaded as (1, BLOCK) tiles, i.e. in a 2-D tile's layout like x: loaded 1-D and broadcast, the
+    tail block's (128 columns at K = 1152) reached it through ~100 shuffles and selects (sm_90a)."""
+    cols = offs[None, :]
+    w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    return xc * _per_row(rstd, ROWS) * w + b
 
 
 @triton.jit
 def _layer_norm_quant_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, M, stride_xm, stride_qm, eps,
                              K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     # Row = head block of BLOCK_K columns + tail block of BLOCK_T (quant_per_token's layout): every
-    # statistic is the sum of the two blocks' partials.
+    # statistic is the sum of the two blocks' partials, a scalar when ROWS == 1 (the GPU launch: see _rsum).
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     x, mask, offs = _row_block(x_ptr, rows, stride_xm, M, K, 0, BLOCK_K)
-    total = tl.sum(x, axis=1)
+    total = _rsum(x, ROWS)
     if BLOCK_T > 0:
         xt, mask_t, offs_t = _row_block(x_ptr, rows, stride_xm, M, K, BLOCK_K, BLOCK_T)
-        total += tl.sum(xt, axis=1)
+        total += _rsum(xt, ROWS)
     mean = total / K
-    xc = x - mean[:, None]
+    xc = x - _per_row(mean, ROWS)
     if BLOCK_K > K:  # one padded block (SPLIT=False): padding lanes must add 0 to the variance
         xc = tl.where(mask, xc, 0.0)
-    var = tl.sum(xc * xc, axis=1)
+    var = _rsum(xc * xc, ROWS)
     if BLOCK_T > 0:
-        xct = tl.where(mask_t, xt - mean[:, None], 0.0)
-        var += tl.sum(xct * xct, axis=1)
+        xct = tl.where(mask_t, xt - _per_row(mean, ROWS), 0.0)
+        var += _rsum(xct * xct, ROWS)
     rstd = 1.0 / tl.sqrt(var / K + eps)
-    y = _affine(xc, rstd, w_ptr, b_ptr, offs, K)
-    amax = tl.max(tl.abs(y), axis=1)
+    y = _affine(xc, rstd, w_ptr, b_ptr, offs, K, ROWS)
+    amax = _rmax_abs(y, ROWS)
     if BLOCK_T > 0:
-        yt = tl.where(mask_t, _affine(xct, rstd, w_ptr, b_ptr, offs_t, K), 0.0)  # padding lanes 0 for the max
-        amax = tl.maximum(amax, tl.max(tl.abs(yt), axis=1))
+        yt = tl.where(mask_t, _affine(xct, rstd, w_ptr, b_ptr, offs_t, K, ROWS), 0.0)  # padding lanes 0 for the max
+        amax = tl.maximum(amax, _rmax_abs(yt, ROWS))
     inv, scale = _row_scales(amax)
-    _store_q(y, mask, offs, rows, q_ptr, stride_qm, inv)
+    _store_q(y, mask, offs, rows, q_ptr, stride_qm, inv, ROWS)
     if BLOCK_T > 0:
-        _store_q(yt, mask_t, offs_t, rows, q_ptr, stride_qm, inv)
+        _store_q(yt, mask_t, offs_t, rows, q_ptr, stride_qm, inv, ROWS)
     tl.store(scale_ptr + rows, scale, mask=rows < M)
 
 
