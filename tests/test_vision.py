@@ -112,6 +112,15 @@ def test_patch_embedding_is_the_convolution(kind, patch, size, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_wrong_image_size_is_named(siglip):
+    """Pixels that do not give the encoder's patch grid fail with the size it takes, not a broadcast error."""
+    enc = _ours(siglip, -1)
+    for shape in [(2, 3, 52, 60), (2, 1, 60, 60), (3, 60, 60)]:
+        with pytest.raises(ValueError, match=r"takes \(B, 3, 60, 60\) images \(49 patches of 8x8"):
+            enc.embed(torch.zeros(shape))
+    assert enc.embed(torch.zeros(2, 3, 63, 56)).shape == (2, 49, 48)  # 7 x 7 whole patches: accepted
+
+
 @pytest.mark.parametrize("prefixed", [False, True])
 def test_clip_patch_drops_cls(clip, prefixed):
     enc = _ours(clip, -2, select_feature="patch", prefixed=prefixed)

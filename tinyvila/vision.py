@@ -154,6 +154,11 @@ class VisionEncoder(GraphOwner, nn.Module):
         ~3.2 ms of a 65 ms W8A8 SigLIP-so400m encode of 64 images)."""
         w = self.patch_embed.weight  # (D, C, P, P)
         D, C, P = w.shape[0], w.shape[1], w.shape[2]
+        grid = self.pos_embed.shape[0] - (self.cls_token is not None)
+        if pixels.dim() != 4 or pixels.shape[1] != C or (pixels.shape[2] // P) * (pixels.shape[3] // P) != grid:
+            S = self.cfg.image_size
+            raise ValueError(f"VisionEncoder: pixels of shape {tuple(pixels.shape)}; this encoder takes (B, {C}, {S}, {S}) "
+                             f"images ({grid} patches of {P}x{P} pixels; tinyvila.image preprocesses to that size)")
         B, gh, gw = pixels.shape[0], pixels.shape[2] // P, pixels.shape[3] // P
         K = C * P * P
         Kp = -(-K // 8) * 8  # rows of 16-byte multiples (588 -> 592 at P = 14): cuBLAS's aligned kernels
