@@ -23,13 +23,14 @@ exp2 with log2(e) folded into the scale; `fast_exp` uses ex2.approx.f16x2 (2 per
 2^x on the FMA pipe instead of MUFU (MUFU.EX2 runs 16 per clock and SM, FFMA 128), FlashAttention-4's
 trick: j = rn(x) by the 1.5 * 2^23 rounding trick (no FRND: conversions run at MUFU's rate),
 f = x - j in [-0.5, 0.5], 2^f by a degree-DEG relative-minimax polynomial (Horner FFMAs, p(0) = 1
-exactly), then j added to the exponent field (one integer shift-add). x is clamped at -127 first, so
-masked scores (-inf) give exactly +0 and x in (-127, -126.5) gives a denormal below 2^-126. Max
+exactly), then j added to the exponent field (one integer shift-add). x is clamped to [-127, 127] first,
+so masked scores (-inf) give exactly +0, x in (-127, -126.5) a denormal below 2^-126, and x > 127 ~2^127. Max
 relative error of 2^x in fp32 (dense grid, FMA Horner): DEG 5 1.8e-7 (MUFU.EX2: ~2^-22), 4 2.9e-6,
 3 1.2e-4. The column split is static: in the MMA accumulator layout a column's 8-block is fixed by
 the register index, so `cols < POLY` (POLY a multiple of 8) folds at compile time and no select or
-second exponential is emitted per element. The variant also runs full tiles unmasked (only the last,
-partial tile masked) and folds pass 1's scale into the exponent's FFMA (max of the raw logits first).
+second exponential is emitted per element. The variant's kernels with POLY = 0 are the default ones (exp_poly
+0.0): full tiles unmasked (only the last, partial tile masked), pass 1 unshifted as above, and in its running-max
+rerun the scale folded into the exponent's FFMA (the max taken on the raw logits).
 """
 
 from __future__ import annotations
