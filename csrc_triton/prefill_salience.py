@@ -224,9 +224,10 @@ def _sum_exp2_unshifted(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr
 
 # The unshifted sum is kept when every resident row's lies in [2^-60, 2^100). Then no term overflowed (each
 # is below 2^100) and a term that underflowed (below 2^-126, flushed or denormal) is under 2^-66 of its row's
-# sum, N of them under 2^-46 of it for N <= 2^20: the sum equals the max-shifted one to fp32 rounding (the
-# shift by the max, a power of two, only changes the exponents). Otherwise (logits above ~100 - log2 N or all
-# below ~-60, in log2 units, or NaN) the block reruns with the running max.
+# sum, N of them under 2^-46 of it for N <= 2^20: every other term is an exp2 of the same argument as in the
+# max-shifted sum, less the row's max, so the two sums (the shifted one scaled back by 2^max) agree to fp32 and
+# exp2 rounding. Otherwise (logits above ~100 - log2 N or all below ~-60, in log2 units, or NaN) the block
+# reruns with the running max.
 _SUM_LO = tl.constexpr(2.0 ** -60)
 _SUM_HI = tl.constexpr(2.0 ** 100)
 
