@@ -245,3 +245,86 @@ def test_persistent_covers_every_tile():
     out.copy_(w8a8_gemm(a, b, a_s, b_s, bias, config=cfg))
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, w8a8_gemm_ref(a, b, a_s, b_s, bias), rtol=2e-3, atol=2e-3)
+
+
+# Split-K (the default kernel's K slices, config SPLIT_K): (M, N, K) with ragged edges and a K tail under the
+# interpreter (32-wide tiles: 7, 4 and 3 K tiles); on the GPU the ViT GEMMs at one image, where the launcher
+# splits (wo and fc2 with the residual), and a 3-row GEMM.
+SPLITK_CASES = [(5, 123, 217), (37, 70, 100), (1, 40, 72)] + (
+    [(729, 1152, 4304), (729, 1152, 1152), (729, 3456, 1152), (3, 200, 1152)] if ON_GPU else [])
+
+
+def _split_base(M, N, K):
+    """The launcher's non-persistent tile for (M, N, K) (32-wide under the interpreter)."""
+    return {k: v for k, v in _config(M, N, K, torch.device(DEVICE)).items() if k != "SPLIT_K"}
+
+
+@pytest.mark.parametrize("M,N,K", SPLITK_CASES)
+def test_split_k_bit_identical(M, N, K):
+    """Integer partial sums are exact in any order and the last slice to arrive runs the same epilogue, so every
+    SPLIT_K (including counts that leave uneven or would leave empty slices, which the launcher evens out) gives
+    the unsplit kernel's output: bit for bit under the interpreter, and on the GPU (TMA and pointer operands) bit
+    for bit or, where the compiler contracts the epilogue differently, within one rounding and >= 99% identical.
+    The arrival counters are back at zero after every call, so the next call (or graph replay) starts clean."""
+    import csrc_triton.w8a8_gemm as wg
+
+    a, b, a_s, b_s, bias = make(M, N, K, seed=9)
+    res = (torch.randn(M, N) * 2).to(DEVICE, torch.float16)
+    base = _split_base(M, N, K)
+    k_tiles = -(-K // base["BLOCK_K"])
+    for tma in ((False, True) if ON_GPU and K % 16 == 0 else (False,)):  # TMA needs 16-byte rows
+        want = w8a8_gemm(a, b, a_s, b_s, bias, residual=res, config=dict(base, TMA=tma, SPLIT_K=1))
+        if not ON_GPU:
+            assert torch.equal(want, w8a8_gemm_ref(a, b, a_s, b_s, bias, residual=res))
+        for split in sorted({2, 3, 4, 5, k_tiles} & set(range(2, k_tiles + 1))):
+            out = torch.full((M, N), float("nan"), dtype=torch.float16, device=DEVICE)
+            out.copy_(w8a8_gemm(a, b, a_s, b_s, bias, residual=res, config=dict(base, TMA=tma, SPLIT_K=split)))
+            assert torch.isfinite(out).all(), (tma, split)
+            if ON_GPU:
+                torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3, msg=f"TMA {tma} SPLIT_K {split}")
+                assert (out == want).float().mean().item() >= 0.99, (tma, split)
+            else:
+                assert torch.equal(out, want), split
+            assert int(wg._LOCKS[out.device].abs().sum()) == 0, (tma, split)
+
+
+def test_split_k_checks_and_rule(monkeypatch):
+    """SPLIT_K outside [1, K tiles] is refused; the launcher's rule splits only grids smaller than the GPU,
+    into slices of at least SPLIT_K_MIN_STEPS K tiles, toward SPLIT_K_PROGRAMS programs per SM."""
+    import csrc_triton.w8a8_gemm as wg
+
+    a, b, a_s, b_s, bias = make(9, 40, 72, seed=10)
+    base = _split_base(9, 40, 72)
+    for bad in (0, -(-72 // base["BLOCK_K"]) + 1):
+        with pytest.raises(ValueError, match="SPLIT_K"):
+            w8a8_gemm(a, b, a_s, b_s, bias, config=dict(base, SPLIT_K=bad))
+    monkeypatch.setattr(wg, "SPLIT_K_PROGRAMS", 2)
+    monkeypatch.setattr(wg, "SPLIT_K_MIN_STEPS", 3)
+    assert wg.split_k(108, 34, 132) == 3  # fc2 at one image: 108 tiles of 64 x 128, K = 4304
+    assert wg.split_k(108, 9, 132) == 3  # wo at one image: K = 1152, 3 tiles a slice
+    assert wg.split_k(324, 9, 132) == 1  # qkv at one image already fills the GPU
+    assert wg.split_k(20, 5, 132) == 1  # too few K tiles for two slices of 3
+    assert wg.split_k(10, 40, 132) == 13  # a tiny grid: ceil(264 / 10) = 27, capped at 40 // 3
+    monkeypatch.setattr(wg, "SPLIT_K_PROGRAMS", 0)
+    assert wg.split_k(10, 40, 132) == 1
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_split_k_graph_replay():
+    """A split-K GEMM captured in a CUDA graph and replayed with new inputs matches the eager call each time
+    (the partials workspace is the graph's, the counters reset themselves)."""
+    M, N, K = 729, 1152, 4304
+    a, b, a_s, b_s, bias = make(M, N, K, seed=11)
+    res = torch.randn(M, N, device=DEVICE).half()
+    cfg = dict(_split_base(M, N, K), SPLIT_K=3)
+    w8a8_gemm(a, b, a_s, b_s, bias, residual=res, config=cfg)  # compiles, creates the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w8a8_gemm(a, b, a_s, b_s, bias, residual=res, config=cfg)
+    for seed in (12, 13, 14):
+        a2, b2, *_ = make(M, N, K, seed=seed)
+        a.copy_(a2)
+        b.copy_(b2)
+        graph.replay()
+        torch.testing.assert_close(out, w8a8_gemm(a, b, a_s, b_s, bias, residual=res, config=dict(cfg, SPLIT_K=1)),
+                                   rtol=2e-3, atol=2e-3)
