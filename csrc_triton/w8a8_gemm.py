@@ -20,7 +20,6 @@ with a sub-tiled epilogue and TMA stores; selectable only (benchmarks), not a de
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -141,93 +140,28 @@ def _tile_coords(tile, n_pid_m, n_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
-def _k_range(a_ptr, b_ptr, acc, off_m, off_n, M, N, stride_am, stride_bn, t_lo, t_hi, K: tl.constexpr,
-             TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + a[off_m:, K tiles t_lo..t_hi) @ b[off_n:, same]^T (int32): one split of a split-K tile. TMA:
-    descriptors (edges zero-filled); else pointers with clamped rows, full K tiles unmasked and the K tail
-    (the last tile when BLOCK_K does not divide K) masked in the split that holds it."""
-    if TMA:
-        for k in tl.range(t_lo, t_hi):
-            a = a_ptr.load([off_m, k * BLOCK_K])
-            b = b_ptr.load([off_n, k * BLOCK_K])
-            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-    else:
-        rk = tl.arange(0, BLOCK_K)
-        rm = tl.minimum(off_m + tl.arange(0, BLOCK_M), M - 1)
-        rn = tl.minimum(off_n + tl.arange(0, BLOCK_N), N - 1)
-        a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] + t_lo * BLOCK_K
-        b_ptrs = b_ptr + rn[None, :] * stride_bn + rk[:, None] + t_lo * BLOCK_K
-        for _ in range(t_lo, tl.minimum(t_hi, K // BLOCK_K)):
-            acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, out_dtype=tl.int32)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        if K % BLOCK_K != 0:
-            if (t_lo <= K // BLOCK_K) & (K // BLOCK_K < t_hi):  # this split holds the tail tile
-                a = tl.load(a_ptrs, mask=rk[None, :] < K % BLOCK_K, other=0)
-                b = tl.load(b_ptrs, mask=rk[:, None] < K % BLOCK_K, other=0)
-                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-    return acc
-
-
-@triton.jit
-def _fence_gpu(x, FENCE: tl.constexpr):
-    """fence.acq_rel.gpu in every thread (x, a scalar, is passed through so the fence stays in program order)."""
-    if FENCE:
-        x = tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-    return x
-
-
 @triton.jit(do_not_specialize=["M"])  # one compile for every token count (M is masked anyway)
-def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, ws_ptr, lock_ptr, M, N,
+def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, M, N,
                       stride_am, stride_bn, stride_rm, stride_cm, K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, FENCE: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) output tile per program (axis 0), or with SPLIT_K > 1 one of SPLIT_K slices of
-    its K tiles (axis 1). TMA: a_ptr / b_ptr are descriptors; the residual and c always go through masked
-    pointers. EPI_SPLIT (1, 2 or 4): column sub-tiles of the epilogue.
-    Split-K: each slice stores its int32 partial tile in ws (tiles, SPLIT_K, BLOCK_M, BLOCK_N), then counts
-    itself in lock[tile] (acq_rel); the last to arrive adds the SPLIT_K partials, resets the counter and runs
-    the epilogue. Integer sums are exact in any order, so the output is bit-identical to SPLIT_K = 1."""
-    tile = tl.program_id(0)
-    pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+                      GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) output tile per program. TMA: a_ptr / b_ptr are descriptors; the residual
+    and c always go through masked pointers. EPI_SPLIT (1, 2 or 4): column sub-tiles of the epilogue."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    if SPLIT_K == 1:
-        if TMA:
-            # a_ptr / b_ptr are tensor descriptors; the K tail (and M/N edges) load as zeros.
-            for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
-                a = a_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])  # (BLOCK_M, BLOCK_K)
-                b = b_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])  # (BLOCK_N, BLOCK_K)
-                acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-        else:  # pointers: clamped rows, full K tiles unmasked, one masked tail (shared with the persistent kernel)
-            acc = _mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_am, stride_bn, K, False,
-                            BLOCK_M, BLOCK_N, BLOCK_K)
-        # Residual and output through pointers (TMA=False here): out-of-range rows/cols are masked off.
-        _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr,
-                  stride_rm, stride_cm, HAS_BIAS, HAS_RES, False, BLOCK_M, BLOCK_N, EPI_SPLIT)
-    else:
-        K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-        PER_SPLIT: tl.constexpr = (K_TILES + SPLIT_K - 1) // SPLIT_K
-        pid_k = tl.program_id(1)
-        t_lo = pid_k * PER_SPLIT
-        acc = _k_range(a_ptr, b_ptr, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_am, stride_bn, t_lo,
-                       tl.minimum(t_lo + PER_SPLIT, K_TILES), K, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ws_tile = ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
-        tl.store(ws_tile + pid_k * (BLOCK_M * BLOCK_N) + offs, acc)
-        token = _fence_gpu(pid_k, FENCE)  # release: this thread's partial stores before the count
-        tl.debug_barrier()
-        arrived = tl.atomic_add(lock_ptr + tile + token * 0, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            token = _fence_gpu(token, FENCE)  # acquire in every thread, not only in the one that counted
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-            for k in range(SPLIT_K):
-                acc += tl.load(ws_tile + (k + token * 0) * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-            tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next call (or graph replay)
-            _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr,
-                      c_ptr, stride_rm, stride_cm, HAS_BIAS, HAS_RES, False, BLOCK_M, BLOCK_N, EPI_SPLIT)
+    if TMA:
+        # a_ptr / b_ptr are tensor descriptors; the K tail (and M/N edges) load as zeros.
+        for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+            b = b_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])  # (BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+    else:  # pointers: clamped rows, full K tiles unmasked, one masked tail (shared with the persistent kernel)
+        acc = _mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_am, stride_bn, K, False,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+    # Residual and output through pointers (TMA=False here): out-of-range rows/cols are masked off.
+    _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr,
+              stride_rm, stride_cm, HAS_BIAS, HAS_RES, False, BLOCK_M, BLOCK_N, EPI_SPLIT)
 
 
 # ---- Persistent variant (selected by config["PERSISTENT"]; not the default until measured) ----
@@ -342,46 +276,17 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
     cfg.setdefault("EPI_SPLIT", 1)
     if cfg["EPI_SPLIT"] not in (1, 2, 4) or cfg["BLOCK_N"] % cfg["EPI_SPLIT"]:
         raise ValueError(f"w8a8_gemm: EPI_SPLIT must be 1, 2 or 4 and divide BLOCK_N, got {cfg['EPI_SPLIT']}")
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    split, k_tiles = cfg.get("SPLIT_K", 1), triton.cdiv(K, bk)
-    if not 1 <= split <= k_tiles:
-        raise ValueError(f"w8a8_gemm: SPLIT_K must be in [1, {k_tiles}] (K tiles of {bk}), got {split}")
-    split = cfg["SPLIT_K"] = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty slice (4 tiles in 3 -> 2 + 2)
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     a_arg, b_arg = a, b
     if tma:
-        a_arg = TensorDescriptor.from_tensor(a, [bm, bk])
-        b_arg = TensorDescriptor.from_tensor(b, [bn, bk])
-    ws = locks = c  # placeholders: not read without a split
-    if split > 1:
-        ws = torch.empty(tiles * split * bm * bn, dtype=torch.int32, device=a.device)
-        locks = _locks(a.device, tiles)
-    _w8a8_gemm_kernel[(tiles, split)](
+        a_arg = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        b_arg = TensorDescriptor.from_tensor(b, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _w8a8_gemm_kernel[grid](
         a_arg, b_arg, a_scale.contiguous(), b_scale.contiguous(), bias if bias is not None else b_scale,
-        residual if residual is not None else c, c, ws, locks, M, N, a.stride(0), b.stride(0),
+        residual if residual is not None else c, c, M, N, a.stride(0), b.stride(0),
         (residual if residual is not None else c).stride(0), c.stride(0), K=K, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, TMA=tma, FENCE=not _INTERPRET, **cfg)
+        HAS_RES=residual is not None, TMA=tma, **cfg)
     return c
-
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline PTX (the split-K fences) there
-MAX_SPLIT_TILES = 1 << 16  # split-K arrival counters per device: one per output tile of one call
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-
-
-def _locks(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's split-K arrival counters, int32, zeroed once; every split call leaves them at zero.
-    Shared by all calls on the device: split-K GEMMs run on one stream at a time (as the encoder runs them)."""
-    if tiles > MAX_SPLIT_TILES:
-        raise ValueError(f"w8a8_gemm: {tiles} output tiles exceed MAX_SPLIT_TILES={MAX_SPLIT_TILES} for split-K; "
-                         "use larger tiles or SPLIT_K=1")
-    locks = _LOCKS.get(device)
-    if locks is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("w8a8_gemm's split-K counters must exist before CUDA-graph capture: "
-                               "run the same call once eagerly first")
-        locks = _LOCKS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return locks
 
 
 def _aligned(*ts: torch.Tensor | None) -> bool:
@@ -451,28 +356,9 @@ def _auto_config(M: int, N: int, K: int, device: torch.device, tma: bool) -> dic
     every operand can go through TMA (its pointer form at these tiles needs more shared memory than an H200
     has at some K: the 128 x 256 x 128 3-stage pointer build asked for 352 KiB at K = 160, run S6-F)."""
     cfg = _config(M, N, K, device)
-    if device.type != "cuda":
-        return cfg
-    if tma and (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 256) and USE_PERSISTENT:
+    if device.type == "cuda" and tma and (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 256) and USE_PERSISTENT:
         return persistent_config(_LARGE_TILE_PERSISTENT[K >= 2048])
-    n_sm = _device_caps(device.index if device.index is not None else torch.cuda.current_device())[0]
-    cfg["SPLIT_K"] = split_k(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),
-                             triton.cdiv(K, cfg["BLOCK_K"]), n_sm)
     return cfg
-
-
-# Split-K where a GEMM's output tiles leave SMs idle (one SigLIP image: 729 rows make 108 tiles of 64 x 128 for
-# the 1152-wide outputs on 132 SMs, and fc2 runs 34 K steps in each): enough K slices for SPLIT_K_PROGRAMS
-# programs per SM, each slice at least SPLIT_K_MIN_STEPS K tiles long. 0 programs: never split.
-SPLIT_K_PROGRAMS = 2
-SPLIT_K_MIN_STEPS = 3
-
-
-def split_k(tiles: int, k_tiles: int, n_sm: int) -> int:
-    """The K slices a (tiles, k_tiles) GEMM runs on n_sm SMs (see SPLIT_K_PROGRAMS)."""
-    if not SPLIT_K_PROGRAMS or tiles >= n_sm:
-        return 1
-    return max(1, min(k_tiles // SPLIT_K_MIN_STEPS, triton.cdiv(SPLIT_K_PROGRAMS * n_sm, tiles)))
 
 
 USE_PERSISTENT = True  # False: the default kernel everywhere (A/B)

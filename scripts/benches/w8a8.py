@@ -15,9 +15,6 @@
     1, 2, 4) against torch._int_mm, TOPS, at IMAGES (default 1,8,64); wo and fc2 with the residual (as the
     ViT runs them) and without, qkv and fc1 without. One command (~1-2 min on the H200):
     PYTHONPATH=. TINYVILA_W8A8_PARTS=epi python scripts/bench_kernels.py --only w8a8
-    TINYVILA_W8A8_PARTS=splitk  the default kernel at its launcher tile with SPLIT_K 1-6 at each ViT GEMM (wo and
-    fc2 with the residual), at IMAGES (one image is where the launcher splits); the "encoder" part also times the
-    W8A8 encoder with the split-K rule off (the A/B) and checks one image's features are bit-identical either way.
     Offline (no GPU): PYTHONPATH=.:scripts python scripts/benches/w8a8.py --offline compiles the default
     and persistent configs for sm_90a and prints a SASS table (IGMMA/UTMALDG/UTMASTG, registers, spills),
     then the default kernel's epilogue table: each ViT GEMM shape, with and without residual, per EPI_SPLIT.
@@ -233,50 +230,6 @@ def _epi_rows(images: list[int], ceil_i8: float) -> list[dict]:
     return rows
 
 
-SPLITK_CASES = [(1152, 3456, "qkv", False), (1152, 1152, "o", True), (1152, 4304, "fc1", False),
-                (4304, 1152, "fc2", True)]
-
-
-def _splitk_rows(images: list[int], ceil_i8: float | None) -> list[dict]:
-    """The default (non-persistent) kernel at _config's tile for each ViT GEMM as the encoder runs it (wo and fc2
-    with the residual), SPLIT_K 1, 2, 3, 4, 6 (as many as the K tiles allow), graph-replayed: ms, TOPS, x_split1,
-    same_bits (equal to SPLIT_K 1's output: integer sums are exact), and which split the launcher picks."""
-    import triton
-
-    import csrc_triton.w8a8_gemm as wg
-
-    rows = []
-    n_sm = wg._device_caps(torch.cuda.current_device())[0]
-    for n_img in images:
-        M = TOKENS * n_img
-        for K, N, name, with_res in SPLITK_CASES:
-            sets = _epi_sets(M, K, N)
-            ops = 2 * M * N * K / 1e9
-            base = dict(wg._config(M, N, K, sets[0][0].device), TMA=True)
-            tiles = triton.cdiv(M, base["BLOCK_M"]) * triton.cdiv(N, base["BLOCK_N"])
-            k_tiles = triton.cdiv(K, base["BLOCK_K"])
-            auto = wg.split_k(tiles, k_tiles, n_sm)
-            first = t_first = None
-            for split in sorted({s for s in (1, 2, 3, 4, 6, auto) if s <= k_tiles}):
-                cfg = dict(base, SPLIT_K=split)
-                fn = lambda a, b, sa, sb, bias, res, cfg=cfg, r=with_res: wg.w8a8_gemm(  # noqa: E731
-                    a, b, sa, sb, bias, residual=res if r else None, config=cfg)
-                t = common.graph_ms(fn, sets)
-                out = fn(*sets[0])
-                first = out if first is None else first
-                t_first = t if t_first is None else t_first
-                tile = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages}".format(**cfg)
-                rows.append(_progress({
-                    "case": f"splitk {name}{'+res' if with_res else ''} M={M} K={K} N={N} split{split}",
-                    "triton_ms": t, "triton_tops": ops / t if t else None,
-                    "pct_int8_ceil": 100 * ops / t / ceil_i8 if t and ceil_i8 else None,
-                    "x_split1": t_first / t if t and t_first else None, "same_bits": bool(torch.equal(out, first)),
-                    "note": f"{tile}, {tiles} tiles x {split} = {tiles * split} programs"
-                            + (" (launcher's choice)" if split == auto else "")}))
-            del sets
-    return rows
-
-
 # (rows per program, num_warps, SPLIT) of the row kernels: one warp per row (no cross-warp reductions)
 # up to 8; SPLIT: a row as a power-of-two head + tail block (True) or one padded block (False).
 # (1, 4, False) is the launch before the head + tail change (docs/perf_notes.md W2's best).
@@ -424,26 +377,6 @@ class _ConfigOverride:
         self.fn.clear()
 
 
-class _NoSplitK:
-    """Call fn with the launcher's split-K rule off (csrc_triton.w8a8_gemm.SPLIT_K_PROGRAMS = 0): the A/B."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args):
-        import csrc_triton.w8a8_gemm as wg
-
-        default, wg.SPLIT_K_PROGRAMS = wg.SPLIT_K_PROGRAMS, 0
-        try:
-            return self.fn(*args)
-        finally:
-            wg.SPLIT_K_PROGRAMS = default
-
-    def clear(self):
-        if hasattr(self.fn, "clear"):
-            self.fn.clear()
-
-
 @torch.no_grad()
 def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) -> list[dict]:
     """Whole-encoder medians (ms), one row per model and image count: fp16 and HF eager and CUDA-graph
@@ -458,7 +391,6 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
         runs["hf_sdpa_fp16 graph"] = _graphed(runs["hf_sdpa_fp16 eager"])
     w8a8 = _graphed(q._forward)
     w8a8_v = _ConfigOverride(_graphed(q._forward), variant) if variant else None
-    w8a8_nosplit = _NoSplitK(_graphed(q._forward))
     rows = []
     for n_img in images:
         sets = [(torch.randn(n_img, 3, S, S, device="cuda", dtype=torch.float16),) for _ in range(2)]
@@ -473,11 +405,6 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
                          ("x_hf_graph", "hf_sdpa_fp16 graph")):
             row[key] = base[ref] / t if t and base.get(ref) else None  # W8A8's speedup over it
         rows.append(_progress(row))
-        nrow = {"case": f"encoder x{n_img} w8a8 graph, no split-K"}
-        nrow["ms"] = tn = _time_or_note(nrow, w8a8_nosplit, sets, iters)
-        nrow["x_fp16_graph"] = base["fp16 graph"] / tn if tn and base.get("fp16 graph") else None
-        nrow["x_w8a8_default"] = tn / t if t and tn else None  # > 1: split-K made the default faster
-        rows.append(_progress(nrow))
         if w8a8_v is not None:
             vrow = {"case": f"encoder x{n_img} w8a8 variant graph", "note": _variant_note(variant)}
             vrow["ms"] = tv = _time_or_note(vrow, w8a8_v, sets, iters)
@@ -487,7 +414,7 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
             vrow["x_w8a8_default"] = t / tv if t and tv else None
             rows.append(_progress(vrow))
         del sets
-        for fn in (*runs.values(), w8a8, w8a8_nosplit, *([w8a8_v] if w8a8_v else [])):
+        for fn in (*runs.values(), w8a8, *([w8a8_v] if w8a8_v else [])):
             if hasattr(fn, "clear"):
                 fn.clear()  # free this batch size's graph pool before the next, larger one
         torch.cuda.empty_cache()
@@ -495,9 +422,6 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
     px = torch.randn(2, 3, S, S, device="cuda", dtype=torch.float16)
     cos = F.cosine_similarity(q(px).float().flatten(1), dense(px).float().flatten(1), dim=-1).min().item()
     rows.append({"case": "encoder w8a8 vs fp16 features (synthetic weights)", "cos": cos})
-    px1 = px[:1]  # one image: where the launcher splits K
-    same = torch.equal(q(px1), _NoSplitK(q)(px1))
-    rows.append({"case": "encoder w8a8 x1 features, split-K vs none: bit-identical", "note": str(same)})
     if variant:
         # Integer sums are exact: the variant may differ from the default only by epilogue FMA contraction.
         diff = (_ConfigOverride(q, variant)(px).float() - q(px).float()).abs().max().item()
@@ -607,7 +531,7 @@ def _env_ints(name: str, default: str = "") -> list[int]:
 
 def run(args) -> list[dict]:
     quick = getattr(args, "quick", False)
-    parts = os.environ.get("TINYVILA_W8A8_PARTS", "encoder,layer,gemm,rows").split(",")  # also: epi, splitk
+    parts = os.environ.get("TINYVILA_W8A8_PARTS", "encoder,layer,gemm,rows").split(",")  # also: epi
     images = _env_ints("TINYVILA_W8A8_IMAGES", "1,8" if quick else "1,8,64")
     sweep, row_sweep = _env_ints("TINYVILA_W8A8_SWEEP"), _env_ints("TINYVILA_W8A8_ROW_SWEEP")
     variants = os.environ.get("TINYVILA_W8A8_VARIANTS", "0") not in ("", "0")
@@ -622,8 +546,6 @@ def run(args) -> list[dict]:
             ceil_i8 = int8_tops_ceiling()
             rows += [{"case": "ceiling int8 8192^3, faster of _int_mm and w8a8_gemm (TOPS)", "triton_tops": ceil_i8}]
         rows += _epi_rows(images, ceil_i8)
-    if "splitk" in parts:
-        rows += _splitk_rows(images, ceil_i8 if "gemm" in parts or "epi" in parts else None)
     if "gemm" in parts and variants:  # the variants pick the encoder's GEMM configs: GEMMs first
         gemm_rows, faster = _gemm_rows(images, ceil_i8, ceil_f16, sweep, variants=True)
         rows += gemm_rows
@@ -643,12 +565,11 @@ def run(args) -> list[dict]:
 
 
 def _compile_sm90(t: tuple, K: int, persistent: bool, has_res: bool = True, split: int | None = None,
-                  n_div16: bool = True, split_k: int = 1):
+                  n_div16: bool = True):
     """Compile one config of the TMA path for sm_90a without a GPU (fp16 out, bias, residual if has_res).
     t: a `_TILES` or `_PERSISTENT_TILES` row (EPI_SPLIT t[5] unless `split`). n_div16: N marked divisible
     by 16, as the launch specializes it for the ViT's N (1152, 3456, 4304); it is what lets the masked
-    stores and residual loads vectorize (without it: 2-byte accesses, and other spill counts). split_k: the
-    default kernel's K slices (1: no split)."""
+    stores and residual loads vectorize (without it: 2-byte accesses, and other spill counts)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -660,15 +581,12 @@ def _compile_sm90(t: tuple, K: int, persistent: bool, has_res: bool = True, spli
     sub = bn // split if persistent else bn
     out = f"tensordesc<fp16[{bm}, {sub}]>" if persistent else "*fp16"  # c and residual
     sig = {"a_ptr": f"tensordesc<i8[{bm}, {bk}]>", "b_ptr": f"tensordesc<i8[{bn}, {bk}]>", "a_scale_ptr": "*fp32",
-           "b_scale_ptr": "*fp32", "bias_ptr": "*fp16", "res_ptr": out, "c_ptr": out,
-           **({} if persistent else {"ws_ptr": "*i32", "lock_ptr": "*i32"}), "M": "i32", "N": "i32",
+           "b_scale_ptr": "*fp32", "bias_ptr": "*fp16", "res_ptr": out, "c_ptr": out, "M": "i32", "N": "i32",
            "stride_am": "i32", "stride_bn": "i32", "stride_rm": "i32", "stride_cm": "i32"}
     consts = dict(K=K, HAS_BIAS=True, HAS_RES=has_res, TMA=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                   EPI_SPLIT=split)
     if persistent:
         consts.update(NUM_PROGRAMS=132, FLATTEN=t[6])
-    else:
-        consts.update(SPLIT_K=split_k, FENCE=True)
     sig.update({k: "constexpr" for k in consts})
     aligned = [i for i, (k, v) in enumerate(sig.items())
                if v.startswith("*") or k.startswith("stride") or (k == "N" and n_div16)]
