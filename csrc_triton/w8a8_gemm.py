@@ -20,6 +20,7 @@ with a sub-tiled epilogue and TMA stores; selectable only (benchmarks), not a de
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -268,6 +269,11 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
         return c
     tma_ab = _tma_ok(a, b)  # once per call: the dispatch and the launch both need it
     cfg = dict(config or _auto_config(M, N, K, a.device, tma_ab and _aligned(c, residual)))
+    if (config is None and cfg.get("PERSISTENT") and (residual is not None or not WGMMA_RESIDUAL_ONLY)
+            and _wgmma_ok(a, b, c, residual)):
+        from csrc_triton.w8a8_gemm_wgmma import w8a8_gemm_wgmma
+
+        return w8a8_gemm_wgmma(a, b, a_scale, b_scale, bias, out_dtype, residual, out=c)
     tma = cfg.pop("TMA", None)
     tma = tma_ab if tma is None else tma
     if cfg.pop("PERSISTENT", False):
@@ -362,6 +368,25 @@ def _auto_config(M: int, N: int, K: int, device: torch.device, tma: bool) -> dic
 
 
 USE_PERSISTENT = True  # False: the default kernel everywhere (A/B)
+# Where the launcher picks the persistent 128 x 256 kernel (8 and 64 SigLIP images), on sm_90 with TMA-aligned
+# operands and a 16-bit output: the Gluon kernel of csrc_triton/w8a8_gemm_wgmma.py instead (int8 wgmma kept in
+# flight across K steps, which Triton's pipeliner does not do for int32 accumulators). False: Triton only (A/B).
+USE_WGMMA = True
+WGMMA_RESIDUAL_ONLY = False  # True: only the GEMMs with a residual (the ViT's wo and fc2) go to Gluon (A/B)
+
+
+def _wgmma_ok(a, b, c, residual) -> bool:
+    """Whether w8a8_gemm dispatches a persistent-config call to the Gluon kernel (see USE_WGMMA)."""
+    if not USE_WGMMA or not a.is_cuda or _INTERPRET:
+        return False
+    try:
+        from csrc_triton.w8a8_gemm_wgmma import ok
+    except ImportError:  # a Triton without Gluon's Hopper API: the Triton kernels serve
+        return False
+    return ok(a, b, c, residual)
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def w8a8_gemm_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,

@@ -377,6 +377,28 @@ class _ConfigOverride:
         self.fn.clear()
 
 
+class _TritonOnly:
+    """Call fn with the Gluon GEMM dispatch off (csrc_triton.w8a8_gemm.USE_WGMMA = False), or with `attr` set to
+    `value` instead (e.g. WGMMA_RESIDUAL_ONLY): the A/B."""
+
+    def __init__(self, fn, attr: str = "USE_WGMMA", value=False):
+        self.fn, self.attr, self.value = fn, attr, value
+
+    def __call__(self, *args):
+        import csrc_triton.w8a8_gemm as wg
+
+        default = getattr(wg, self.attr)
+        setattr(wg, self.attr, self.value)
+        try:
+            return self.fn(*args)
+        finally:
+            setattr(wg, self.attr, default)
+
+    def clear(self):
+        if hasattr(self.fn, "clear"):
+            self.fn.clear()
+
+
 @torch.no_grad()
 def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) -> list[dict]:
     """Whole-encoder medians (ms), one row per model and image count: fp16 and HF eager and CUDA-graph
@@ -391,6 +413,8 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
         runs["hf_sdpa_fp16 graph"] = _graphed(runs["hf_sdpa_fp16 eager"])
     w8a8 = _graphed(q._forward)
     w8a8_v = _ConfigOverride(_graphed(q._forward), variant) if variant else None
+    w8a8_tri = _TritonOnly(_graphed(q._forward))
+    w8a8_res = _TritonOnly(_graphed(q._forward), "WGMMA_RESIDUAL_ONLY", True)
     rows = []
     for n_img in images:
         sets = [(torch.randn(n_img, 3, S, S, device="cuda", dtype=torch.float16),) for _ in range(2)]
@@ -405,6 +429,16 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
                          ("x_hf_graph", "hf_sdpa_fp16 graph")):
             row[key] = base[ref] / t if t and base.get(ref) else None  # W8A8's speedup over it
         rows.append(_progress(row))
+        trow = {"case": f"encoder x{n_img} w8a8 graph, Triton GEMMs only"}
+        trow["ms"] = tt = _time_or_note(trow, w8a8_tri, sets, iters)
+        trow["x_fp16_graph"] = base["fp16 graph"] / tt if tt and base.get("fp16 graph") else None
+        trow["x_w8a8_default"] = tt / t if t and tt else None  # > 1: the Gluon GEMMs made the default faster
+        rows.append(_progress(trow))
+        rrow = {"case": f"encoder x{n_img} w8a8 graph, Gluon for the residual GEMMs only"}
+        rrow["ms"] = tr = _time_or_note(rrow, w8a8_res, sets, iters)
+        rrow["x_fp16_graph"] = base["fp16 graph"] / tr if tr and base.get("fp16 graph") else None
+        rrow["x_w8a8_default"] = tr / t if t and tr else None
+        rows.append(_progress(rrow))
         if w8a8_v is not None:
             vrow = {"case": f"encoder x{n_img} w8a8 variant graph", "note": _variant_note(variant)}
             vrow["ms"] = tv = _time_or_note(vrow, w8a8_v, sets, iters)
@@ -414,7 +448,7 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
             vrow["x_w8a8_default"] = t / tv if t and tv else None
             rows.append(_progress(vrow))
         del sets
-        for fn in (*runs.values(), w8a8, *([w8a8_v] if w8a8_v else [])):
+        for fn in (*runs.values(), w8a8, w8a8_tri, w8a8_res, *([w8a8_v] if w8a8_v else [])):
             if hasattr(fn, "clear"):
                 fn.clear()  # free this batch size's graph pool before the next, larger one
         torch.cuda.empty_cache()
@@ -422,6 +456,8 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
     px = torch.randn(2, 3, S, S, device="cuda", dtype=torch.float16)
     cos = F.cosine_similarity(q(px).float().flatten(1), dense(px).float().flatten(1), dim=-1).min().item()
     rows.append({"case": "encoder w8a8 vs fp16 features (synthetic weights)", "cos": cos})
+    diff = (q(px).float() - _TritonOnly(q)(px).float()).abs().max().item()  # integer sums exact: epilogue FMAs only
+    rows.append({"case": "encoder w8a8 x2, Gluon vs Triton GEMMs: max abs diff", "cos": diff})
     if variant:
         # Integer sums are exact: the variant may differ from the default only by epilogue FMA contraction.
         diff = (_ConfigOverride(q, variant)(px).float() - q(px).float()).abs().max().item()

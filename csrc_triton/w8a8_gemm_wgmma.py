@@ -1,0 +1,204 @@
+"""W8A8 GEMM for Hopper in Gluon: int8 wgmma kept in flight across K steps.
+
+    out[m, n] = (sum_k a[m, k] * b[n, k]) * a_scale[m] * b_scale[n] + bias[n] + residual[m, n]
+
+The same operation, operands and epilogue as csrc_triton/w8a8_gemm.py (its docstring has the layouts), for
+sm_90 only. Why a second kernel: Triton 3.6's software pipeliner keeps a wgmma in flight across K steps only
+when its accumulator is fp32, so every K step of the Triton int8 GEMM waits for its own wgmma before the next
+is issued (docs/perf_notes.md, session 5). Here the pipeline is written out in Gluon (Triton's explicit-layout
+dialect). Persistent: one program per SM takes tiles pid, pid + P, ... (grouped order) as ONE stream of K steps
+through a STAGES-deep ring of TMA loads that runs ahead across tile boundaries, so the next tile's first loads
+are in flight during this tile's epilogue. Each K step issues its wgmmas asynchronously and then waits only for
+the previous step's (`warpgroup_mma_wait`), whose operand stage is then refilled with the step STAGES - 1
+ahead. The tile's two column halves are two accumulators (int8 wgmma is at most 224 wide, so a 256-wide tile is
+two 128-wide instructions anyway), so the epilogue runs a half at a time without reshaping: fp32 in the
+reference's order, the residual half loaded by TMA, one rounding, stored through shared memory by TMA. Edges
+(M, N, the K tail) are zero-filled by TMA loads and clipped by TMA stores.
+
+No interpreter form: Gluon kernels run on the GPU only. csrc_triton.w8a8_gemm.w8a8_gemm checks a call and
+dispatches here on sm_90 where every operand suits TMA (`ok`), the Triton kernel elsewhere; the plain PyTorch
+form is `w8a8_gemm_wgmma_ref` (= the Triton kernel's reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from csrc_triton.w8a8_gemm import w8a8_gemm_ref
+
+
+@gluon.jit
+def _tile_mn(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(off_m, off_n) of output tile `tile` in grouped order (GROUP_M row tiles share a column tile of b in L2)."""
+    n_pid_m = gl.cdiv(M, BLOCK_M)
+    n_pid_n = gl.cdiv(N, BLOCK_N)
+    group = tile // (GROUP_M * n_pid_n)
+    first_m = group * GROUP_M
+    size_m = gl.minimum(n_pid_m - first_m, GROUP_M)
+    return (first_m + (tile % (GROUP_M * n_pid_n)) % size_m) * BLOCK_M, ((tile % (GROUP_M * n_pid_n)) // size_m) * BLOCK_N
+
+
+@gluon.jit
+def _load_step(a_desc, b_desc, a_smem, b_smem, ready, step, pid, M, N, K_TILES: gl.constexpr,
+               NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """Issue the TMA loads of this program's K step `step` (tile step // K_TILES, K tile step % K_TILES) into
+    its ring stage, signalling ready[stage] when they land."""
+    off_m, off_n = _tile_mn(pid + (step // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    s = step % STAGES
+    k = (step % K_TILES) * BLOCK_K
+    mbarrier.expect(ready.index(s), (BLOCK_M + BLOCK_N) * BLOCK_K)
+    tma.async_copy_global_to_shared(a_desc, [off_m, k], ready.index(s), a_smem.index(s))
+    tma.async_copy_global_to_shared(b_desc, [off_n, k], ready.index(s), b_smem.index(s))
+
+
+@gluon.jit
+def _epilogue_half(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc, c_smem, r_smem,
+                   r_bar, PHASE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+                   BLOCK_M: gl.constexpr, SUB_N: gl.constexpr, layout: gl.constexpr, C_BUFS: gl.constexpr):
+    """One (BLOCK_M, SUB_N) half of a tile: acc (int32, the wgmma layout) -> fp32 acc * a_scale[m] * b_scale[n]
+    + bias[n] + residual (TMA-loaded), one rounding, TMA-stored through c_smem (this half's of C_BUFS staging
+    buffers: with two, the other half's store may still be reading its own)."""
+    gl.thread_barrier()  # every thread is done with r_smem and c_smem's last use (the previous half)
+    if HAS_RES:  # the residual's load first: it lands while the scales are applied
+        mbarrier.expect(r_bar, BLOCK_M * SUB_N * res_desc.dtype.primitive_bitwidth // 8)
+        tma.async_copy_global_to_shared(res_desc, [off_m, off_n], r_bar, r_smem)
+    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    rn = off_n + gl.arange(0, SUB_N, layout=gl.SliceLayout(0, layout))
+    a_s = gl.load(a_scale_ptr + rm, mask=rm < M, other=0.0)
+    b_s = gl.load(b_scale_ptr + rn, mask=rn < N, other=0.0)
+    out = acc.to(gl.float32) * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
+        out = out + gl.expand_dims(bias, 0)
+    if HAS_RES:
+        mbarrier.wait(r_bar, PHASE)
+        out = out + r_smem.load(layout).to(gl.float32)
+    tma.store_wait(pendings=C_BUFS - 1)  # the last store out of c_smem has left ...
+    gl.thread_barrier()  # ... before any thread writes it
+    c_smem.store(out.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+
+
+@gluon.jit
+def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc, M, N,
+                       K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                       IN_FLIGHT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent: this program's tiles as one stream of K steps (see the module docstring). IN_FLIGHT: K steps
+    whose wgmmas may still run when the next step's are issued (1; 0 waits for each, as Triton's int8 loop)."""
+    SUB_N: gl.constexpr = BLOCK_N // 2
+    pid = gl.program_id(0)
+    n_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    K_TILES: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    steps = ((n_tiles - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS) * K_TILES
+    a_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    # Output staging: one buffer with a residual (its own buffer takes the room), else one per half, so a
+    # half's store need not wait for the other's to leave shared memory.
+    C_BUFS: gl.constexpr = 1 if HAS_RES else 2
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [C_BUFS, BLOCK_M, SUB_N], c_desc.layout)
+    r_smem = c_smem.index(0)  # placeholder without a residual
+    if HAS_RES:
+        r_smem = gl.allocate_shared_memory(res_desc.dtype, [BLOCK_M, SUB_N], res_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    r_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(r_bar, count=1)
+    for i in gl.static_range(STAGES - 1):
+        if i < steps:
+            _load_step(a_desc, b_desc, a_smem, b_smem, ready, i, pid, M, N, K_TILES, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
+                       BLOCK_K, GROUP_M, STAGES)
+
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, SUB_N, 32])
+    acc0 = gl.zeros((BLOCK_M, SUB_N), gl.int32, layout=layout)
+    acc1 = gl.zeros((BLOCK_M, SUB_N), gl.int32, layout=layout)
+    for step in range(steps):
+        k = step % K_TILES
+        s = step % STAGES
+        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+        b_s = b_smem.index(s)
+        acc0 = warpgroup_mma(a_smem.index(s), b_s.slice(0, SUB_N, dim=0).permute((1, 0)), acc0, use_acc=k != 0,
+                             is_async=True)
+        acc1 = warpgroup_mma(a_smem.index(s), b_s.slice(SUB_N, SUB_N, dim=0).permute((1, 0)), acc1,
+                             use_acc=k != 0, is_async=True)
+        # Two wgmma groups a step: with IN_FLIGHT 1 this step's may run on, the previous step's are done, so
+        # its ring stage is free for the step STAGES - 1 ahead.
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=2 * IN_FLIGHT, deps=(acc0, acc1))
+        if step + STAGES - 1 < steps:
+            _load_step(a_desc, b_desc, a_smem, b_smem, ready, step + STAGES - 1, pid, M, N, K_TILES, NUM_PROGRAMS,
+                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
+        if k == K_TILES - 1:
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            off_m, off_n = _tile_mn(pid + (step // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            _epilogue_half(acc0, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc,
+                           c_smem.index(0), r_smem, r_bar, 0, HAS_BIAS, HAS_RES, BLOCK_M, SUB_N, layout, C_BUFS)
+            _epilogue_half(acc1, off_m, off_n + SUB_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc,
+                           c_smem.index(C_BUFS - 1), r_smem, r_bar, 1, HAS_BIAS, HAS_RES, BLOCK_M, SUB_N, layout,
+                           C_BUFS)
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(r_bar)
+
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+
+
+def ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether this kernel can run the call: sm_90 (wgmma is Hopper's), a 16-bit output (an fp32 tile's staging
+    buffers would not fit beside the ring), every operand TMA-aligned (16-byte base and row stride)."""
+    if not a.is_cuda or c.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(a.device) != (9, 0):
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1
+               for t in (a, b, c, residual) if t is not None)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES): what w8a8_gemm_wgmma runs unless told otherwise.
+DEFAULT_TILE = (128, 256, 128, 8, 3)
+
+
+def w8a8_gemm_wgmma(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
+                    residual: torch.Tensor | None = None, tile: tuple | None = None, in_flight: int = 1,
+                    group_m: int = 8, programs_per_sm: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """w8a8_gemm's operation on sm_90 (the caller checks shapes and dtypes and `ok`: csrc_triton.w8a8_gemm.w8a8_gemm
+    does, then dispatches here). tile: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES), default DEFAULT_TILE;
+    in_flight: 1 (a step's wgmmas overlapped with the next step) or 0 (the A/B form); out: the (M, N) result
+    buffer (default: a new one)."""
+    M, K = a.shape
+    N = b.shape[0]
+    bm, bn, bk, warps, stages = tile or DEFAULT_TILE
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device) if out is None else out
+    if M == 0 or N == 0:
+        return c
+    sub = bn // 2
+    c_layout = gl.NVMMASharedLayout.get_default_for([bm, sub], _GL_DTYPES[out_dtype])
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.int8))
+    b_desc = TensorDescriptor.from_tensor(b, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.int8))
+    c_desc = TensorDescriptor.from_tensor(c, [bm, sub], c_layout)
+    r_desc = TensorDescriptor.from_tensor(residual, [bm, sub], c_layout) if residual is not None else c_desc
+    n_prog = min(triton.cdiv(M, bm) * triton.cdiv(N, bn),
+                 programs_per_sm * torch.cuda.get_device_properties(a.device).multi_processor_count)
+    _w8a8_wgmma_kernel[(n_prog,)](
+        a_desc, b_desc, a_scale.contiguous(), b_scale.contiguous(), bias if bias is not None else b_scale, r_desc,
+        c_desc, M, N, K=K,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+        STAGES=stages, IN_FLIGHT=in_flight, NUM_PROGRAMS=n_prog, num_warps=warps)
+    return c
+
+
+def w8a8_gemm_wgmma_ref(a, b, a_scale, b_scale, bias=None, out_dtype=torch.float16, residual=None):
+    """Plain PyTorch: csrc_triton.w8a8_gemm.w8a8_gemm_ref (exact int32 product, then the fp32 epilogue)."""
+    return w8a8_gemm_ref(a, b, a_scale, b_scale, bias, out_dtype, residual)

@@ -1,0 +1,79 @@
+"""The Gluon W8A8 GEMM (csrc_triton/w8a8_gemm_wgmma.py: int8 wgmma kept in flight across K steps) against the
+Triton kernel (csrc_triton/w8a8_gemm.py's own kernels, as the launcher ran them before the Gluon dispatch), at the
+SigLIP-so400m encoder's GEMMs (wo and fc2 with the residual), each alone and graph-replayed (min of 3 rounds), 8
+and 64 images (issue 4). Per config: us, TOPS, and whether the output equals the Triton kernel's bit for bit (else
+the fraction of equal elements); max_diff_vs_ref against the plain PyTorch reference. `inflight0` is the same Gluon
+kernel waiting for each wgmma before the next K step, the A/B for the overlap itself.
+
+    PYTHONPATH=. python scripts/diag/w8a8_wgmma.py [--images 8,64]      (~1 min on the H200)
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from benches import common  # noqa: E402
+import csrc_triton.w8a8_gemm as wg  # noqa: E402
+import csrc_triton.w8a8_gemm_wgmma as gw  # noqa: E402
+
+SHAPES = (("qkv", 3456, 1152, False), ("wo", 1152, 1152, True), ("fc1", 4304, 1152, False), ("fc2", 1152, 4304, True))
+# name -> (tile (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES), IN_FLIGHT)
+GLUON = {"p128x256s3": ((128, 256, 128, 8, 3), 1), "p128x256s3_inflight0": ((128, 256, 128, 8, 3), 0),
+         "p256x128s3": ((256, 128, 128, 8, 3), 1)}
+
+
+def _triton(a, b, sa, sb, bias, r):
+    """The Triton kernel at the launcher's config, whatever USE_WGMMA says."""
+    default, wg.USE_WGMMA = getattr(wg, "USE_WGMMA", False), False
+    try:
+        return wg.w8a8_gemm(a, b, sa, sb, bias, residual=r)
+    finally:
+        wg.USE_WGMMA = default
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--images", default="8,64")
+    args = ap.parse_args()
+    rows = []
+    for n_img in (int(n) for n in args.images.split(",")):
+        M = n_img * 729
+        for name, N, K, res in SHAPES:
+            sets = [(torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda"),
+                     torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda"),
+                     torch.rand(M, device="cuda") * 0.02, torch.rand(N, device="cuda") * 1e-3,
+                     torch.randn(N, device="cuda", dtype=torch.float16),
+                     torch.randn(M, N, device="cuda", dtype=torch.float16) if res else None) for _ in range(2)]
+            fns = {"triton": _triton}
+            for cname, (tile, inflight) in GLUON.items():
+                fns[cname] = (lambda a, b, sa, sb, bias, r, t=tile, i=inflight:
+                              gw.w8a8_gemm_wgmma(a, b, sa, sb, bias, residual=r, tile=t, in_flight=i))
+            ref = fns["triton"](*sets[0])
+            want = wg.w8a8_gemm_ref(*sets[0][:5], residual=sets[0][5])
+            t_ref = None
+            for cname, f in fns.items():
+                row = {"images": n_img, "gemm": name, "config": cname}
+                try:
+                    out = f(*sets[0])
+                    ms = min(common.graph_ms(f, sets) for _ in range(3))
+                    t_ref = ms if t_ref is None else t_ref
+                    row.update(us=round(ms * 1000, 2), tops=round(2 * M * N * K / ms / 1e9), x_triton=round(t_ref / ms, 3),
+                               same_bits=bool(torch.equal(out, ref)), frac_equal=round((out == ref).float().mean().item(), 5),
+                               max_diff_vs_ref=float((out.float() - want.float()).abs().max()))
+                except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is a row
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+                print(row, flush=True)
+            del sets
+    common.print_table(rows)
+    print(json.dumps({"bench": "w8a8_wgmma", "rows": rows, **common.environment()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
