@@ -14,7 +14,9 @@ through TMA descriptors on sm_90+ when every row stride is 16-byte aligned (TMA 
 out-of-range tiles), else through pointers (clamped rows, a peeled K tail). K is a compile-time
 constant: full K tiles run unmasked. Any M, N, K; contiguous inner dims.
 A persistent variant (`_w8a8_gemm_persistent_kernel`, config PERSISTENT) loops each program over tiles
-with a sub-tiled epilogue and TMA stores; selectable only (benchmarks), not a default until measured.
+with a sub-tiled epilogue and TMA stores; the launcher runs it at 128 x 256 tiles (8 and 64 SigLIP images; see
+_LARGE_TILE_PERSISTENT), except for GEMMs with a residual on sm_90, which go to the Gluon kernel of
+csrc_triton/w8a8_gemm_wgmma.py (wgmma kept in flight across K steps; see USE_WGMMA).
 """
 
 from __future__ import annotations
@@ -269,8 +271,7 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
         return c
     tma_ab = _tma_ok(a, b)  # once per call: the dispatch and the launch both need it
     cfg = dict(config or _auto_config(M, N, K, a.device, tma_ab and _aligned(c, residual)))
-    if (config is None and cfg.get("PERSISTENT") and (residual is not None or not WGMMA_RESIDUAL_ONLY)
-            and _wgmma_ok(a, b, c, residual)):
+    if config is None and residual is not None and cfg.get("PERSISTENT") and _wgmma_ok(a, b, c, residual):
         from csrc_triton.w8a8_gemm_wgmma import w8a8_gemm_wgmma
 
         return w8a8_gemm_wgmma(a, b, a_scale, b_scale, bias, out_dtype, residual, out=c)
@@ -368,16 +369,20 @@ def _auto_config(M: int, N: int, K: int, device: torch.device, tma: bool) -> dic
 
 
 USE_PERSISTENT = True  # False: the default kernel everywhere (A/B)
-# Where the launcher picks the persistent 128 x 256 kernel (8 and 64 SigLIP images), on sm_90 with TMA-aligned
-# operands and a 16-bit output: the Gluon kernel of csrc_triton/w8a8_gemm_wgmma.py instead (int8 wgmma kept in
-# flight across K steps, which Triton's pipeliner does not do for int32 accumulators). False: Triton only (A/B).
+# Where the launcher picks the persistent 128 x 256 kernel (8 and 64 SigLIP images) for a GEMM with a residual (the
+# ViT's wo and fc2), on sm_90 with TMA-aligned operands and a 16-bit output: the Gluon kernel of
+# csrc_triton/w8a8_gemm_wgmma.py instead (int8 wgmma kept in flight across K steps, which Triton's pipeliner does
+# not do for int32 accumulators). H200, run S14-G (scripts/diag/w8a8_wgmma.py): wo 1.09x, fc2 1.03-1.04x the
+# Triton kernel at 8 and 64 images, but qkv 0.93-0.94x and fc1 0.92-0.96x, hence residual GEMMs only; encoder at
+# 64 images 65.8 -> 64.9 ms, 8 images 8.92 -> 8.84 (against 65.1 / 9.10 with every persistent GEMM on Gluon).
+# Gluon is Triton's experimental dialect and its API moves between releases: the dispatch needs the Triton it was
+# written and measured with (3.6), else the Triton kernel runs. False: Triton only (the A/B).
 USE_WGMMA = True
-WGMMA_RESIDUAL_ONLY = False  # True: only the GEMMs with a residual (the ViT's wo and fc2) go to Gluon (A/B)
 
 
 def _wgmma_ok(a, b, c, residual) -> bool:
     """Whether w8a8_gemm dispatches a persistent-config call to the Gluon kernel (see USE_WGMMA)."""
-    if not USE_WGMMA or not a.is_cuda or _INTERPRET:
+    if not USE_WGMMA or not a.is_cuda or _INTERPRET or not triton.__version__.startswith("3.6."):
         return False
     try:
         from csrc_triton.w8a8_gemm_wgmma import ok

@@ -26,7 +26,8 @@ w8a8_gemm itself at 8192^3), beside torch._int_mm alone (a lower
 bound for any "_int_mm + epilogue" dispatch), _int_mm + a PyTorch epilogue, and fp16 cuBLAS. Kernel
 times come from CUDA-graph replays of many calls (no host launch overhead in them; `triton_eager_ms`
 keeps the per-call eager time). Encoder rows: the 26-layer SigLIP encoder (synthetic weights) in
-fp16 and W8A8, CUDA-graph replays, vs HF transformers' SiglipVisionModel (27 layers, fp16, SDPA).
+fp16 and W8A8, CUDA-graph replays, vs HF transformers' SiglipVisionModel (27 layers, fp16, SDPA); W8A8 also
+with the Triton GEMMs only (csrc_triton.w8a8_gemm.USE_WGMMA off: the A/B of the Gluon residual GEMMs).
 Layer rows: every op of one encoder layer timed alone (graph-replayed, inputs rotated past L2), summed
 for W8A8 and fp16: where the time goes.
 """
@@ -378,21 +379,19 @@ class _ConfigOverride:
 
 
 class _TritonOnly:
-    """Call fn with the Gluon GEMM dispatch off (csrc_triton.w8a8_gemm.USE_WGMMA = False), or with `attr` set to
-    `value` instead (e.g. WGMMA_RESIDUAL_ONLY): the A/B."""
+    """Call fn with the Gluon GEMM dispatch off (csrc_triton.w8a8_gemm.USE_WGMMA = False): the A/B."""
 
-    def __init__(self, fn, attr: str = "USE_WGMMA", value=False):
-        self.fn, self.attr, self.value = fn, attr, value
+    def __init__(self, fn):
+        self.fn = fn
 
     def __call__(self, *args):
         import csrc_triton.w8a8_gemm as wg
 
-        default = getattr(wg, self.attr)
-        setattr(wg, self.attr, self.value)
+        default, wg.USE_WGMMA = wg.USE_WGMMA, False
         try:
             return self.fn(*args)
         finally:
-            setattr(wg, self.attr, default)
+            wg.USE_WGMMA = default
 
     def clear(self):
         if hasattr(self.fn, "clear"):
@@ -414,7 +413,6 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
     w8a8 = _graphed(q._forward)
     w8a8_v = _ConfigOverride(_graphed(q._forward), variant) if variant else None
     w8a8_tri = _TritonOnly(_graphed(q._forward))
-    w8a8_res = _TritonOnly(_graphed(q._forward), "WGMMA_RESIDUAL_ONLY", True)
     rows = []
     for n_img in images:
         sets = [(torch.randn(n_img, 3, S, S, device="cuda", dtype=torch.float16),) for _ in range(2)]
@@ -434,11 +432,6 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
         trow["x_fp16_graph"] = base["fp16 graph"] / tt if tt and base.get("fp16 graph") else None
         trow["x_w8a8_default"] = tt / t if t and tt else None  # > 1: the Gluon GEMMs made the default faster
         rows.append(_progress(trow))
-        rrow = {"case": f"encoder x{n_img} w8a8 graph, Gluon for the residual GEMMs only"}
-        rrow["ms"] = tr = _time_or_note(rrow, w8a8_res, sets, iters)
-        rrow["x_fp16_graph"] = base["fp16 graph"] / tr if tr and base.get("fp16 graph") else None
-        rrow["x_w8a8_default"] = tr / t if t and tr else None
-        rows.append(_progress(rrow))
         if w8a8_v is not None:
             vrow = {"case": f"encoder x{n_img} w8a8 variant graph", "note": _variant_note(variant)}
             vrow["ms"] = tv = _time_or_note(vrow, w8a8_v, sets, iters)
@@ -448,7 +441,7 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
             vrow["x_w8a8_default"] = t / tv if t and tv else None
             rows.append(_progress(vrow))
         del sets
-        for fn in (*runs.values(), w8a8, w8a8_tri, w8a8_res, *([w8a8_v] if w8a8_v else [])):
+        for fn in (*runs.values(), w8a8, w8a8_tri, *([w8a8_v] if w8a8_v else [])):
             if hasattr(fn, "clear"):
                 fn.clear()  # free this batch size's graph pool before the next, larger one
         torch.cuda.empty_cache()

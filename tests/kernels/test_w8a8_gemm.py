@@ -245,3 +245,14 @@ def test_persistent_covers_every_tile():
     out.copy_(w8a8_gemm(a, b, a_s, b_s, bias, config=cfg))
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, w8a8_gemm_ref(a, b, a_s, b_s, bias), rtol=2e-3, atol=2e-3)
+
+
+def test_gluon_dispatch_off_the_gpu():
+    """The Gluon kernel (csrc_triton/w8a8_gemm_wgmma.py) is sm_90-only: on any other device, and under the
+    interpreter, w8a8_gemm never dispatches to it."""
+    from csrc_triton.w8a8_gemm import _wgmma_ok
+
+    a, b, *_ = make(16, 32, 64, seed=12)
+    c = torch.empty(16, 32, dtype=torch.float16, device=DEVICE)
+    if not ON_GPU or torch.cuda.get_device_capability() != (9, 0):
+        assert not _wgmma_ok(a, b, c, None)

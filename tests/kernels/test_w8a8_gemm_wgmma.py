@@ -98,3 +98,19 @@ def test_ok():
     assert not ok(wide[:, :80], b, c)  # a row stride of 88 bytes: not 16-byte aligned
     assert not ok(torch.zeros(64, 96, dtype=torch.int8, device="cuda")[:, 1:81], b, c)  # a misaligned base
     assert not ok(a, b, c, torch.zeros(64, 68, dtype=torch.float16, device="cuda")[:, :64])  # residual stride 136 B
+
+
+def test_dispatch_residual_gemms_only(monkeypatch):
+    """w8a8_gemm sends its persistent-config calls WITH a residual (the ViT's wo, fc2) to the Gluon kernel and
+    the rest to Triton (csrc_triton/w8a8_gemm.py, USE_WGMMA: measured faster there only); same results either way."""
+    import csrc_triton.w8a8_gemm_wgmma as gw
+
+    calls = []
+    real = gw.w8a8_gemm_wgmma
+    monkeypatch.setattr(gw, "w8a8_gemm_wgmma", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    a, b, a_s, b_s, bias, res = make(8 * 729, 1152, 1152, seed=6)
+    with_res = w8a8_gemm(a, b, a_s, b_s, bias, residual=res)
+    assert len(calls) == 1
+    w8a8_gemm(a, b, a_s, b_s, bias)
+    assert len(calls) == 1  # no residual: the Triton kernel
+    torch.testing.assert_close(with_res, _triton(a, b, a_s, b_s, bias, res), rtol=2e-3, atol=2e-3)
