@@ -7,9 +7,11 @@ two kernels may differ only where the compiler contracts an epilogue multiply-ad
 
 import pytest
 import torch
+import triton
 
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-pytestmark = pytest.mark.skipif(not ON_HOPPER, reason="Gluon wgmma kernel: needs an sm_90 GPU")
+ON_HOPPER = (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+             and triton.__version__.startswith("3.6."))
+pytestmark = pytest.mark.skipif(not ON_HOPPER, reason="Gluon wgmma kernel: needs an sm_90 GPU and Triton 3.6")
 
 if ON_HOPPER:
     from csrc_triton.w8a8_gemm import w8a8_gemm
