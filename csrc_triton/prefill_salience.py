@@ -17,20 +17,11 @@ it, computing S^T = K Q^T so the column sum is a cheap in-thread row sum (summin
 Q K^T costs a cross-warp reduction per tile; that layout was 2-2.7x slower on the H200). Fused: the salience layer's
 attention already has the LSE (tinyvila.ops.attention_lse), so the encoder passes it and pays only
 pass 2, one QK^T. D not a power of two (SigLIP 72) = a 64 slice plus a masked 16 slice (2 dots).
-exp2 with log2(e) folded into the scale; `fast_exp` uses ex2.approx.f16x2 (2 per MUFU op, CUDA only).
-
-`exp_poly` (a variant, off by default; issue 5): the first POLY of every tile's BLOCK_S columns take
-2^x on the FMA pipe instead of MUFU (MUFU.EX2 runs 16 per clock and SM, FFMA 128), FlashAttention-4's
-trick: j = rn(x) by the 1.5 * 2^23 rounding trick (no FRND: conversions run at MUFU's rate),
-f = x - j in [-0.5, 0.5], 2^f by a degree-DEG relative-minimax polynomial (Horner FFMAs, p(0) = 1
-exactly), then j added to the exponent field (one integer shift-add). x is clamped to [-127, 127] first,
-so masked scores (-inf) give exactly +0, x in (-127, -126.5) a denormal below 2^-126, and x > 127 ~2^127. Max
-relative error of 2^x in fp32 (dense grid, FMA Horner): DEG 5 1.8e-7 (MUFU.EX2: ~2^-22), 4 2.9e-6,
-3 1.2e-4. The column split is static: in the MMA accumulator layout a column's 8-block is fixed by
-the register index, so `cols < POLY` (POLY a multiple of 8) folds at compile time and no select or
-second exponential is emitted per element. The variant's kernels with POLY = 0 are the default ones (exp_poly
-0.0): full tiles unmasked (only the last, partial tile masked), pass 1 unshifted as above, and in its running-max
-rerun the scale folded into the exponent's FFMA (the max taken on the raw logits).
+exp2 with log2(e) folded into the scale; full streamed tiles unmasked, only a partial last tile masked.
+Measured on the H200 and not kept (docs/perf_notes.md, sessions 1-13): exponentials in fp16 pairs (ptxas
+splits ex2.f16x2 into two MUFU ops), a fraction of the exponentials as a polynomial on the FMA pipe
+(FlashAttention-4's trick: slower at every fraction tried), row sums on the tensor cores, two overlapped
+half-tiles, wider or deeper tiles.
 """
 
 from __future__ import annotations
@@ -47,78 +38,6 @@ from csrc_triton.launch import Plans, _Launch
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # what a @triton.jit body may read
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels below are interpreted
-FAST_EXP_DEFAULT = False  # fp16x2 exponentials for 16-bit inputs on CUDA (see docs/perf_notes.md)
-
-
-@triton.jit
-def _exp2(x, FAST: tl.constexpr):
-    """exp2 of fp32 x <= 0; FAST: in fp16 pairs (MUFU ex2.f16x2, twice the fp32 rate, ~1e-3 rel.)."""
-    if FAST:
-        y = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)],
-                                      dtype=tl.float16, is_pure=True, pack=2)
-        return y.to(tl.float32)
-    else:
-        return tl.exp2(x)
-
-
-_ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + _ROUND holds rn(x) in its low mantissa bits
-# Relative-minimax 2^f on [-0.5, 0.5] with p(0) = 1 (Lawson fit, coefficients rounded to fp32), from
-# f^1 up; each degree's error is in the module docstring. POLY_COEFFS is the host's copy (tests).
-POLY_COEFFS = {
-    3: (0.6931995153427124, 0.242211252450943, 0.055417872965335846),
-    4: (0.6931242942810059, 0.2402404099702835, 0.05590590089559555, 0.009585633873939514),
-    5: (0.6931470632553101, 0.24022242426872253, 0.05550582334399223, 0.009671516716480255,
-        0.0013308824272826314),
-}
-_P3_1, _P3_2, _P3_3 = (tl.constexpr(c) for c in POLY_COEFFS[3])  # what a @triton.jit body may read
-_P4_1, _P4_2, _P4_3, _P4_4 = (tl.constexpr(c) for c in POLY_COEFFS[4])
-_P5_1, _P5_2, _P5_3, _P5_4, _P5_5 = (tl.constexpr(c) for c in POLY_COEFFS[5])
-POLY_DEG_DEFAULT = 5
-
-
-@triton.jit
-def _horner(f, DEG: tl.constexpr):
-    """p(f) = 1 + f (c1 + f (c2 + ...)) ~ 2^f for |f| <= 0.5: DEG FFMAs."""
-    if DEG == 3:
-        p = f * _P3_3 + _P3_2
-        p = p * f + _P3_1
-    elif DEG == 4:
-        p = f * _P4_4 + _P4_3
-        p = p * f + _P4_2
-        p = p * f + _P4_1
-    else:
-        p = f * _P5_5 + _P5_4
-        p = p * f + _P5_3
-        p = p * f + _P5_2
-        p = p * f + _P5_1
-    return p * f + 1.0
-
-
-@triton.jit
-def _exp2_poly(x, DEG: tl.constexpr):
-    """2^x for fp32 x without MUFU: 2 FMNMX, 3 FADD, DEG FFMA, one shift-add (FMA/ALU pipes). x is clamped to
-    [-127, 127], so the exponent field never wraps: -inf -> exactly 0, x > 127 -> ~2^127 (finite, unlike
-    exp2, which pass 1's unshifted sums rely on only through its range check: 2^127 fails it too)."""
-    x = tl.minimum(tl.maximum(x, -127.0), 127.0)
-    r = x + _ROUND  # round to nearest: bits(r) = bits(_ROUND) + j, j = rn(x)
-    f = x - (r - _ROUND)  # exact: |f| <= 0.5 and x, j share the fractional grid
-    p = _horner(f, DEG)  # 2^f in [0.707, 1.415], p(0) = 1 exactly
-    # bits(r) << 23 = j << 23 (mod 2^32: _ROUND's own bits shift out), i.e. j added to p's exponent.
-    e = r.to(tl.int32, bitcast=True) << 23
-    return (p.to(tl.int32, bitcast=True) + e).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_split(x, POLY: tl.constexpr, BLOCK_S: tl.constexpr, DEG: tl.constexpr):
-    """exp2 of an (R, BLOCK_S) tile: columns < POLY by _exp2_poly, the rest by MUFU. The select is
-    per register, known at compile time (see the module docstring), so each element runs one path."""
-    if POLY == 0:
-        return tl.exp2(x)
-    elif POLY >= BLOCK_S:
-        return _exp2_poly(x, DEG)
-    else:
-        cols = tl.arange(0, BLOCK_S)[None, :]
-        return tl.where(cols < POLY, _exp2_poly(x, DEG), tl.exp2(x))
 
 
 @triton.jit
@@ -172,18 +91,17 @@ def _dot_streamed(a0, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constex
 
 
 @triton.jit
-def _lse_update(s, m_i, l_i, scale_log2, POLY: tl.constexpr, BLOCK_S: tl.constexpr, DEG: tl.constexpr):
+def _lse_update(s, m_i, l_i, scale_log2):
     """One online-softmax step over raw logits s (R, S) (-inf where masked), in log2 units: the max is
     taken on the raw logits (scale_log2 > 0), so each exponent is one FFMA, s * scale_log2 - m."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)  # finite: every tile holds a valid key
-    p = _exp2_split(s * scale_log2 - m_new[:, None], POLY, BLOCK_S, DEG)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
     return m_new, l_i * tl.exp2(m_i - m_new) + tl.sum(p, axis=1)
 
 
 @triton.jit
 def _lse_online(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                POLY: tl.constexpr, DEG: tl.constexpr):
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """log2 sum_n 2^(scale_log2 q.k_n) of the resident rows, with a running max (any logits)."""
     m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -191,20 +109,20 @@ def _lse_online(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr, D0: tl
     for n0 in range(0, n_full, BLOCK_S):
         offs_n = n0 + tl.arange(0, BLOCK_S)
         s = _dot_streamed(q0, q1, k_ptr, offs_n, m_ok, skn, D, D0, D1, PRECISION, UPCAST, False)
-        m_i, l_i = _lse_update(s, m_i, l_i, scale_log2, POLY, BLOCK_S, DEG)
+        m_i, l_i = _lse_update(s, m_i, l_i, scale_log2)
     if n_full < N:
         offs_n = n_full + tl.arange(0, BLOCK_S)
         n_ok = offs_n < N
         s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
         s = tl.where(n_ok[None, :], s, -float("inf"))
-        m_i, l_i = _lse_update(s, m_i, l_i, scale_log2, POLY, BLOCK_S, DEG)
+        m_i, l_i = _lse_update(s, m_i, l_i, scale_log2)
     return m_i + tl.log2(l_i)
 
 
 @triton.jit
 def _sum_exp2_unshifted(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr, D0: tl.constexpr,
                         D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_S: tl.constexpr, POLY: tl.constexpr, DEG: tl.constexpr):
+                        BLOCK_S: tl.constexpr):
     """sum_n 2^(scale_log2 q.k_n) of the resident rows with no max subtracted: per score one FMUL, one
     exp2 and one FADD (the running max costs an FMNMX per score and a shuffle, rescale and exp2 per row
     and tile). Valid only when the caller checks the sums' range (_row_lse_kernel)."""
@@ -213,12 +131,12 @@ def _sum_exp2_unshifted(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr
     for n0 in range(0, n_full, BLOCK_S):
         offs_n = n0 + tl.arange(0, BLOCK_S)
         s = _dot_streamed(q0, q1, k_ptr, offs_n, m_ok, skn, D, D0, D1, PRECISION, UPCAST, False)
-        l_i += tl.sum(_exp2_split(s * scale_log2, POLY, BLOCK_S, DEG), axis=1)
+        l_i += tl.sum(tl.exp2(s * scale_log2), axis=1)
     if n_full < N:
         offs_n = n_full + tl.arange(0, BLOCK_S)
         n_ok = offs_n < N
         s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
-        l_i += tl.sum(_exp2_split(tl.where(n_ok[None, :], s * scale_log2, -float("inf")), POLY, BLOCK_S, DEG), axis=1)
+        l_i += tl.sum(tl.exp2(tl.where(n_ok[None, :], s * scale_log2, -float("inf"))), axis=1)
     return l_i
 
 
@@ -235,13 +153,10 @@ _SUM_HI = tl.constexpr(2.0 ** 100)
 @triton.jit
 def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N, scale_log2,
                     D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_S: tl.constexpr, DIET: tl.constexpr, POLY: tl.constexpr, DEG: tl.constexpr):
+                    UPCAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """Pass 1: out[bh, m] = -lse2, lse2 = log2 sum_n 2^(scale_log2 q.k) (log2 units, negated: pass 2 adds
-    it in its FFMA) for BLOCK_R resident rows. DIET (the default, and the exp_poly variant): full tiles
-    unmasked, POLY columns of each tile on the FMA pipe, and first the sum with no running max
-    (_sum_exp2_unshifted), the online form only for a block whose sums leave the safe range.
-    Otherwise the original masked online form."""
+    it in its FFMA) for BLOCK_R resident rows: first the sum with no running max (_sum_exp2_unshifted),
+    the online form only for a block whose sums leave the safe range."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     sqm, skn = sqm * ALIGN, skn * ALIGN  # strides arrive divided by ALIGN (see prefill_salience)
@@ -250,26 +165,13 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N
     offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_ok = offs_m < M
     q0, q1 = _load_resident(q_ptr, offs_m, m_ok, sqm, D, D0, D1, UPCAST)
-    if DIET:
-        l_i = _sum_exp2_unshifted(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST,
-                                  BLOCK_R, BLOCK_S, POLY, DEG)
-        lse2 = tl.log2(l_i)
-        unsafe = (l_i < _SUM_LO) | (l_i >= _SUM_HI) | (l_i != l_i)  # the last: NaN
-        if tl.max(unsafe.to(tl.int32), axis=0) > 0:  # uniform over the block: rare, the whole block reruns
-            lse2 = _lse_online(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST,
-                               BLOCK_R, BLOCK_S, POLY, DEG)
-    else:
-        m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
-        for n0 in range(0, N, BLOCK_S):
-            offs_n = n0 + tl.arange(0, BLOCK_S)
-            n_ok = offs_n < N
-            s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True) * scale_log2
-            s = tl.where(n_ok[None, :], s, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds at least one valid key
-            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(_exp2(s - m_new[:, None], FAST), axis=1)
-            m_i = m_new
-        lse2 = m_i + tl.log2(l_i)
+    l_i = _sum_exp2_unshifted(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST,
+                              BLOCK_R, BLOCK_S)
+    lse2 = tl.log2(l_i)
+    unsafe = (l_i < _SUM_LO) | (l_i >= _SUM_HI) | (l_i != l_i)  # the last: NaN
+    if tl.max(unsafe.to(tl.int32), axis=0) > 0:  # uniform over the block: rare, the whole block reruns
+        lse2 = _lse_online(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST,
+                           BLOCK_R, BLOCK_S)
     tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, -lse2, mask=m_ok)  # negated: pass 2 adds it
 
 
@@ -290,13 +192,12 @@ def _neg_lse2(ptr, ok, NEG_LSE2: tl.constexpr, MASKED: tl.constexpr):
 def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb, skh, skn, slb, slh,
                              H, M, N, scale_log2, inv_count, D: tl.constexpr, D0: tl.constexpr,
                              D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                             FAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_S: tl.constexpr, DIET: tl.constexpr, POLY: tl.constexpr, DEG: tl.constexpr,
+                             ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
                              NEG_LSE2: tl.constexpr):
     """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q - lse2[m]), BLOCK_R resident keys; lse2
     = the LSE in log2 units: -lse2 as pass 1 writes it (NEG_LSE2) or log2(e) x the caller's natural-log LSE.
-    DIET (the default, and the exp_poly variant): full tiles unmasked, POLY columns of each tile on the
-    FMA pipe."""
+    Full tiles of query rows unmasked; a partial last tile's rows past M get -lse2 = -inf, so exp2 gives
+    exactly 0 and no extra select is needed."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     sqm, skn = sqm * ALIGN, skn * ALIGN
@@ -307,27 +208,18 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
     n_ok = offs_n < N
     k0, k1 = _load_resident(k_ptr, offs_n, n_ok, skn, D, D0, D1, UPCAST)
     acc = tl.zeros([BLOCK_R], tl.float32)
-    if DIET:
-        m_full = M - M % BLOCK_S
-        for m0 in range(0, m_full, BLOCK_S):
-            offs_m = m0 + tl.arange(0, BLOCK_S)
-            nlse2 = _neg_lse2(lse_ptr + offs_m, n_ok, NEG_LSE2, False)
-            s = _dot_streamed(k0, k1, q_ptr, offs_m, n_ok, sqm, D, D0, D1, PRECISION, UPCAST, False)
-            acc += tl.sum(_exp2_split(s * scale_log2 + nlse2[None, :], POLY, BLOCK_S, DEG), axis=1)
-        if m_full < M:
-            offs_m = m_full + tl.arange(0, BLOCK_S)
-            m_ok = offs_m < M
-            nlse2 = _neg_lse2(lse_ptr + offs_m, m_ok, NEG_LSE2, True)
-            s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST, True)
-            acc += tl.sum(_exp2_split(s * scale_log2 + nlse2[None, :], POLY, BLOCK_S, DEG), axis=1)
-    else:
-        for m0 in range(0, M, BLOCK_S):
-            offs_m = m0 + tl.arange(0, BLOCK_S)
-            m_ok = offs_m < M
-            # Rows past M get -lse2 = -inf, so exp2 gives exactly 0 and no extra select is needed.
-            nlse2 = _neg_lse2(lse_ptr + offs_m, m_ok, NEG_LSE2, True)
-            s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST, True)  # K Q^T
-            acc += tl.sum(_exp2(s * scale_log2 + nlse2[None, :], FAST), axis=1)
+    m_full = M - M % BLOCK_S
+    for m0 in range(0, m_full, BLOCK_S):
+        offs_m = m0 + tl.arange(0, BLOCK_S)
+        nlse2 = _neg_lse2(lse_ptr + offs_m, n_ok, NEG_LSE2, False)
+        s = _dot_streamed(k0, k1, q_ptr, offs_m, n_ok, sqm, D, D0, D1, PRECISION, UPCAST, False)  # K Q^T
+        acc += tl.sum(tl.exp2(s * scale_log2 + nlse2[None, :]), axis=1)
+    if m_full < M:
+        offs_m = m_full + tl.arange(0, BLOCK_S)
+        m_ok = offs_m < M
+        nlse2 = _neg_lse2(lse_ptr + offs_m, m_ok, NEG_LSE2, True)
+        s = _dot_streamed(k0, k1, q_ptr, offs_m, m_ok, sqm, D, D0, D1, PRECISION, UPCAST, True)
+        acc += tl.sum(tl.exp2(s * scale_log2 + nlse2[None, :]), axis=1)
     tl.store(out_ptr + bh.to(tl.int64) * N + offs_n, acc * inv_count, mask=n_ok)
 
 
@@ -359,26 +251,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, n_query: int | None, lse: torch.Ten
     return M
 
 
-def poly_columns(exp_poly: float | None, block_s: int) -> int:
-    """Columns of a BLOCK_S-wide tile that take the polynomial exp2: exp_poly * BLOCK_S rounded to a
-    multiple of 8 (one column block of the MMA accumulator layout, see the module docstring)."""
-    return 0 if not exp_poly else min(block_s, 8 * round(exp_poly * block_s / 8))
-
-
 # (resident rows, streamed rows, num_warps, num_stages) for both passes. The H200 sweep
 # (docs/perf_notes.md, 2026-11-29) found 128 resident x 64 streamed rows on one warpgroup the best
 # standalone config at every shape (1-64 SigLIP frames, N = 4K-64K), and the best or within 10% fused.
 DEFAULT_TILES = (128, 64, 4, 3)
-# The kernels a call runs by default: the exp_poly variant with no polynomial columns (full tiles unmasked,
-# pass 1's scale folded into its FFMA), measured on the H200 in session 6 (run S6-C, device time): 16K 3.54
-# vs 3.80 ms, 4K 0.251 vs 0.269, 8 SigLIP frames 0.090 vs 0.095, 64 frames 0.593 vs 0.601, 1 frame equal;
-# every polynomial fraction tried (1/8, 1/4) was slower than 0. None: the original masked kernels.
-EXP_POLY_DEFAULT: float | None = 0.0
-# Register caps of the exp_poly variant (the default kernels) at DEFAULT_TILES (pass 1, pass 2), so 4 programs
-# still share an SM (4 x 128 threads x 120 <= 64K registers; shared memory allows 4 too). Uncapped, ptxas gives
-# pass 1 (the unshifted loop plus its running-max rerun) 150; offline sm_90a, D = 72 and 80: no spills at
-# 120 (at 96, the old cap: 43 spill instructions, 2 in the loop at D = 72). Pass 2: 115, its own count.
-POLY_MAXNREG: tuple[int, int] | None = (120, 115)
+# Register caps (pass 1, pass 2) at DEFAULT_TILES, so 4 programs still share an SM (4 x 128 threads x 120 <= 64K
+# registers; shared memory allows 4 too). Uncapped, ptxas gives pass 1 (the unshifted loop plus its running-max
+# rerun) 150; offline sm_90a, D = 72 and 80: no spills at 120 (at 96: 43 spill instructions, 2 in the loop at
+# D = 72). Pass 2: 115, its own count. H200, session 6 (run S6-C): the full-tiles-unmasked kernels at these caps
+# beat the original masked ones everywhere (16K 3.54 vs 3.80 ms, 4K 0.251 vs 0.269, 8 SigLIP frames 0.090 vs 0.095).
+MAXNREG: tuple[int, int] | None = (120, 115)
 
 
 # Per-call host work (issue 5: at 1 SigLIP frame the kernels run for microseconds, so a call costs what
@@ -397,7 +279,7 @@ class _Plan(NamedTuple):
     pass2: _Launch
 
 
-def _plan(q, k, n_query, lse, scale, tiles, fast_exp, exp_poly, poly_deg) -> _Plan:
+def _plan(q, k, n_query, lse, scale, tiles) -> _Plan:
     """Checks, tile sizes, grids, constexprs and scalar arguments of a call: see prefill_salience."""
     M = _check(q, k, n_query, lse)
     B, H, _, D = q.shape
@@ -406,7 +288,6 @@ def _plan(q, k, n_query, lse, scale, tiles, fast_exp, exp_poly, poly_deg) -> _Pl
     d0, d1 = _split_head_dim(D)
     upcast = q.dtype == torch.bfloat16 and _INTERPRET
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # tf32 is ignored for 16-bit inputs
-    fast = (FAST_EXP_DEFAULT if fast_exp is None else fast_exp) and q.dtype != torch.float32 and not _INTERPRET
     res, stream, warps, stages = tiles or DEFAULT_TILES
     streamed_m = min(stream, max(16, triton.next_power_of_2(M)))  # summary mode: 1..few rows (dot needs 16)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
@@ -415,52 +296,39 @@ def _plan(q, k, n_query, lse, scale, tiles, fast_exp, exp_poly, poly_deg) -> _Pl
     # tells the compiler, which then issues 16-byte (cp.async) loads instead of 2-byte ones.
     align = 8 if all(st % 8 == 0 for st in strides) else 1
     strides = tuple(st // align for st in strides)
-    if exp_poly is not None and (fast or not 0.0 <= exp_poly <= 1.0 or poly_deg not in POLY_COEFFS):
-        raise ValueError(f"prefill_salience: exp_poly must be in [0, 1] without fast_exp and poly_deg in "
-                         f"{sorted(POLY_COEFFS)}; got {exp_poly}, fast_exp={fast}, poly_deg={poly_deg}")
-    meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, FAST=fast, ALIGN=align, num_warps=warps,
-                num_stages=stages, DIET=exp_poly is not None, DEG=poly_deg)
-    cap = (POLY_MAXNREG if exp_poly is not None and (res, stream, warps, stages) == DEFAULT_TILES else None) or (None, None)
+    meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, ALIGN=align, num_warps=warps,
+                num_stages=stages)
+    cap = (MAXNREG if (res, stream, warps, stages) == DEFAULT_TILES else None) or (None, None)
     pass1 = None
     if lse is None:
         block_m = min(res, max(16, triton.next_power_of_2(M)))
         pass1 = _Launch(_row_lse_kernel, (triton.cdiv(M, block_m), B * H), (*strides, H, M, N, scale_log2),
-                        dict(BLOCK_R=block_m, BLOCK_S=stream, POLY=poly_columns(exp_poly, stream), maxnreg=cap[0],
-                             **meta))
+                        dict(BLOCK_R=block_m, BLOCK_S=stream, maxnreg=cap[0], **meta))
         lse_strides = (H * M, M)  # torch.empty(B, H, M)'s
     else:  # strides of what the call passes (deterministic in lse's shape and strides, both in the key)
         lse_strides = (lse if lse.stride(2) == 1 else lse.contiguous()).stride()[:2]
     pass2 = _Launch(_prefill_salience_kernel, (triton.cdiv(N, res), B * H),
                     (*strides, *lse_strides, H, M, N, scale_log2, 1.0 / (H * M)),
-                    dict(BLOCK_R=res, BLOCK_S=streamed_m, POLY=poly_columns(exp_poly, streamed_m), maxnreg=cap[1],
-                         NEG_LSE2=lse is None, **meta))
+                    dict(BLOCK_R=res, BLOCK_S=streamed_m, maxnreg=cap[1], NEG_LSE2=lse is None, **meta))
     return _Plan((B, H, M) if lse is None else None, lse is not None and lse.stride(2) != 1, (B, H, N), pass1, pass2)
 
 
 def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = None,
                      lse: torch.Tensor | None = None, scale: float | None = None,
-                     tiles: tuple[int, int, int, int] | None = None, fast_exp: bool | None = None,
-                     exp_poly: float | None = None, poly_deg: int = POLY_DEG_DEFAULT) -> torch.Tensor:
+                     tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Mean attention each key receives: q (B, H, T, D), k (B, H, N, D) -> (B, N) fp32.
 
     n_query: average over the first n_query rows only (summary tokens); default all T rows.
     lse: (B, H, n_query) fp32 natural-log log-sum-exp of each row's scaled logits (unit stride along
     rows), when the caller's attention already computed it: then only pass 2 runs. scale: default
-    D ** -0.5. tiles: (resident, streamed, num_warps, num_stages) instead of DEFAULT_TILES (sweeps).
-    fast_exp: fp16x2 exponentials (CUDA, 16-bit inputs only); default FAST_EXP_DEFAULT.
-    exp_poly: the FMA-pipe variant (module docstring): that fraction of each streamed tile's columns
-    (rounded to a multiple of 8) takes the degree-`poly_deg` polynomial exp2; 0.0 = the variant's
-    unmasked full tiles with every exp2 on MUFU; None = EXP_POLY_DEFAULT when fast_exp is off (itself
-    None: the original kernels, masked tiles). Excludes fast_exp.
+    D ** -0.5. tiles: (resident, streamed, num_warps, num_stages) instead of DEFAULT_TILES (sweeps; the
+    register caps MAXNREG apply at DEFAULT_TILES only).
     """
-    if exp_poly is None and not (FAST_EXP_DEFAULT if fast_exp is None else fast_exp):
-        exp_poly = EXP_POLY_DEFAULT
     # Everything _plan reads, the module switches included (benches and tests set them).
     key = (q.shape, k.shape, q.stride(), k.stride(), q.dtype, k.dtype, n_query,
            None if lse is None else (lse.shape, lse.stride(), lse.dtype), scale,
-           None if tiles is None else tuple(tiles), fast_exp, exp_poly, poly_deg,
-           FAST_EXP_DEFAULT, DEFAULT_TILES, POLY_MAXNREG)
-    plan = _PLANS.get_or_build(key, lambda: _plan(q, k, n_query, lse, scale, tiles, fast_exp, exp_poly, poly_deg))
+           None if tiles is None else tuple(tiles), DEFAULT_TILES, MAXNREG)
+    plan = _PLANS.get_or_build(key, lambda: _plan(q, k, n_query, lse, scale, tiles))
     if plan.pass1 is not None:
         lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
         plan.pass1(q, k, lse)

@@ -4,16 +4,12 @@
 
 Environment (all optional): SALIENCE_SHAPES, a comma list of siglip1,siglip8,siglip64,4k,16k,64k
 (default all); SALIENCE_SWEEP_SHAPES, the shapes that also get the tile sweep (default all; "" none);
-SALIENCE_SWEEP, configs "R,S,W,P;R,S,W,P;..." to sweep instead of SWEEP; SALIENCE_FAST, the fast-exp
-modes swept ("0,1" default); SALIENCE_ENCODER=0 skips the W8A8 encoder rows. The sweep prints a row
-per config (standalone = both passes, fused = the column pass alone; their difference is pass 1).
-SALIENCE_POLY, a comma list of exp_poly fractions, each optionally ":DEG" (e.g. "0,0.125,0.25:4"):
-adds standalone and fused rows of the FMA-pipe exp2 variant beside the default's (0 = the variant's
-unmasked tiles with every exp2 on MUFU); max_err of those rows is against the default kernel;
-SALIENCE_POLY_MAXNREG=0 lifts the variant's register caps (POLY_MAXNREG). The
+SALIENCE_SWEEP, configs "R,S,W,P;R,S,W,P;..." to sweep instead of SWEEP; SALIENCE_ENCODER=0 skips the
+W8A8 encoder rows; SALIENCE_MAXNREG=0 lifts the default tiles' register caps (MAXNREG). The sweep prints a
+row per config (standalone = both passes, fused = the column pass alone; their difference is pass 1). The
 issue-5 comparison in one command (~2 min):
     SALIENCE_SHAPES=siglip1,siglip8,siglip64,4k,16k SALIENCE_SWEEP_SHAPES= SALIENCE_ENCODER=0 \
-    SALIENCE_POLY=0,0.125,0.25 PYTHONPATH=. python scripts/bench_kernels.py --only prefill_salience
+    PYTHONPATH=. python scripts/bench_kernels.py --only prefill_salience
 Three times per method: ms (eager: events around each call, so host launch time is inside; at 1
 frame that is most of it), dev_ms (device: a GPU spin of 2x the eager time, 0.2-2 ms, queued before
 each call hides the host) and graph_ms (per call replayed from a CUDA graph, eager < 1 ms only); x_*
@@ -21,7 +17,7 @@ ratios of each. At 1-8 frames two more rows time our standalone call with the la
 work: every launch through Triton's dispatch, and the plan rebuilt per call as well (the S5 launcher).
 Offline (no GPU): `PYTHONPATH=.:scripts python scripts/benches/prefill_salience.py --offline [D]` compiles
 both passes for sm_90a at DEFAULT_TILES and prints, per score in the main loop, SASS / MUFU / FMA-pipe /
-ALU instructions, registers, spills, and the issue/pipe bound, for the default and each poly fraction.
+ALU instructions, registers, spills, and the issue/pipe bound.
 `... prefill_salience.py --host` times the launcher's host side per call on the CPU (Triton's dispatch
 included, the C launch stubbed) for the three launcher forms.
 
@@ -29,7 +25,7 @@ Shapes of issue 5: SigLIP (H=16, N=729, D=72) at 1/8/64 frames, long sequences (
 N=4K/16K/64K (--quick: up to 4K, no sweep). Rows: naive (softmax(QK^T) materialised, then the mean;
 and flash_colreduce's naive_colreduce), flash-colreduce, ours standalone (LSE pass + column pass),
 ours fused (the salience layer's flash attention already gave the LSE: column pass only, the
-encoder's real cost), each at DEFAULT_TILES and at every config of a tile x fast-exp sweep; and the
+encoder's real cost), each at DEFAULT_TILES and at every config of a tile sweep; and the
 flash attention (+LSE) itself for scale. TFLOP/s counts the QK^T passes run (2 standalone, 1 fused).
 Last rows: salience's share of the W8A8 SigLIP-so400m encoder at 64 frames (synthetic weights).
 """
@@ -48,13 +44,13 @@ import torch
 from benches import common
 import csrc_triton.launch as launch_module
 import csrc_triton.prefill_salience as kernel_module
-from csrc_triton.prefill_salience import POLY_DEG_DEFAULT, prefill_salience
+from csrc_triton.prefill_salience import prefill_salience
 from tinyvila import ops
 
 SHAPES = {"siglip1": (1, 16, 729, 72), "siglip8": (8, 16, 729, 72), "siglip64": (64, 16, 729, 72),
           "4k": (1, 16, 4096, 80), "16k": (1, 16, 16384, 80), "64k": (1, 16, 65536, 80)}
 QUICK = ["siglip1", "siglip8", "siglip64", "4k"]
-# (resident rows, streamed rows, num_warps, num_stages); each also with fp16x2 exponentials. Pass 1
+# (resident rows, streamed rows, num_warps, num_stages). Pass 1
 # and 2 keep an (R, S) fp32 accumulator besides the (R, S) scores: 128 x 128 needs 8 warps.
 SWEEP = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3),
          (256, 64, 8, 3)]
@@ -105,15 +101,6 @@ def _time(fn, inputs, iters):
     return ms, dev, graph, mib
 
 
-def _poly_variants() -> list[tuple[float, int]]:
-    """(exp_poly, degree) pairs from SALIENCE_POLY ("F" or "F:DEG"; default none)."""
-    out = []
-    for item in _env_list("SALIENCE_POLY", []):
-        frac, _, deg = item.partition(":")
-        out.append((float(frac), int(deg) if deg else POLY_DEG_DEFAULT))
-    return out
-
-
 def _triton_dispatch(q, k, lse):
     """Ours standalone with every launch through Triton's dispatch (plans kept, no direct launch)."""
     launch_module.DIRECT_LAUNCH = False
@@ -139,11 +126,6 @@ def _methods(fc, launch_rows: bool):
     if launch_rows:  # the same kernels, more host work per call: the launcher's share of the eager time
         out += [("ours standalone, Triton dispatch", _triton_dispatch),
                 ("ours standalone, plan per call (S5 launcher)", _plan_per_call)]
-    for f, d in _poly_variants():
-        tag = f"poly {f:g}" + ("" if d == POLY_DEG_DEFAULT else f" deg{d}")
-        out += [(f"ours standalone {tag}", lambda q, k, lse, f=f, d=d: prefill_salience(q, k, exp_poly=f, poly_deg=d)),
-                (f"ours fused {tag}", lambda q, k, lse, f=f, d=d: prefill_salience(q, k, lse=lse, exp_poly=f,
-                                                                                   poly_deg=d))]
     return out
 
 
@@ -164,23 +146,19 @@ def _env_list(name: str, default: list[str]) -> list[str]:
     return default if value is None else [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _sweep_configs() -> list[tuple[tuple[int, int, int, int], bool]]:
-    """(tiles, fast) pairs: SALIENCE_SWEEP (or SWEEP) x SALIENCE_FAST."""
+def _sweep_configs() -> list[tuple[int, int, int, int]]:
+    """Tile configs: SALIENCE_SWEEP or SWEEP."""
     spec = os.environ.get("SALIENCE_SWEEP")
-    tiles = [tuple(int(x) for x in c.split(",")) for c in spec.split(";") if c.strip()] if spec else SWEEP
-    fasts = [f == "1" for f in _env_list("SALIENCE_FAST", ["0", "1"])]
-    return [(t, f) for t in tiles for f in fasts]
+    return [tuple(int(x) for x in c.split(",")) for c in spec.split(";") if c.strip()] if spec else SWEEP
 
 
 def _sweep(inputs, iters) -> dict:
-    """_time of every (tiles, fast) config, standalone and fused, keyed by a printable name."""
+    """_time of every tile config, standalone and fused, keyed by a printable name."""
     out = {}
     for fused in (False, True):
-        for tiles, fast in _sweep_configs():
-            fn = (lambda q, k, lse, t=tiles, f=fast, u=fused:
-                  prefill_salience(q, k, lse=lse if u else None, tiles=t, fast_exp=f))
-            key = f"sweep {'fused' if fused else 'standalone'} {','.join(map(str, tiles))}{' fast' if fast else ''}"
-            out[key] = _time(fn, inputs, iters)
+        for tiles in _sweep_configs():
+            fn = lambda q, k, lse, t=tiles, u=fused: prefill_salience(q, k, lse=lse if u else None, tiles=t)  # noqa: E731
+            out[f"sweep {'fused' if fused else 'standalone'} {','.join(map(str, tiles))}"] = _time(fn, inputs, iters)
     return out
 
 
@@ -278,8 +256,8 @@ def run(args) -> list[dict]:
         fc = None
         print("flash-colreduce not installed: its rows are missing (pip install flash-colreduce)")
     quick = getattr(args, "quick", False)
-    if os.environ.get("SALIENCE_POLY_MAXNREG") == "0":
-        kernel_module.POLY_MAXNREG = None
+    if os.environ.get("SALIENCE_MAXNREG") == "0":
+        kernel_module.MAXNREG = None
     print("ms: eager (events around each call, host launch time inside); dev_ms: device time (a GPU spin "
           "queued first hides the host); graph_ms: per call in a CUDA graph (eager < 1 ms only); x_*: times "
           "faster than naive torch / naive_colreduce (nc) / flash-colreduce (fc), eager or _dev")
@@ -321,8 +299,7 @@ def _compile_sm90(which: int, D: int, extra: dict, maxnreg: int | None):
     div = [i for i in range(n_ptr + n_int) if i not in stride_m]
     d0, d1 = km._split_head_dim(D)
     R, S, W, P = km.DEFAULT_TILES
-    consts = dict(D=D, D0=d0, D1=d1, PRECISION="tf32", UPCAST=False, FAST=False, ALIGN=8, BLOCK_R=R, BLOCK_S=S,
-                  DIET=False, POLY=0, DEG=km.POLY_DEG_DEFAULT)
+    consts = dict(D=D, D0=d0, D1=d1, PRECISION="tf32", UPCAST=False, ALIGN=8, BLOCK_R=R, BLOCK_S=S)
     if which == 2:
         consts["NEG_LSE2"] = True  # pass 1's LSE, as a standalone call hands it over
     consts.update(extra)
@@ -363,19 +340,14 @@ def _sass_stats(kernel) -> dict:
 
 
 def offline(D: int = 80) -> None:
-    """The offline table: default vs each poly fraction (with the variant's register caps)."""
+    """The offline table: both passes of the default kernels at DEFAULT_TILES with their register caps."""
     print(f"sm_90a, D={D}, tiles {kernel_module.DEFAULT_TILES}; per score: SASS, MUFU, FMA-pipe, ALU in the main loop")
-    print("pass | variant | regs | spills | SASS | MUFU | FMA | ALU | bound (clk per warp-score) | vs default")
-    caps = kernel_module.POLY_MAXNREG or (None, None)
+    print("pass | regs | spills | SASS | MUFU | FMA | ALU | bound (clk per warp-score)")
+    caps = kernel_module.MAXNREG or (None, None)
     for which in (1, 2):
-        base = None
-        for cols in (None, 0, 8, 16, 24, 32):
-            extra = {} if cols is None else dict(DIET=True, POLY=cols)
-            st = _sass_stats(_compile_sm90(which, D, extra, None if cols is None else caps[which - 1]))
-            base = base or st["bound"]
-            print(f"{which} | {'default' if cols is None else f'poly {cols}/64'} | {st['regs']} | {st['spills']} | "
-                  f"{st['sass']:.2f} | {st['mufu']:.3f} | {st['fma']:.2f} | {st['alu']:.2f} | {st['bound']:.2f} | "
-                  f"{st['bound'] / base:.3f}")
+        st = _sass_stats(_compile_sm90(which, D, {}, caps[which - 1]))
+        print(f"{which} | {st['regs']} | {st['spills']} | {st['sass']:.2f} | {st['mufu']:.3f} | {st['fma']:.2f} | "
+              f"{st['alu']:.2f} | {st['bound']:.2f}")
 
 
 def host(calls: int = 10000) -> None:
@@ -394,8 +366,7 @@ def host(calls: int = 10000) -> None:
         stub_compile(fn, lambda *args: None)  # the C launch does nothing
     q, k = (torch.randn(1, 16, 729, 72, dtype=torch.float16) for _ in "qk")
     lse = torch.randn(1, 16, 729)
-    calls_by_mode = {"standalone": lambda: prefill_salience(q, k), "fused": lambda: prefill_salience(q, k, lse=lse),
-                     "standalone poly 0.125": lambda: prefill_salience(q, k, exp_poly=0.125)}
+    calls_by_mode = {"standalone": lambda: prefill_salience(q, k), "fused": lambda: prefill_salience(q, k, lse=lse)}
     modes = {"plan rebuilt every call (the S5 launcher's work)": (True, False),
              "plan cached, Triton dispatch": (False, False), "plan cached, direct launch": (False, True)}
 

@@ -8,7 +8,7 @@ another version of the kernel file, and/or against other default tiles.
 --before: both modules run the same fp16 inputs, standalone (both passes) and fused (the column pass alone, given a
 natural-log LSE computed in fp32), and their maximum relative difference is printed. --tiles: each
 (resident, streamed, warps, stages) is put in place as the module's DEFAULT_TILES, so it runs with the register caps of
-the default (POLY_MAXNREG), which the bench's tile sweep (`tiles=`) does not apply; every config must give the first
+the default (MAXNREG), which the bench's tile sweep (`tiles=`) does not apply; every config must give the first
 one's salience. Per row: ms per call of each round (common.graph_ms: median over replays of a graph of back-to-back
 calls), then the best. Session 13 (runs S13-A..C) ran this code from an uncommitted copy that took the min of 5
 replays instead of the median.

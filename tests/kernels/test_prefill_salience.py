@@ -9,14 +9,11 @@ import os
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from csrc_triton.prefill_salience import (  # noqa: E402
-    POLY_COEFFS, _exp2_poly, _split_head_dim, poly_columns, prefill_salience, prefill_salience_ref)
+from csrc_triton.prefill_salience import _split_head_dim, prefill_salience, prefill_salience_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -80,15 +77,9 @@ def _assert_within(out, q, k, n_query):
     assert err <= 2 * torch_err + floor, f"kernel error {err:.3g}, naive PyTorch error {torch_err:.3g}"
 
 
-@pytest.mark.parametrize("default", [0.0, None], ids=["default-unmasked", "original-masked"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_reference(shape, dtype, default, poisoned, monkeypatch):
-    """Both kernel forms a plain call can run (EXP_POLY_DEFAULT: the unmasked-tile variant, the default since
-    session 6, or the original masked kernels)."""
-    import csrc_triton.prefill_salience as mod
-
-    monkeypatch.setattr(mod, "EXP_POLY_DEFAULT", default)
+def test_matches_reference(shape, dtype, poisoned):
     B, H, N, D, n_query = shape
     q, k = _inputs(B, H, N, D, dtype, seed=N + D)
     out = prefill_salience(q, k, n_query=n_query)
@@ -106,91 +97,17 @@ def test_every_tile_config(tiles, poisoned):
     _assert_within(prefill_salience(q, k, n_query=3, tiles=tiles), q, k, 3)
 
 
-@pytest.mark.skipif(not CUDA, reason="ex2.approx.f16x2 is PTX inline assembly: CUDA only")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", REAL, ids=lambda s: "x".join(map(str, s)))
-def test_fast_exp(shape, dtype, poisoned):
-    """fp16x2 exponentials stay within the tolerance rule at the real shapes."""
-    B, H, N, D, n_query = shape
-    q, k = _inputs(B, H, N, D, dtype, seed=N + 1)
-    _assert_within(prefill_salience(q, k, n_query=n_query, fast_exp=True), q, k, n_query)
-
-
-@triton.jit
-def _exp2_poly_probe(x_ptr, y_ptr, n, DEG: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    tl.store(y_ptr + offs, _exp2_poly(tl.load(x_ptr + offs, mask=ok, other=0.0), DEG), mask=ok)
-
-
-# Max relative error of the FMA-pipe 2^x per degree (module docstring: 1.8e-7, 2.9e-6, 1.2e-4), with
-# ~15% margin for the interpreter's unfused Horner (FMUL + FADD, two roundings per step).
-POLY_REL_ERR = {5: 2.1e-7, 4: 3.4e-6, 3: 1.4e-4}
-
-
-@pytest.mark.parametrize("deg", sorted(POLY_COEFFS))
-def test_exp2_poly_precision(deg):
-    """2^x by the polynomial: relative error at its bound over [-126, 8] (every f in [-0.5, 0.5], both
-    signs of j), exactly 0 at -inf and -127 and below, under 2^-126 (no wrapped exponent) in (-127, -126),
-    finite ~2^127 at 127 and above (+inf included)."""
-    g = torch.Generator().manual_seed(deg)
-    x = torch.cat([torch.linspace(-126, 8, 200_003), -126 + 134 * torch.rand(100_000, generator=g),
-                   torch.arange(-126, 9).float() + 0.5, torch.arange(-126, 9).float()])
-    low = torch.tensor([-float("inf"), -1e30, -200.0, -127.0, -126.9, -126.5, -126.2])
-    xs = torch.cat([x, low]).to(DEVICE, torch.float32)
-    y = torch.full_like(xs, float("nan"))
-    _exp2_poly_probe[(triton.cdiv(xs.numel(), 1024),)](xs, y, xs.numel(), DEG=deg, BLOCK=1024)
-    ref = torch.exp2(xs.double())
-    rel = ((y[: x.numel()].double() - ref[: x.numel()]) / ref[: x.numel()]).abs().max().item()
-    assert rel <= POLY_REL_ERR[deg], f"degree {deg}: max relative error {rel:.3g}"
-    tail = y[x.numel():].cpu()
-    assert (tail[:4] == 0).all() and (tail >= 0).all() and (tail < 2.0 ** -126).all(), tail
-    big = torch.tensor([127.0, 200.0, 1e30, float("inf")], device=DEVICE)
-    y = torch.full_like(big, float("nan"))
-    _exp2_poly_probe[(1,)](big, y, big.numel(), DEG=deg, BLOCK=16)
-    assert torch.isfinite(y).all() and (y >= 2.0 ** 126.5).all(), y  # clamped at 127: never wraps
-
-
-def test_poly_columns():
-    """The fraction of a tile's columns, in whole 8-column blocks of the MMA accumulator layout."""
-    assert [poly_columns(f, 64) for f in (None, 0.0, 0.125, 0.25, 0.375, 0.5, 1.0)] == [0, 0, 8, 16, 24, 32, 64]
-    assert [poly_columns(f, 16) for f in (0.25, 0.375, 0.5, 1.0)] == [0, 8, 8, 16]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_exp_poly_variant(shape, dtype, poisoned):
-    """The FMA-pipe exp2 variant (3/8 of each tile's columns; full tiles unmasked) at every shape."""
-    B, H, N, D, n_query = shape
-    q, k = _inputs(B, H, N, D, dtype, seed=N + D)
-    out = prefill_salience(q, k, n_query=n_query, exp_poly=0.375)
-    _assert_within(out, q, k, n_query)
-    torch.testing.assert_close(out.sum(-1), torch.ones(B, device=DEVICE), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("exp_poly", [0.0, 0.125, 0.5, 1.0])
 @pytest.mark.parametrize("shape", [(1, 2, 197, 72, None), (2, 3, 217, 80, 4), (1, 1, 1000, 64, 5)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_exp_poly_fractions(shape, exp_poly, poisoned):
-    """Every fraction (0: the variant's unmasked tiles alone; 1: all exponentials polynomial), fp32
-    (the tightest tolerance) and the fused (LSE given) column pass, with and without tile tails."""
+def test_fp32_standalone_and_fused(shape, poisoned):
+    """fp32 (the tightest tolerance), standalone and the fused (LSE given) column pass with small tiles, with
+    and without tile tails."""
     B, H, N, D, n_query = shape
     q, k = _inputs(B, H, N, D, torch.float32, seed=N + 2)
-    _assert_within(prefill_salience(q, k, n_query=n_query, exp_poly=exp_poly), q, k, n_query)
+    _assert_within(prefill_salience(q, k, n_query=n_query), q, k, n_query)
     M = N if n_query is None else n_query
     lse = torch.logsumexp(q[:, :, :M].double() @ k.double().transpose(-1, -2) * D ** -0.5, -1).float()
-    _assert_within(prefill_salience(q, k, n_query=n_query, lse=lse, exp_poly=exp_poly, tiles=(32, 16, 4, 3)),
-                   q, k, n_query)
-
-
-def test_exp_poly_columns_take_the_polynomial():
-    """The polynomial really runs where it is asked for: at degree 3 (rel. error 1.2e-4) the fp32
-    salience moves by far more than fp32 rounding, in proportion to the polynomial's share."""
-    q, k = _inputs(1, 2, 197, 80, torch.float32, seed=9)
-    ref = prefill_salience_ref(q.double(), k.double())
-    err = {f: (prefill_salience(q, k, exp_poly=f, poly_deg=3).double() - ref).abs().max().item()
-           for f in (0.0, 0.5, 1.0)}
-    assert err[0.0] < 1e-5 * ref.max().item() < err[0.5] < err[1.0], err
+    _assert_within(prefill_salience(q, k, n_query=n_query, lse=lse, tiles=(32, 16, 4, 3)), q, k, n_query)
 
 
 def _extreme_inputs(D, dtype, case):
@@ -208,26 +125,19 @@ def _extreme_inputs(D, dtype, case):
     return q.to(dtype), k.to(dtype)
 
 
-@pytest.mark.parametrize("form", ["default", "original", "poly"])
 @pytest.mark.parametrize("case", ["large", "negative"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("D", [72, 80])
-def test_logits_outside_the_unshifted_range(D, dtype, case, form, poisoned, monkeypatch):
+def test_logits_outside_the_unshifted_range(D, dtype, case, poisoned):
     """Pass 1 sums 2^logit with no running max and reruns a block with one when a row's sum leaves
-    [2^-60, 2^100): both ways out give the reference salience (and sum to 1). The original masked
-    kernels (always a running max) and the polynomial variant alongside."""
-    import csrc_triton.prefill_salience as mod
-
-    if form == "original":
-        monkeypatch.setattr(mod, "EXP_POLY_DEFAULT", None)
-    exp_poly = 0.25 if form == "poly" else None
+    [2^-60, 2^100): both ways out give the reference salience (and sum to 1)."""
     q, k = _extreme_inputs(D, dtype, case)
     lo = (q[0, :, :, None, :].double() * k[0, :, None, :, :].double()).sum(-1) * D ** -0.5 * 1.4426950408889634
     if case == "large":
         assert lo.max() > 140  # 2^logit overflows fp32
     else:
         assert lo[:, 5].max() < -150  # the whole row underflows fp32
-    out = prefill_salience(q, k, exp_poly=exp_poly)
+    out = prefill_salience(q, k)
     _assert_within(out, q, k, None)
     torch.testing.assert_close(out.sum(-1), torch.ones(1, device=DEVICE), rtol=1e-4, atol=1e-4)
     if dtype == torch.float32:  # the tightest check: fp64 reference, fp32 kernel
@@ -282,7 +192,3 @@ def test_bad_input_is_named():
         prefill_salience(q, k, lse=torch.zeros(1, 2, 19, device=DEVICE))
     with pytest.raises(ValueError, match="unit stride"):
         prefill_salience(q.transpose(2, 3), k.transpose(2, 3))
-    with pytest.raises(ValueError, match="exp_poly"):
-        prefill_salience(q, k, exp_poly=1.5)
-    with pytest.raises(ValueError, match="poly_deg"):
-        prefill_salience(q, k, exp_poly=0.25, poly_deg=7)

@@ -47,7 +47,7 @@ def _lse(q, k, M):
 
 def _sequence():
     """(name, thunk) calls that differ in every part of the plan key: shape, dtype, strides, n_query,
-    the caller's LSE (unit-stride and not), tiles, exp_poly, poly_deg, scale."""
+    the caller's LSE (unit-stride and not), tiles, scale."""
     q1, k1 = _qk(1, 2, 197, 72, torch.float16, 1)
     q2, k2 = _qk(2, 3, 123, 64, torch.bfloat16, 2)
     q3, k3 = _qk(1, 2, 100, 80, torch.float32, 3)
@@ -65,8 +65,6 @@ def _sequence():
         ("lse", lambda: prefill_salience(q1, k1, lse=lse1)),
         ("lse strided", lambda: prefill_salience(q1, k1, lse=lse_strided)),
         ("tiles", lambda: prefill_salience(q1, k1, tiles=(32, 16, 4, 3))),
-        ("poly", lambda: prefill_salience(q2, k2, exp_poly=0.25)),
-        ("poly deg 3", lambda: prefill_salience(q2, k2, exp_poly=0.25, poly_deg=3)),
         ("scale", lambda: prefill_salience(q3, k3, scale=0.05)),
     ]
 
@@ -163,8 +161,7 @@ def test_direct_launch_is_bit_identical(shape, fresh_plans, monkeypatch):
     outputs through Triton's dispatch and the direct launch, in sequence, twice."""
     q, k = _qk(*shape, torch.float16, 9)
     qu, ku = _qk(*shape, torch.float16, 9, offset=1)
-    calls = _sequence() + [("shape", lambda: prefill_salience(q, k)), ("unaligned", lambda: prefill_salience(qu, ku)),
-                           ("shape poly", lambda: prefill_salience(q, k, exp_poly=0.125))]
+    calls = _sequence() + [("shape", lambda: prefill_salience(q, k)), ("unaligned", lambda: prefill_salience(qu, ku))]
     monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
     ref = {name: call() for name, call in calls}
     monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
