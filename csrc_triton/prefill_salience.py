@@ -6,7 +6,7 @@ q (B, H, T, D), k (B, H, N, D), fp16/bf16/fp32, any strides with unit stride alo
 fused qkv projection work as they are); rows m < M = n_query (all T, or the first few: CLIP's CLS /
 summary tokens); B frames independent. Result (B, N) fp32; extra memory O(B*H*(M+N)), never M x N.
 Pass 1 (`_row_lse_kernel`, a FlashAttention forward without V) gives each row's LSE (log2 units,
-negated, as pass 2's exponent adds it). Its default form first sums 2^logit with NO running max: the
+negated, as pass 2's exponent adds it). It first sums 2^logit with NO running max: the
 max costs an FMNMX per score plus a shuffle, exp2 and rescale per row and tile (offline sm_90a, D = 80:
 6.1 -> 4.6 instructions per score in the loop); the sum is exact to fp32 rounding while it stays in
 [2^-60, 2^100) (no term overflowed, underflowed terms negligible; see _SUM_LO), which holds unless a
