@@ -16,8 +16,10 @@ reference's order, the residual half loaded by TMA, one rounding, stored through
 (M, N, the K tail) are zero-filled by TMA loads and clipped by TMA stores.
 
 No interpreter form: Gluon kernels run on the GPU only. csrc_triton.w8a8_gemm.w8a8_gemm checks a call and
-dispatches here on sm_90 where every operand suits TMA (`ok`), the Triton kernel elsewhere; the plain PyTorch
-form is `w8a8_gemm_wgmma_ref` (= the Triton kernel's reference).
+dispatches here the GEMMs it would run on its persistent 128 x 256 kernel that carry a residual (the ViT's wo and
+fc2: where this kernel measured faster), on sm_90 under Triton 3.6 with TMA-suited operands (`ok`); everything
+else runs the Triton kernels (see w8a8_gemm.USE_WGMMA for the measurements). The plain PyTorch form is
+`w8a8_gemm_wgmma_ref` (= the Triton kernel's reference).
 """
 
 from __future__ import annotations
@@ -193,9 +195,8 @@ def w8a8_gemm_wgmma(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
                  programs_per_sm * torch.cuda.get_device_properties(a.device).multi_processor_count)
     _w8a8_wgmma_kernel[(n_prog,)](
         a_desc, b_desc, a_scale.contiguous(), b_scale.contiguous(), bias if bias is not None else b_scale, r_desc,
-        c_desc, M, N, K=K,
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
-        STAGES=stages, IN_FLIGHT=in_flight, NUM_PROGRAMS=n_prog, num_warps=warps)
+        c_desc, M, N, K=K, HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, IN_FLIGHT=in_flight, NUM_PROGRAMS=n_prog, num_warps=warps)
     return c
 
 
