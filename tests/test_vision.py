@@ -100,16 +100,46 @@ def test_patch_embedding_is_the_convolution(kind, patch, size, monkeypatch):
         Config(**{**TINY, "patch_size": patch}, image_size=size)), 3)
     enc = _ours(hf, -1, dtype=torch.float64)
     px = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    conv = torch.nn.functional.conv2d(px, enc.patch_embed.weight, enc.patch_embed.bias, stride=patch)
-    ref = conv.flatten(2).transpose(1, 2)  # (B, G*G, D)
-    if enc.cls_token is not None:
-        ref = torch.cat([enc.cls_token.expand(2, 1, -1), ref], dim=1)
-    ref = ref + enc.pos_embed
-    ref = ref if enc.pre_norm is None else enc.pre_norm(ref)
+    ref = _conv_embed(enc, px)
     with torch.no_grad():
         out = enc.embed(px)
     assert out.shape == ref.shape == (2, enc.cfg.n_tokens, 48)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def _conv_embed(enc, px):
+    """hidden_states[0] through the checkpoint's own convolution (the reference for embed)."""
+    with torch.no_grad():
+        conv = torch.nn.functional.conv2d(px, enc.patch_embed.weight, enc.patch_embed.bias,
+                                          stride=enc.patch_embed.stride)
+        ref = conv.flatten(2).transpose(1, 2)  # (B, G*G, D)
+        if enc.cls_token is not None:
+            ref = torch.cat([enc.cls_token.expand(px.shape[0], 1, -1), ref], dim=1)
+        ref = ref + enc.pos_embed
+        return ref if enc.pre_norm is None else enc.pre_norm(ref)
+
+
+def test_padded_patch_weight_is_built_once_and_follows_the_weight(siglip):
+    """embed's (D, C P P) padded weight is built on the first call and reused, and rebuilt whenever the weight
+    changes: edited in place, reloaded, cast. A differentiable call builds its own (autograd through the pad)."""
+    enc = _ours(siglip, -1, dtype=torch.float64)
+    px = torch.randn(2, 3, 60, 60, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with torch.no_grad():
+        enc.embed(px)
+        first = enc._patch_weight()
+        assert enc._patch_weight() is first  # reused
+        enc.patch_embed.weight.mul_(2)  # in place: same storage, new version
+        torch.testing.assert_close(enc.embed(px), _conv_embed(enc, px), rtol=1e-12, atol=1e-12)
+        assert enc._patch_weight() is not first
+        other = _ours(siglip, -1, dtype=torch.float64)
+        enc.load_state_dict(other.state_dict())  # reloaded
+        torch.testing.assert_close(enc.embed(px), _conv_embed(other, px), rtol=1e-12, atol=1e-12)
+        enc.float()  # cast: new storage and dtype
+        torch.testing.assert_close(enc.embed(px.float()), _conv_embed(enc, px.float()), rtol=1e-5, atol=1e-5)
+    cached = enc._patch_w
+    enc.patch_embed.weight.requires_grad_(True)
+    out = enc.embed(px.float())
+    assert out.requires_grad and enc._patch_w is cached  # built apart, the cache untouched
 
 
 def test_wrong_image_size_is_named(siglip):

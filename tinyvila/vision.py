@@ -141,6 +141,25 @@ class VisionEncoder(GraphOwner, nn.Module):
         self.layers = nn.ModuleList(Block(cfg, quant) for _ in range(cfg.n_run_layers))
         self.post_norm = LayerNorm(D, eps=cfg.norm_eps) if cfg.post_norm else None
         self.graphs: GraphCache | None = None  # see use_cuda_graphs
+        self._patch_w: tuple[tuple, torch.Tensor] | None = None  # see _patch_weight
+
+    def _patch_weight(self) -> torch.Tensor:
+        """The patch embedding's (D, C, P, P) weight as a (D, Kp) GEMM operand, its C P P columns zero-padded to
+        Kp, a multiple of 8 (16-byte rows: 588 -> 592 at P = 14, where cuBLAS's unaligned kernel took 0.375 ms at
+        64 images, run S13-E). Built once per weight: kept while the weight's storage and version are the same
+        (loading, moving, casting or editing it in place rebuilds it), not cached while a CUDA graph is being
+        captured (a tensor from the graph's pool must not outlive it; the capture's warm-up has built it)."""
+        w = self.patch_embed.weight
+        D, K = w.shape[0], w[0].numel()
+        if w.requires_grad and torch.is_grad_enabled():  # a differentiable call: no cache across autograd graphs
+            return F.pad(w.reshape(D, K), (0, -K % 8))
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._patch_w is not None and self._patch_w[0] == key:
+            return self._patch_w[1]
+        wp = F.pad(w.detach().reshape(D, K), (0, -K % 8))
+        if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._patch_w = (key, wp)
+        return wp
 
     def embed(self, pixels: torch.Tensor) -> torch.Tensor:
         """(B, C, S, S) -> (B, T, D) = hidden_states[0]: patches (+ CLS first) + positions (+ pre_norm).
@@ -148,7 +167,7 @@ class VisionEncoder(GraphOwner, nn.Module):
         The patch embedding is the checkpoint's Conv2d (kernel = stride = P) computed as what it is, one
         GEMM over each patch's C x P x P pixels: the patches are cut out with one copy (pixels past the
         last whole patch are dropped, as the convolution drops them; rows zero-padded to a multiple of 8)
-        and the weight is viewed (D, C P P) (padded alike).
+        against the weight as a (D, C P P) matrix padded alike (_patch_weight, built once).
         cuDNN's convolution of 3 input channels runs an implicit GEMM at ~45 TFLOP/s plus NCHW <-> NHWC
         conversions and a transposing copy (H200, run S13-D in docs/benchmarks.md: with the position add,
         ~3.2 ms of a 65 ms W8A8 SigLIP-so400m encode of 64 images)."""
@@ -161,14 +180,14 @@ class VisionEncoder(GraphOwner, nn.Module):
                              f"images ({grid} patches of {P}x{P} pixels; tinyvila.image preprocesses to that size)")
         B, gh, gw = pixels.shape[0], pixels.shape[2] // P, pixels.shape[3] // P
         K = C * P * P
-        Kp = -(-K // 8) * 8  # rows of 16-byte multiples (588 -> 592 at P = 14): cuBLAS's aligned kernels
+        w = self._patch_weight()  # (D, Kp)
+        Kp = w.shape[1]
         patches = torch.empty(B, gh, gw, Kp, dtype=w.dtype, device=pixels.device)  # row-major over the grid
         if Kp > K:
             patches[..., K:].zero_()
-            w = F.pad(w.reshape(D, K), (0, Kp - K))
         patches[..., :K].view(B, gh, gw, C, P, P).copy_(
             pixels[:, :, :gh * P, :gw * P].reshape(B, C, gh, P, gw, P).permute(0, 2, 4, 1, 3, 5))
-        x = F.linear(patches.view(B * gh * gw, Kp), w.reshape(D, Kp), self.patch_embed.bias).view(B, gh * gw, D)
+        x = F.linear(patches.view(B * gh * gw, Kp), w, self.patch_embed.bias).view(B, gh * gw, D)
         if self.cls_token is not None:
             cls = self.cls_token.to(x.dtype).expand(x.shape[0], 1, -1)  # (B, 1, D)
             x = torch.cat([cls, x], dim=1)  # (B, T, D)
