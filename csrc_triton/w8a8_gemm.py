@@ -21,6 +21,7 @@ csrc_triton/w8a8_gemm_wgmma.py (wgmma kept in flight across K steps; see USE_WGM
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -28,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels run in Triton's interpreter
 
 
 @triton.jit
@@ -380,9 +383,12 @@ USE_PERSISTENT = True  # False: the default kernel everywhere (A/B)
 USE_WGMMA = True
 
 
+_GLUON_TRITON = triton.__version__.startswith("3.6.")
+
+
 def _wgmma_ok(a, b, c, residual) -> bool:
     """Whether w8a8_gemm dispatches a persistent-config call to the Gluon kernel (see USE_WGMMA)."""
-    if not USE_WGMMA or not a.is_cuda or _INTERPRET or not triton.__version__.startswith("3.6."):
+    if not USE_WGMMA or not _GLUON_TRITON or _INTERPRET or not a.is_cuda:
         return False
     try:
         from csrc_triton.w8a8_gemm_wgmma import ok
@@ -391,7 +397,16 @@ def _wgmma_ok(a, b, c, residual) -> bool:
     return ok(a, b, c, residual)
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+@contextlib.contextmanager
+def triton_kernels_only():
+    """Within it, w8a8_gemm runs only its Triton kernels (USE_WGMMA off): the A/B of the Gluon dispatch for
+    benches and tests."""
+    global USE_WGMMA
+    saved, USE_WGMMA = USE_WGMMA, False
+    try:
+        yield
+    finally:
+        USE_WGMMA = saved
 
 
 def w8a8_gemm_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from csrc_triton.w8a8_gemm import w8a8_gemm_ref
+from csrc_triton.w8a8_gemm import _aligned, _device_caps, w8a8_gemm_ref
 
 
 @gluon.jit
@@ -158,13 +158,12 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 
 def ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether this kernel can run the call: sm_90 (wgmma is Hopper's), a 16-bit output (an fp32 tile's staging
-    buffers would not fit beside the ring), every operand TMA-aligned (16-byte base and row stride)."""
+    buffers would not fit beside the ring), every operand TMA-aligned (w8a8_gemm's own test, _aligned)."""
     if not a.is_cuda or c.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if torch.cuda.get_device_capability(a.device) != (9, 0):
+    if _device_caps(a.device.index if a.device.index is not None else torch.cuda.current_device())[2] != 9:
         return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1
-               for t in (a, b, c, residual) if t is not None)
+    return _aligned(a, b, c, residual)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES): what w8a8_gemm_wgmma runs unless told otherwise.

@@ -379,19 +379,17 @@ class _ConfigOverride:
 
 
 class _TritonOnly:
-    """Call fn with the Gluon GEMM dispatch off (csrc_triton.w8a8_gemm.USE_WGMMA = False): the A/B."""
+    """Call fn with the Gluon GEMM dispatch off (csrc_triton.w8a8_gemm.triton_kernels_only): the A/B; a callable
+    for the benches' graph caches."""
 
     def __init__(self, fn):
         self.fn = fn
 
     def __call__(self, *args):
-        import csrc_triton.w8a8_gemm as wg
+        from csrc_triton.w8a8_gemm import triton_kernels_only
 
-        default, wg.USE_WGMMA = wg.USE_WGMMA, False
-        try:
+        with triton_kernels_only():
             return self.fn(*args)
-        finally:
-            wg.USE_WGMMA = default
 
     def clear(self):
         if hasattr(self.fn, "clear"):

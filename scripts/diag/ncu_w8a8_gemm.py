@@ -31,11 +31,8 @@ def main() -> None:
         r = torch.randn(M, N, device="cuda", dtype=torch.float16) if res else None
 
         def triton_call(a=a, b=b, sa=sa, sb=sb, bias=bias, r=r):
-            default, wg.USE_WGMMA = wg.USE_WGMMA, False
-            try:
+            with wg.triton_kernels_only():
                 return wg.w8a8_gemm(a, b, sa, sb, bias, residual=r)
-            finally:
-                wg.USE_WGMMA = default
         calls += [triton_call, lambda a=a, b=b, sa=sa, sb=sb, bias=bias, r=r: w8a8_gemm_wgmma(a, b, sa, sb, bias, residual=r)]
     for f in calls:  # compile and warm up outside the profiled range
         f()

@@ -29,11 +29,8 @@ GLUON = {"p128x256s3": ((128, 256, 128, 8, 3), 1), "p128x256s3_inflight0": ((128
 
 def _triton(a, b, sa, sb, bias, r):
     """The Triton kernel at the launcher's config, whatever USE_WGMMA says."""
-    default, wg.USE_WGMMA = getattr(wg, "USE_WGMMA", False), False
-    try:
+    with wg.triton_kernels_only():
         return wg.w8a8_gemm(a, b, sa, sb, bias, residual=r)
-    finally:
-        wg.USE_WGMMA = default
 
 
 def main() -> int:

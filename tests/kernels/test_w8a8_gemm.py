@@ -256,3 +256,16 @@ def test_gluon_dispatch_off_the_gpu():
     c = torch.empty(16, 32, dtype=torch.float16, device=DEVICE)
     if not ON_GPU or torch.cuda.get_device_capability() != (9, 0):
         assert not _wgmma_ok(a, b, c, None)
+
+
+def test_triton_kernels_only_restores_the_dispatch():
+    """The benches' A/B switch turns the Gluon dispatch off inside and restores it after, an exception included."""
+    import csrc_triton.w8a8_gemm as wg
+
+    before = wg.USE_WGMMA
+    with wg.triton_kernels_only():
+        assert wg.USE_WGMMA is False
+    assert wg.USE_WGMMA == before
+    with pytest.raises(RuntimeError), wg.triton_kernels_only():
+        raise RuntimeError
+    assert wg.USE_WGMMA == before

@@ -63,13 +63,10 @@ def test_matches_reference_and_triton(M, N, K, tile):
 
 
 def _triton(a, b, a_s, b_s, bias, res):
-    import csrc_triton.w8a8_gemm as wg
+    from csrc_triton.w8a8_gemm import triton_kernels_only
 
-    default, wg.USE_WGMMA = getattr(wg, "USE_WGMMA", False), False
-    try:
+    with triton_kernels_only():
         return w8a8_gemm(a, b, a_s, b_s, bias, residual=res)
-    finally:
-        wg.USE_WGMMA = default
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
