@@ -91,53 +91,43 @@ def _dot_streamed(a0, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constex
 
 
 @triton.jit
-def _lse_update(s, m_i, l_i, scale_log2):
-    """One online-softmax step over raw logits s (R, S) (-inf where masked), in log2 units: the max is
-    taken on the raw logits (scale_log2 > 0), so each exponent is one FFMA, s * scale_log2 - m."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)  # finite: every tile holds a valid key
-    p = tl.exp2(s * scale_log2 - m_new[:, None])
-    return m_new, l_i * tl.exp2(m_i - m_new) + tl.sum(p, axis=1)
+def _sum_update(s, m_i, l_i, scale_log2, RUNNING_MAX: tl.constexpr):
+    """One tile's step of _row_sum_exp2 over raw logits s (R, S) (-inf where masked). RUNNING_MAX: the
+    online-softmax step in log2 units (the max is taken on the raw logits, scale_log2 > 0, so each exponent is
+    one FFMA, s * scale_log2 - m); else the plain sum, m_i untouched."""
+    if RUNNING_MAX:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)  # finite: every tile holds a valid key
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
+        return m_new, l_i * tl.exp2(m_i - m_new) + tl.sum(p, axis=1)
+    else:
+        return m_i, l_i + tl.sum(tl.exp2(s * scale_log2), axis=1)
 
 
 @triton.jit
-def _lse_online(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """log2 sum_n 2^(scale_log2 q.k_n) of the resident rows, with a running max (any logits)."""
-    m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
+def _row_sum_exp2(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+                  RUNNING_MAX: tl.constexpr):
+    """(m, l) of the resident rows with log2 sum_n 2^(scale_log2 q.k_n) = m + log2(l): full streamed tiles
+    unmasked, then a masked last tile. RUNNING_MAX: m the running max (any logits); else m = 0 and l the sum with
+    no max subtracted, per score one FMUL, one exp2 and one FADD (the running max costs an FMNMX per score and a
+    shuffle, rescale and exp2 per row and tile), valid only when the caller checks the sums' range
+    (_row_lse_kernel)."""
+    m_i = tl.full([BLOCK_R], -float("inf") if RUNNING_MAX else 0.0, tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     n_full = N - N % BLOCK_S
     for n0 in range(0, n_full, BLOCK_S):
         offs_n = n0 + tl.arange(0, BLOCK_S)
         s = _dot_streamed(q0, q1, k_ptr, offs_n, m_ok, skn, D, D0, D1, PRECISION, UPCAST, False)
-        m_i, l_i = _lse_update(s, m_i, l_i, scale_log2)
+        m_i, l_i = _sum_update(s, m_i, l_i, scale_log2, RUNNING_MAX)
     if n_full < N:
         offs_n = n_full + tl.arange(0, BLOCK_S)
         n_ok = offs_n < N
         s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
-        s = tl.where(n_ok[None, :], s, -float("inf"))
-        m_i, l_i = _lse_update(s, m_i, l_i, scale_log2)
-    return m_i + tl.log2(l_i)
-
-
-@triton.jit
-def _sum_exp2_unshifted(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr, D0: tl.constexpr,
-                        D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_S: tl.constexpr):
-    """sum_n 2^(scale_log2 q.k_n) of the resident rows with no max subtracted: per score one FMUL, one
-    exp2 and one FADD (the running max costs an FMNMX per score and a shuffle, rescale and exp2 per row
-    and tile). Valid only when the caller checks the sums' range (_row_lse_kernel)."""
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    n_full = N - N % BLOCK_S
-    for n0 in range(0, n_full, BLOCK_S):
-        offs_n = n0 + tl.arange(0, BLOCK_S)
-        s = _dot_streamed(q0, q1, k_ptr, offs_n, m_ok, skn, D, D0, D1, PRECISION, UPCAST, False)
-        l_i += tl.sum(tl.exp2(s * scale_log2), axis=1)
-    if n_full < N:
-        offs_n = n_full + tl.arange(0, BLOCK_S)
-        n_ok = offs_n < N
-        s = _dot_streamed(q0, q1, k_ptr, offs_n, n_ok, skn, D, D0, D1, PRECISION, UPCAST, True)
-        l_i += tl.sum(tl.exp2(tl.where(n_ok[None, :], s * scale_log2, -float("inf"))), axis=1)
-    return l_i
+        if RUNNING_MAX:
+            m_i, l_i = _sum_update(tl.where(n_ok[None, :], s, -float("inf")), m_i, l_i, scale_log2, True)
+        else:  # scale, then mask: the order the measured kernel has (other orders compile differently)
+            l_i += tl.sum(tl.exp2(tl.where(n_ok[None, :], s * scale_log2, -float("inf"))), axis=1)
+    return m_i, l_i
 
 
 # The unshifted sum is kept when every resident row's lies in [2^-60, 2^100). Then no term overflowed (each
@@ -155,7 +145,7 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N
                     D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """Pass 1: out[bh, m] = -lse2, lse2 = log2 sum_n 2^(scale_log2 q.k) (log2 units, negated: pass 2 adds
-    it in its FFMA) for BLOCK_R resident rows: first the sum with no running max (_sum_exp2_unshifted),
+    it in its FFMA) for BLOCK_R resident rows: first the sum with no running max (_row_sum_exp2),
     the online form only for a block whose sums leave the safe range."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -165,13 +155,14 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N
     offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_ok = offs_m < M
     q0, q1 = _load_resident(q_ptr, offs_m, m_ok, sqm, D, D0, D1, UPCAST)
-    l_i = _sum_exp2_unshifted(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST,
-                              BLOCK_R, BLOCK_S)
+    _, l_i = _row_sum_exp2(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST, BLOCK_R,
+                           BLOCK_S, False)
     lse2 = tl.log2(l_i)
     unsafe = (l_i < _SUM_LO) | (l_i >= _SUM_HI) | (l_i != l_i)  # the last: NaN
     if tl.max(unsafe.to(tl.int32), axis=0) > 0:  # uniform over the block: rare, the whole block reruns
-        lse2 = _lse_online(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST,
-                           BLOCK_R, BLOCK_S)
+        m_i, l_i = _row_sum_exp2(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST, BLOCK_R,
+                                 BLOCK_S, True)
+        lse2 = m_i + tl.log2(l_i)
     tl.store(lse_ptr + bh.to(tl.int64) * M + offs_m, -lse2, mask=m_ok)  # negated: pass 2 adds it
 
 
