@@ -47,12 +47,10 @@ def _tile_mn(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: 
 
 
 @gluon.jit
-def _load_step(a_desc, b_desc, a_smem, b_smem, ready, step, pid, M, N, K_TILES: gl.constexpr,
-               NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """Issue the TMA loads of this program's K step `step` (tile step // K_TILES, K tile step % K_TILES) into
-    its ring stage, signalling ready[stage] when they land."""
-    off_m, off_n = _tile_mn(pid + (step // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+def _load_step(a_desc, b_desc, a_smem, b_smem, ready, step, off_m, off_n, K_TILES: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Issue the TMA loads of this program's K step `step` (K tile step % K_TILES of the tile at off_m, off_n)
+    into its ring stage, signalling ready[stage] when they land."""
     s = step % STAGES
     k = (step % K_TILES) * BLOCK_K
     mbarrier.expect(ready.index(s), (BLOCK_M + BLOCK_N) * BLOCK_K)
@@ -115,10 +113,15 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     mbarrier.init(r_bar, count=1)
+    # The tile the loads are on (they run STAGES - 1 steps ahead of the wgmmas): its offsets are worked out once a
+    # tile, when the loads cross into it (the grouped order's divisions by runtime tile counts are ~100 SASS).
+    ld_m, ld_n = _tile_mn(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     for i in gl.static_range(STAGES - 1):
+        if i % K_TILES == 0 and i > 0:
+            ld_m, ld_n = _tile_mn(pid + (i // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         if i < steps:
-            _load_step(a_desc, b_desc, a_smem, b_smem, ready, i, pid, M, N, K_TILES, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
-                       BLOCK_K, GROUP_M, STAGES)
+            _load_step(a_desc, b_desc, a_smem, b_smem, ready, i, ld_m, ld_n, K_TILES, BLOCK_M, BLOCK_N, BLOCK_K,
+                       STAGES)
 
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, SUB_N, 32])
@@ -136,9 +139,12 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
         # Two wgmma groups a step: with IN_FLIGHT 1 this step's may run on, the previous step's are done, so
         # its ring stage is free for the step STAGES - 1 ahead.
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=2 * IN_FLIGHT, deps=(acc0, acc1))
-        if step + STAGES - 1 < steps:
-            _load_step(a_desc, b_desc, a_smem, b_smem, ready, step + STAGES - 1, pid, M, N, K_TILES, NUM_PROGRAMS,
-                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
+        nxt = step + STAGES - 1
+        if nxt < steps:
+            if nxt % K_TILES == 0:
+                ld_m, ld_n = _tile_mn(pid + (nxt // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            _load_step(a_desc, b_desc, a_smem, b_smem, ready, nxt, ld_m, ld_n, K_TILES, BLOCK_M, BLOCK_N, BLOCK_K,
+                       STAGES)
         if k == K_TILES - 1:
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
             off_m, off_n = _tile_mn(pid + (step // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
