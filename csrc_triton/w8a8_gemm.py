@@ -274,10 +274,11 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
         return c
     tma_ab = _tma_ok(a, b)  # once per call: the dispatch and the launch both need it
     cfg = dict(config or _auto_config(M, N, K, a.device, tma_ab and _aligned(c, residual)))
-    if config is None and residual is not None and cfg.get("PERSISTENT") and _wgmma_ok(a, b, c, residual):
+    gluon_form = WGMMA_FORMS[residual is not None] if config is None and cfg.get("PERSISTENT") else None
+    if gluon_form is not None and _wgmma_ok(a, b, c, residual):
         from csrc_triton.w8a8_gemm_wgmma import w8a8_gemm_wgmma
 
-        return w8a8_gemm_wgmma(a, b, a_scale, b_scale, bias, out_dtype, residual, out=c)
+        return w8a8_gemm_wgmma(a, b, a_scale, b_scale, bias, out_dtype, residual, out=c, **gluon_form)
     tma = cfg.pop("TMA", None)
     tma = tma_ab if tma is None else tma
     if cfg.pop("PERSISTENT", False):
@@ -381,6 +382,9 @@ USE_PERSISTENT = True  # False: the default kernel everywhere (A/B)
 # Gluon is Triton's experimental dialect and its API moves between releases: the dispatch needs the Triton it was
 # written and measured with (3.6), else the Triton kernel runs. False: Triton only (the A/B).
 USE_WGMMA = True
+# Which Gluon form serves a persistent-config GEMM, by whether it has a residual (None: the Triton kernel);
+# keyword arguments of csrc_triton.w8a8_gemm_wgmma.w8a8_gemm_wgmma.
+WGMMA_FORMS = {True: {}, False: None}
 
 
 _GLUON_TRITON = triton.__version__.startswith("3.6.")

@@ -3,9 +3,10 @@ Triton kernel (csrc_triton/w8a8_gemm.py's own kernels, as the launcher ran them 
 SigLIP-so400m encoder's GEMMs (wo and fc2 with the residual), each alone and graph-replayed (min of 3 rounds), 8
 and 64 images (issue 4). Per config: us, TOPS, and whether the output equals the Triton kernel's bit for bit (else
 the fraction of equal elements); max_diff_vs_ref against the plain PyTorch reference. `inflight0` is the same Gluon
-kernel waiting for each wgmma before the next K step, the A/B for the overlap itself.
+kernel waiting for each wgmma before the next K step, the A/B for the overlap itself; `pingpong` the
+warp-specialised form (two consumer warpgroups taking 128 x 128 tiles in turn, one producer warp).
 
-    PYTHONPATH=. python scripts/diag/w8a8_wgmma.py [--images 8,64]      (~1 min on the H200)
+    PYTHONPATH=. python scripts/diag/w8a8_wgmma.py [--images 8,64] [--skip pingpong]     (~1-2 min on the H200)
 """
 import argparse
 import json
@@ -22,9 +23,12 @@ import csrc_triton.w8a8_gemm as wg  # noqa: E402
 import csrc_triton.w8a8_gemm_wgmma as gw  # noqa: E402
 
 SHAPES = (("qkv", 3456, 1152, False), ("wo", 1152, 1152, True), ("fc1", 4304, 1152, False), ("fc2", 1152, 4304, True))
-# name -> (tile (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES), IN_FLIGHT)
-GLUON = {"p128x256s3": ((128, 256, 128, 8, 3), 1), "p128x256s3_inflight0": ((128, 256, 128, 8, 3), 0),
-         "p256x128s3": ((256, 128, 128, 8, 3), 1)}
+# name -> keyword arguments of w8a8_gemm_wgmma (tile: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES))
+GLUON = {"p128x256s3": dict(tile=(128, 256, 128, 8, 3)),
+         "p128x256s3_inflight0": dict(tile=(128, 256, 128, 8, 3), in_flight=0),
+         "p256x128s3 (row halves)": dict(tile=(256, 128, 128, 8, 3)),
+         "pingpong128x128s4": dict(pingpong=True, tile=(128, 128, 128, 4, 4)),
+         "pingpong128x128s5": dict(pingpong=True, tile=(128, 128, 128, 4, 5))}
 
 
 def _triton(a, b, sa, sb, bias, r):
@@ -36,6 +40,7 @@ def _triton(a, b, sa, sb, bias, r):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", default="8,64")
+    ap.add_argument("--skip", default="", help="comma-separated substrings: Gluon configs whose names hold one are skipped")
     args = ap.parse_args()
     rows = []
     for n_img in (int(n) for n in args.images.split(",")):
@@ -47,9 +52,12 @@ def main() -> int:
                      torch.randn(N, device="cuda", dtype=torch.float16),
                      torch.randn(M, N, device="cuda", dtype=torch.float16) if res else None) for _ in range(2)]
             fns = {"triton": _triton}
-            for cname, (tile, inflight) in GLUON.items():
-                fns[cname] = (lambda a, b, sa, sb, bias, r, t=tile, i=inflight:
-                              gw.w8a8_gemm_wgmma(a, b, sa, sb, bias, residual=r, tile=t, in_flight=i))
+            skip = [x for x in args.skip.split(",") if x]
+            for cname, kw in GLUON.items():
+                if any(x in cname for x in skip):
+                    continue
+                fns[cname] = (lambda a, b, sa, sb, bias, r, kw=kw: gw.w8a8_gemm_wgmma(a, b, sa, sb, bias, residual=r,
+                                                                                       **kw))
             ref = fns["triton"](*sets[0])
             want = wg.w8a8_gemm_ref(*sets[0][:5], residual=sets[0][5])
             t_ref = None

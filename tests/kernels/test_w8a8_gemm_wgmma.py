@@ -18,7 +18,9 @@ if ON_HOPPER:
     from csrc_triton.w8a8_gemm_wgmma import ok, w8a8_gemm_wgmma, w8a8_gemm_wgmma_ref
 
 FLOOR = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}  # relative to max|out|
-TILES = [(128, 256, 128, 8, 3), (128, 256, 64, 8, 6), (256, 128, 128, 8, 3)]
+# The kernel's forms: 256-wide tiles in column halves, 256-tall ones in row halves, the warp-specialised ping-pong.
+FORMS = [dict(tile=(128, 256, 128, 8, 3)), dict(tile=(128, 256, 64, 8, 6)), dict(tile=(256, 128, 128, 8, 3)),
+         dict(pingpong=True), dict(pingpong=True, tile=(128, 128, 128, 4, 5))]
 
 
 def make(M, N, K, seed, dtype=torch.float16, with_bias=True, with_res=True):
@@ -43,14 +45,14 @@ SHAPES = [(1, 40, 80), (5, 123 + 5, 208), (300, 264, 1152), (729, 1152, 4304), (
           (8 * 729, 1152, 4304)]
 
 
-@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()))
 @pytest.mark.parametrize("M,N,K", SHAPES)
-def test_matches_reference_and_triton(M, N, K, tile):
+def test_matches_reference_and_triton(M, N, K, form):
     """Within the tolerance rule of the fp64 oracle, and the Triton kernel's bits (>= 99%; integer sums are
     exact, an epilogue multiply-add may contract differently)."""
     a, b, a_s, b_s, bias, res = make(M, N, K, seed=M + N + K)
     out = torch.full((M, N), float("nan"), dtype=torch.float16, device="cuda")  # poisoned: unwritten fails
-    w8a8_gemm_wgmma(a, b, a_s, b_s, bias, residual=res, tile=tile, out=out)
+    w8a8_gemm_wgmma(a, b, a_s, b_s, bias, residual=res, out=out, **form)
     want = oracle(a, b, a_s, b_s, bias, res)
     ref = w8a8_gemm_wgmma_ref(a, b, a_s, b_s, bias, residual=res)
     ref_err = (ref.double() - want).abs().max().item()
@@ -69,22 +71,36 @@ def _triton(a, b, a_s, b_s, bias, res):
         return w8a8_gemm(a, b, a_s, b_s, bias, residual=res)
 
 
+@pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_dtypes_no_bias_no_residual(dtype):
+def test_dtypes_no_bias_no_residual(dtype, pingpong):
     M, N, K = 333, 272, 1152
     a, b, a_s, b_s, bias, _ = make(M, N, K, seed=3, dtype=dtype)
     for bias_ in (bias, None):
-        out = w8a8_gemm_wgmma(a, b, a_s, b_s, bias_, out_dtype=dtype)
+        out = w8a8_gemm_wgmma(a, b, a_s, b_s, bias_, out_dtype=dtype, pingpong=pingpong)
         want = oracle(a, b, a_s, b_s, bias_, None)
         ref_err = (w8a8_gemm_wgmma_ref(a, b, a_s, b_s, bias_, out_dtype=dtype).double() - want).abs().max().item()
         assert (out.double() - want).abs().max().item() <= 2 * ref_err + FLOOR[dtype] * want.abs().max().item()
 
 
 def test_overlap_changes_nothing_but_time():
-    """IN_FLIGHT 1 (a step's wgmmas overlapped with the next step) and 0 (waited for) compute the same bits."""
+    """IN_FLIGHT 1 (a step's wgmmas overlapped with the next step) and 0 (waited for), the ping-pong form and
+    the row-halved tile compute the same bits (integer sums are exact; the epilogue is the same expression)."""
     a, b, a_s, b_s, bias, res = make(8 * 729, 1152, 4304, seed=4)
-    assert torch.equal(w8a8_gemm_wgmma(a, b, a_s, b_s, bias, residual=res, in_flight=1),
-                       w8a8_gemm_wgmma(a, b, a_s, b_s, bias, residual=res, in_flight=0))
+    base = w8a8_gemm_wgmma(a, b, a_s, b_s, bias, residual=res, in_flight=1)
+    assert torch.equal(base, w8a8_gemm_wgmma(a, b, a_s, b_s, bias, residual=res, in_flight=0))
+    assert torch.equal(base, w8a8_gemm_wgmma(a, b, a_s, b_s, bias, residual=res, pingpong=True))
+    assert torch.equal(base, w8a8_gemm_wgmma(a, b, a_s, b_s, bias, residual=res, tile=(256, 128, 128, 8, 3)))
+
+
+def test_pingpong_many_tiles_per_program():
+    """Enough tiles that each of a program's two consumer warpgroups takes several (the turn barriers' phases
+    wrap), with a tile count that leaves the programs unevenly loaded; and one that gives some programs none
+    for their second warpgroup."""
+    for M, N, K in ((64 * 729 // 4, 1152, 1152), (300, 264, 1152)):
+        a, b, a_s, b_s, bias, res = make(M, N, K, seed=M)
+        out = w8a8_gemm_wgmma(a, b, a_s, b_s, bias, residual=res, pingpong=True)
+        assert torch.equal(out, w8a8_gemm_wgmma(a, b, a_s, b_s, bias, residual=res))
 
 
 def test_ok():
