@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import pdl
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels run in Triton's interpreter
 
 
@@ -151,9 +153,11 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr,
                       stride_am, stride_bn, stride_rm, stride_cm, K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr):
+                      GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, PDL: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) output tile per program. TMA: a_ptr / b_ptr are descriptors; the residual
-    and c always go through masked pointers. EPI_SPLIT (1, 2 or 4): column sub-tiles of the epilogue."""
+    and c always go through masked pointers. EPI_SPLIT (1, 2 or 4): column sub-tiles of the epilogue.
+    PDL: launched with programmatic dependent launch (csrc_triton/pdl.py; the row kernels' launch_meta)."""
+    pdl.enter(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     if TMA:
@@ -184,11 +188,12 @@ def _w8a8_gemm_persistent_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_pt
                                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-                                 FLATTEN: tl.constexpr):
+                                 FLATTEN: tl.constexpr, PDL: tl.constexpr):
     """Tiles pid, pid + NUM_PROGRAMS, ... of the (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)) output grid.
     EPI_SPLIT (1, 2 or 4) sub-tiles along N in the epilogue. FLATTEN: Triton's loop-nest flattening (one
     software pipeline across tiles: the next tile's loads issue during this tile's epilogue). No warp
     specialization: Triton 3.6 ignores `warp_specialize` on sm_90 (the compiled TTGIR is identical)."""
+    pdl.enter(PDL)
     n_pid_m = tl.cdiv(M, BLOCK_M)
     n_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_pid_m * n_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
@@ -274,7 +279,7 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
         return c
     tma_ab = _tma_ok(a, b)  # once per call: the dispatch and the launch both need it
     cfg = dict(config or _auto_config(M, N, K, a.device, tma_ab and _aligned(c, residual)))
-    gluon_form = WGMMA_FORMS[residual is not None] if config is None and cfg.get("PERSISTENT") else None
+    gluon_form = _wgmma_form(bool(cfg.get("PERSISTENT")), K, residual) if config is None else None
     if gluon_form is not None and _wgmma_ok(a, b, c, residual):
         from csrc_triton.w8a8_gemm_wgmma import w8a8_gemm_wgmma
 
@@ -296,7 +301,7 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
         a_arg, b_arg, a_scale.contiguous(), b_scale.contiguous(), bias if bias is not None else b_scale,
         residual if residual is not None else c, c, M, N, a.stride(0), b.stride(0),
         (residual if residual is not None else c).stride(0), c.stride(0), K=K, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, TMA=tma, **cfg)
+        HAS_RES=residual is not None, TMA=tma, **cfg, **pdl.options(a.device))
     return c
 
 
@@ -329,7 +334,7 @@ def _launch_persistent(a, b, a_scale, b_scale, bias, residual, c, tma: bool, cfg
     _w8a8_gemm_persistent_kernel[grid](
         a_arg, b_arg, a_scale.contiguous(), b_scale.contiguous(), bias if bias is not None else b_scale, r_arg,
         c_arg, M, N, a.stride(0), b.stride(0), res.stride(0), c.stride(0), K=K, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, TMA=tma, **cfg)
+        HAS_RES=residual is not None, TMA=tma, **cfg, **pdl.options(a.device))
 
 
 # Persistent-kernel configs the H200 sweep tries (scripts/benches/w8a8.py; none is a default yet):
@@ -373,18 +378,29 @@ def _auto_config(M: int, N: int, K: int, device: torch.device, tma: bool) -> dic
 
 
 USE_PERSISTENT = True  # False: the default kernel everywhere (A/B)
-# Where the launcher picks the persistent 128 x 256 kernel (8 and 64 SigLIP images) for a GEMM with a residual (the
-# ViT's wo and fc2), on sm_90 with TMA-aligned operands and a 16-bit output: the Gluon kernel of
-# csrc_triton/w8a8_gemm_wgmma.py instead (int8 wgmma kept in flight across K steps, which Triton's pipeliner does
-# not do for int32 accumulators). H200, run S14-G (scripts/diag/w8a8_wgmma.py): wo 1.09x, fc2 1.03-1.04x the
-# Triton kernel at 8 and 64 images, but qkv 0.93-0.94x and fc1 0.92-0.96x, hence residual GEMMs only; encoder at
-# 64 images 65.8 -> 64.9 ms, 8 images 8.92 -> 8.84 (against 65.1 / 9.10 with every persistent GEMM on Gluon).
-# Gluon is Triton's experimental dialect and its API moves between releases: the dispatch needs the Triton it was
-# written and measured with (3.6), else the Triton kernel runs. False: Triton only (the A/B).
+# Where the launcher picks the persistent 128 x 256 kernel (8 and 64 SigLIP images), on sm_90 with TMA-aligned
+# operands and a 16-bit output, a Gluon kernel of csrc_triton/w8a8_gemm_wgmma.py runs instead (int8 wgmma kept in
+# flight across K steps, which Triton's pipeliner does not do for int32 accumulators), in the form _wgmma_form
+# picks. H200, run S15-A (scripts/diag/w8a8_wgmma.py, x the Triton kernel at 8 / 64 images): the warp-specialised
+# ping-pong form (each 128 x 128 tile's epilogue overlapped with the other warpgroup's K loop) qkv 1.34 / 1.25x, wo
+# 1.40 / 1.56x, fc1 1.29 / 1.19x, all at K = 1152, but fc2 (K = 4304, where the epilogue is a small share of a
+# tile) 0.91 / 0.95x; fc2 takes the 256 x 128 row-halves form (1.03 / 1.09x; grouped 4 row tiles at a time
+# 1.04 / 1.01x more, S15-C). Encoder 64 images 66.1 -> 61.4 ms,
+# 8 images 9.01 -> 8.20-8.28. Gluon is Triton's experimental dialect and its API moves between releases: the
+# dispatch needs the Triton it was written and measured with (3.6), else the Triton kernel runs. False: Triton
+# only (the A/B).
 USE_WGMMA = True
-# Which Gluon form serves a persistent-config GEMM, by whether it has a residual (None: the Triton kernel);
-# keyword arguments of csrc_triton.w8a8_gemm_wgmma.w8a8_gemm_wgmma.
-WGMMA_FORMS = {True: {}, False: None}
+PINGPONG_MAX_K = 2048  # ping-pong measured faster at K = 1152 and slower at 4304; between them, untested
+
+
+def _wgmma_form(persistent: bool, K: int, residual: torch.Tensor | None) -> dict | None:
+    """The Gluon form (keyword arguments of w8a8_gemm_wgmma) for a call, or None for the Triton kernel (see
+    USE_WGMMA): only where the launcher picked its persistent kernel, i.e. at the measured shapes."""
+    if not persistent:
+        return None
+    if K <= PINGPONG_MAX_K:
+        return {"pingpong": True}
+    return {"tile": (256, 128, 128, 8, 3), "group_m": 4} if residual is not None else None
 
 
 _GLUON_TRITON = triton.__version__.startswith("3.6.")

@@ -27,7 +27,7 @@ bound for any "_int_mm + epilogue" dispatch), _int_mm + a PyTorch epilogue, and 
 times come from CUDA-graph replays of many calls (no host launch overhead in them; `triton_eager_ms`
 keeps the per-call eager time). Encoder rows: the 26-layer SigLIP encoder (synthetic weights) in
 fp16 and W8A8, CUDA-graph replays, vs HF transformers' SiglipVisionModel (27 layers, fp16, SDPA); W8A8 also
-with the Triton GEMMs only (csrc_triton.w8a8_gemm.USE_WGMMA off: the A/B of the Gluon residual GEMMs).
+with the Triton GEMMs only (csrc_triton.w8a8_gemm.USE_WGMMA off: the A/B of the Gluon GEMMs).
 Layer rows: every op of one encoder layer timed alone (graph-replayed, inputs rotated past L2), summed
 for W8A8 and fp16: where the time goes.
 """
@@ -299,8 +299,9 @@ def rows_offline_table() -> list[dict]:
     rows = []
     for name, fn, K, sig, extra in cases:
         for split in (True, False):
-            meta = qpt.launch_meta(K, torch.device("cuda"), {"SPLIT": split})
+            meta = qpt.launch_meta(K, torch.device("cuda"), {"SPLIT": split, "PDL": True, "launch_pdl": True})
             warps = meta.pop("num_warps")
+            meta.pop("launch_pdl")
             consts = dict(K=K, **extra, **meta)
             full = {**sig, **{k: "constexpr" for k in consts}}
             aligned = [i for i, (k, v) in enumerate(full.items()) if v.startswith("*") or k.startswith("stride")]
@@ -611,7 +612,7 @@ def _compile_sm90(t: tuple, K: int, persistent: bool, has_res: bool = True, spli
            "b_scale_ptr": "*fp32", "bias_ptr": "*fp16", "res_ptr": out, "c_ptr": out, "M": "i32", "N": "i32",
            "stride_am": "i32", "stride_bn": "i32", "stride_rm": "i32", "stride_cm": "i32"}
     consts = dict(K=K, HAS_BIAS=True, HAS_RES=has_res, TMA=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                  EPI_SPLIT=split)
+                  EPI_SPLIT=split, PDL=True)
     if persistent:
         consts.update(NUM_PROGRAMS=132, FLATTEN=t[6])
     sig.update({k: "constexpr" for k in consts})

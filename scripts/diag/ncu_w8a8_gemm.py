@@ -1,12 +1,16 @@
-"""One profiled call each of the W8A8 GEMMs at the SigLIP-so400m encoder's shapes (64 images), Triton kernel and Gluon
-kernel side by side, for Nsight Compute's counters (issue 4: why the Gluon kernel wins on wo / fc2 and loses on qkv /
-fc1, docs/perf_notes.md session 14).
+"""One profiled call each of the W8A8 GEMMs at the SigLIP-so400m encoder's shapes, in several kernel forms side by
+side, for Nsight Compute's counters (issue 4: session 14 asked why the first Gluon kernel won on wo / fc2 and lost on
+qkv / fc1; session 15 why the ping-pong form wins at K = 1152 and loses on fc2 at K = 4304; docs/perf_notes.md).
 
-    ncu --clock-control none --profile-from-start off --set full -o w8a8_gemm python scripts/diag/ncu_w8a8_gemm.py
+    ncu --clock-control none --profile-from-start off --set full -o w8a8_gemm \\
+        python scripts/diag/ncu_w8a8_gemm.py [--images 64] [--forms triton,v2,pingpong,rows] [--gemms qkv,fc2]
     ncu -i w8a8_gemm.ncu-rep --page raw --csv > w8a8_gemm.csv      # then the tensor-pipe, issue and stall columns
 
-Needs an sm_90 GPU with Triton 3.6; prints "ok" when done.
+Forms: triton (the Triton kernel at the launcher's config), v2 (the Gluon kernel's 128 x 256 column-halves form),
+rows (its 256 x 128 row-halves form), pingpong (its warp-specialised form). Needs an sm_90 GPU with Triton 3.6;
+prints "ok" when done.
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -17,23 +21,34 @@ import torch  # noqa: E402
 import csrc_triton.w8a8_gemm as wg  # noqa: E402
 from csrc_triton.w8a8_gemm_wgmma import w8a8_gemm_wgmma  # noqa: E402
 
-SHAPES = (("qkv", 3456, 1152, False), ("wo", 1152, 1152, True), ("fc1", 4304, 1152, False), ("fc2", 1152, 4304, True))
+SHAPES = {"qkv": (3456, 1152, False), "wo": (1152, 1152, True), "fc1": (4304, 1152, False), "fc2": (1152, 4304, True)}
+FORMS = {"v2": {"tile": (128, 256, 128, 8, 3)}, "rows": {"tile": (256, 128, 128, 8, 3)}, "pingpong": {"pingpong": True}}
 
 
 def main() -> None:
-    M = 64 * 729
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--images", type=int, default=64)
+    ap.add_argument("--forms", default="triton,v2")
+    ap.add_argument("--gemms", default=",".join(SHAPES))
+    args = ap.parse_args()
+    M = args.images * 729
     calls = []
-    for _name, N, K, res in SHAPES:
+    for name in args.gemms.split(","):
+        N, K, res = SHAPES[name]
         a = torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda")
         b = torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda")
         sa, sb = torch.rand(M, device="cuda") * 0.02, torch.rand(N, device="cuda") * 1e-3
         bias = torch.randn(N, device="cuda", dtype=torch.float16)
         r = torch.randn(M, N, device="cuda", dtype=torch.float16) if res else None
-
-        def triton_call(a=a, b=b, sa=sa, sb=sb, bias=bias, r=r):
-            with wg.triton_kernels_only():
-                return wg.w8a8_gemm(a, b, sa, sb, bias, residual=r)
-        calls += [triton_call, lambda a=a, b=b, sa=sa, sb=sb, bias=bias, r=r: w8a8_gemm_wgmma(a, b, sa, sb, bias, residual=r)]
+        for form in args.forms.split(","):
+            if form == "triton":
+                def call(a=a, b=b, sa=sa, sb=sb, bias=bias, r=r):
+                    with wg.triton_kernels_only():
+                        return wg.w8a8_gemm(a, b, sa, sb, bias, residual=r)
+            else:
+                def call(a=a, b=b, sa=sa, sb=sb, bias=bias, r=r, kw=FORMS[form]):
+                    return w8a8_gemm_wgmma(a, b, sa, sb, bias, residual=r, **kw)
+            calls.append(call)
     for f in calls:  # compile and warm up outside the profiled range
         f()
     torch.cuda.synchronize()

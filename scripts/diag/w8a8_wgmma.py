@@ -1,10 +1,11 @@
 """The Gluon W8A8 GEMM (csrc_triton/w8a8_gemm_wgmma.py: int8 wgmma kept in flight across K steps) against the
 Triton kernel (csrc_triton/w8a8_gemm.py's own kernels, as the launcher ran them before the Gluon dispatch), at the
 SigLIP-so400m encoder's GEMMs (wo and fc2 with the residual), each alone and graph-replayed (min of 3 rounds), 8
-and 64 images (issue 4). Per config: us, TOPS, and whether the output equals the Triton kernel's bit for bit (else
-the fraction of equal elements); max_diff_vs_ref against the plain PyTorch reference. `inflight0` is the same Gluon
-kernel waiting for each wgmma before the next K step, the A/B for the overlap itself; `pingpong` the
-warp-specialised form (two consumer warpgroups taking 128 x 128 tiles in turn, one producer warp).
+and 64 images by default (issue 4; at one image the Triton row is the launcher's non-persistent config). Per
+config: us, TOPS, and whether the output equals the Triton kernel's bit for bit (else the fraction of equal
+elements); max_diff_vs_ref against the plain PyTorch reference. `inflight0` is the same Gluon kernel waiting for
+each wgmma before the next K step, the A/B for the overlap itself; `pingpong` the warp-specialised form (two
+consumer warpgroups taking tiles in turn, one producer warp).
 
     PYTHONPATH=. python scripts/diag/w8a8_wgmma.py [--images 8,64] [--skip pingpong]     (~1-2 min on the H200)
 """
@@ -28,7 +29,9 @@ GLUON = {"p128x256s3": dict(tile=(128, 256, 128, 8, 3)),
          "p128x256s3_inflight0": dict(tile=(128, 256, 128, 8, 3), in_flight=0),
          "p256x128s3 (row halves)": dict(tile=(256, 128, 128, 8, 3)),
          "pingpong128x128s4": dict(pingpong=True, tile=(128, 128, 128, 4, 4)),
-         "pingpong128x128s5": dict(pingpong=True, tile=(128, 128, 128, 4, 5))}
+         "pingpong128x128s5": dict(pingpong=True, tile=(128, 128, 128, 4, 5)),
+         "pingpong64x128s4": dict(pingpong=True, tile=(64, 128, 128, 4, 4)),
+         "pingpong64x128s6": dict(pingpong=True, tile=(64, 128, 128, 4, 6))}
 
 
 def _triton(a, b, sa, sb, bias, r):

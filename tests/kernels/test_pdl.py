@@ -117,3 +117,64 @@ def test_chain_bits_unchanged(monkeypatch, graph):
     for a, b in zip(got, ref):
         assert torch.equal(a, b), f"PDL (graph={graph}) changed the chain's output"
     assert torch.equal(chain.k, k_ref) and torch.equal(chain.v, v_ref)
+
+
+def _vit_mlp_chain(x, p):
+    """A W8A8 ViT layer's kernels in order, without the attention (its output stands in as `a`): LayerNorm+quant,
+    the qkv GEMM, quant of the attention output, wo + residual, LayerNorm+quant, fc1, GELU+quant, fc2 + residual."""
+    from csrc_triton.gelu_quant import gelu_quant
+    from csrc_triton.layer_norm_quant import layer_norm_quant
+    from csrc_triton.quant_per_token import quant_per_token
+    from csrc_triton.w8a8_gemm import w8a8_gemm
+
+    q, s = layer_norm_quant(x, p["ln_w"], p["ln_b"], 1e-6)
+    qkv = w8a8_gemm(q, p["wqkv"], s, p["sqkv"], p["bqkv"])
+    qa, sa = quant_per_token(qkv[:, : x.shape[1]])
+    x = w8a8_gemm(qa, p["wo"], sa, p["so"], p["bo"], residual=x)
+    q, s = layer_norm_quant(x, p["ln_w"], p["ln_b"], 1e-6)
+    qh, sh = gelu_quant(w8a8_gemm(q, p["w1"], s, p["s1"], p["b1"]), "gelu_tanh")
+    return w8a8_gemm(qh, p["w2"], sh, p["s2"], p["b2"], residual=x), qkv
+
+
+@gpu
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("images", [1, 8])
+def test_w8a8_vit_chain_bits_unchanged(monkeypatch, graph, images):
+    """The W8A8 ViT kernels (row kernels, Triton and Gluon int8 GEMMs) launched with PDL give the bits of the
+    plain launches, eagerly and replayed from a CUDA graph; one image runs the Triton GEMMs, eight the Gluon ones."""
+    g = torch.Generator(device="cuda").manual_seed(images)
+    d, f, M = 1152, 4304, 729 * images
+
+    def w(n, k):
+        return torch.randint(-127, 128, (n, k), generator=g, device="cuda", dtype=torch.int8)
+
+    def sc(n):
+        return torch.rand(n, generator=g, device="cuda") * 1e-3 + 1e-4
+
+    def b(n):
+        return (torch.randn(n, generator=g, device="cuda") * 0.1).half()
+
+    p = dict(ln_w=(1 + 0.1 * torch.randn(d, generator=g, device="cuda")).half(), ln_b=b(d), wqkv=w(3 * d, d),
+             sqkv=sc(3 * d), bqkv=b(3 * d), wo=w(d, d), so=sc(d), bo=b(d), w1=w(f, d), s1=sc(f), b1=b(f), w2=w(d, f),
+             s2=sc(d), b2=b(d))
+    xs = [torch.randn(M, d, generator=g, device="cuda").half() for _ in range(2)]
+    monkeypatch.setenv("TINYVILA_PDL", "0")
+    ref = [_vit_mlp_chain(x, p) for x in xs]
+    monkeypatch.setenv("TINYVILA_PDL", "1")
+    if graph:
+        static = xs[0].clone()
+        _vit_mlp_chain(static, p)  # compile outside the capture
+        torch.cuda.synchronize()
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            out = _vit_mlp_chain(static, p)
+        got = []
+        for x in xs:
+            static.copy_(x)
+            cg.replay()
+            got.append(tuple(t.clone() for t in out))
+    else:
+        got = [_vit_mlp_chain(x, p) for x in xs]
+    for (y, qkv), (y_ref, qkv_ref) in zip(got, ref):
+        assert torch.isfinite(y).all()
+        assert torch.equal(qkv, qkv_ref) and torch.equal(y, y_ref), f"PDL (graph={graph}) changed the W8A8 chain"

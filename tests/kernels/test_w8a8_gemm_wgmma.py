@@ -115,17 +115,20 @@ def test_ok():
     assert not ok(a, b, c, torch.zeros(64, 68, dtype=torch.float16, device="cuda")[:, :64])  # residual stride 136 B
 
 
-def test_dispatch_residual_gemms_only(monkeypatch):
-    """w8a8_gemm sends its persistent-config calls WITH a residual (the ViT's wo, fc2) to the Gluon kernel and
-    the rest to Triton (csrc_triton/w8a8_gemm.py, USE_WGMMA: measured faster there only); same results either way."""
+def test_dispatch_by_k(monkeypatch):
+    """w8a8_gemm sends its persistent-config calls to the Gluon kernel in the form measured fastest there
+    (csrc_triton/w8a8_gemm.py, USE_WGMMA): ping-pong at K <= PINGPONG_MAX_K with or without a residual, the
+    256 x 128 form at longer K with a residual, the Triton kernel at longer K without; same results every way."""
     import csrc_triton.w8a8_gemm_wgmma as gw
 
     calls = []
     real = gw.w8a8_gemm_wgmma
-    monkeypatch.setattr(gw, "w8a8_gemm_wgmma", lambda *args, **kw: calls.append(1) or real(*args, **kw))
-    a, b, a_s, b_s, bias, res = make(8 * 729, 1152, 1152, seed=6)
-    with_res = w8a8_gemm(a, b, a_s, b_s, bias, residual=res)
-    assert len(calls) == 1
-    w8a8_gemm(a, b, a_s, b_s, bias)
-    assert len(calls) == 1  # no residual: the Triton kernel
-    torch.testing.assert_close(with_res, _triton(a, b, a_s, b_s, bias, res), rtol=2e-3, atol=2e-3)
+    monkeypatch.setattr(gw, "w8a8_gemm_wgmma", lambda *args, **kw: calls.append(kw) or real(*args, **kw))
+    for K, want in ((1152, [{"pingpong": True}] * 2), (4304, [{"tile": (256, 128, 128, 8, 3), "group_m": 4}])):
+        calls.clear()
+        a, b, a_s, b_s, bias, res = make(8 * 729, 1152, K, seed=6)
+        with_res = w8a8_gemm(a, b, a_s, b_s, bias, residual=res)
+        plain = w8a8_gemm(a, b, a_s, b_s, bias)
+        assert [{k: v for k, v in kw.items() if k != "out"} for kw in calls] == want
+        torch.testing.assert_close(with_res, _triton(a, b, a_s, b_s, bias, res), rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(plain, _triton(a, b, a_s, b_s, bias, None), rtol=2e-3, atol=2e-3)
