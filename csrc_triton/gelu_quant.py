@@ -18,7 +18,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import pdl
 from .quant_per_token import _launch_rows, _rmax_abs, _row_block, _row_scales, _store_q, quantize_rows_ref
 from .rounding import INTERPRET
 
@@ -74,12 +73,11 @@ def _gelu(h, KIND: tl.constexpr):
 
 @triton.jit
 def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, stride_hm, stride_qm, K: tl.constexpr, KIND: tl.constexpr,
-                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     # Row = head block + tail block, as quant_per_token; GELU(0) = 0, so padding lanes stay 0.
     # ROWS == 1 (the GPU launch) reduces to scalars: per-row (ROWS,) maxima of the head and the tail carry
     # the two blocks' different layouts, and to combine them Triton moved the head's whole tile into the
     # tail's layout, computing its GELU twice (sm_90a: 4 MUFU an element instead of 2).
-    pdl.enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     h, mask, offs = _row_block(h_ptr, rows, stride_hm, M, K, 0, BLOCK_K)
     g = _gelu(h, KIND)

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
 from .quant_per_token import (_launch_rows, _per_row, _rmax_abs, _row_block, _row_scales, _rsum, _store_q,
                               quantize_rows_ref)
 
@@ -33,11 +32,9 @@ def _affine(xc, rstd, w_ptr, b_ptr, offs, K: tl.constexpr, ROWS: tl.constexpr):
 
 @triton.jit
 def _layer_norm_quant_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, M, stride_xm, stride_qm, eps,
-                             K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                             PDL: tl.constexpr):
+                             K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     # Row = head block of BLOCK_K columns + tail block of BLOCK_T (quant_per_token's layout): every
     # statistic is the sum of the two blocks' partials, a scalar when ROWS == 1 (the GPU launch: see _rsum).
-    pdl.enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     x, mask, offs = _row_block(x_ptr, rows, stride_xm, M, K, 0, BLOCK_K)
     total = _rsum(x, ROWS)

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
-
 MAX_K = 16384  # a row lives in registers; far above any ViT width (so400m MLP: 4304)
 
 
@@ -92,11 +90,10 @@ def _store_q(y, mask, offs, rows, q_ptr, stride_qm, inv, ROWS: tl.constexpr):
 
 @triton.jit
 def _quant_per_token_kernel(x_ptr, q_ptr, scale_ptr, M, stride_xm, stride_qm, K: tl.constexpr,
-                            ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                            ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     # A row is a power-of-two head of BLOCK_K columns plus a tail block (BLOCK_T > 0) when K is not
     # a power of two (1152 = 1024 + 128): no lanes idle on padding (next_pow2(1152) = 2048 would
     # leave 44% of them computing nothing; the row kernels are instruction-bound, docs/perf_notes.md).
-    pdl.enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     x, mask, offs = _row_block(x_ptr, rows, stride_xm, M, K, 0, BLOCK_K)
     amax = _rmax_abs(x, ROWS)  # (ROWS,), a scalar when ROWS == 1
@@ -154,12 +151,9 @@ def _launch_rows(x: torch.Tensor, name: str, meta: dict | None = None
 
 
 def launch_meta(K: int, device: torch.device, meta: dict | None = None) -> dict:
-    """The row kernels' launch kwargs: `_row_meta` and the PDL launch (csrc_triton/pdl.py: on sm_90+, so in
-    a W8A8 ViT each row kernel and int8 GEMM starts while its predecessor drains), overridden by `meta`
-    (may hold SPLIT)."""
+    """The row kernels' launch kwargs: `_row_meta`, overridden by `meta` (may hold SPLIT)."""
     meta = dict(meta or {})
-    launch = {} if "PDL" in meta else pdl.options(device)
-    return {**_row_meta(K, device, meta.pop("SPLIT", None)), **launch, **meta}
+    return {**_row_meta(K, device, meta.pop("SPLIT", None)), **meta}
 
 
 def quant_per_token(x: torch.Tensor, meta: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:

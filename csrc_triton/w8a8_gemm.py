@@ -30,8 +30,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import pdl
-
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels run in Triton's interpreter
 
 
@@ -153,11 +151,9 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr,
                       stride_am, stride_bn, stride_rm, stride_cm, K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, PDL: tl.constexpr):
+                      GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) output tile per program. TMA: a_ptr / b_ptr are descriptors; the residual
-    and c always go through masked pointers. EPI_SPLIT (1, 2 or 4): column sub-tiles of the epilogue.
-    PDL: launched with programmatic dependent launch (csrc_triton/pdl.py; the row kernels' launch_meta)."""
-    pdl.enter(PDL)
+    and c always go through masked pointers. EPI_SPLIT (1, 2 or 4): column sub-tiles of the epilogue."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     if TMA:
@@ -188,12 +184,11 @@ def _w8a8_gemm_persistent_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_pt
                                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-                                 FLATTEN: tl.constexpr, PDL: tl.constexpr):
+                                 FLATTEN: tl.constexpr):
     """Tiles pid, pid + NUM_PROGRAMS, ... of the (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)) output grid.
     EPI_SPLIT (1, 2 or 4) sub-tiles along N in the epilogue. FLATTEN: Triton's loop-nest flattening (one
     software pipeline across tiles: the next tile's loads issue during this tile's epilogue). No warp
     specialization: Triton 3.6 ignores `warp_specialize` on sm_90 (the compiled TTGIR is identical)."""
-    pdl.enter(PDL)
     n_pid_m = tl.cdiv(M, BLOCK_M)
     n_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_pid_m * n_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
@@ -301,7 +296,7 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
         a_arg, b_arg, a_scale.contiguous(), b_scale.contiguous(), bias if bias is not None else b_scale,
         residual if residual is not None else c, c, M, N, a.stride(0), b.stride(0),
         (residual if residual is not None else c).stride(0), c.stride(0), K=K, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, TMA=tma, **cfg, **pdl.options(a.device))
+        HAS_RES=residual is not None, TMA=tma, **cfg)
     return c
 
 
@@ -334,7 +329,7 @@ def _launch_persistent(a, b, a_scale, b_scale, bias, residual, c, tma: bool, cfg
     _w8a8_gemm_persistent_kernel[grid](
         a_arg, b_arg, a_scale.contiguous(), b_scale.contiguous(), bias if bias is not None else b_scale, r_arg,
         c_arg, M, N, a.stride(0), b.stride(0), res.stride(0), c.stride(0), K=K, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, TMA=tma, **cfg, **pdl.options(a.device))
+        HAS_RES=residual is not None, TMA=tma, **cfg)
 
 
 # Persistent-kernel configs the H200 sweep tries (scripts/benches/w8a8.py; none is a default yet):

@@ -32,17 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from csrc_triton import pdl
 from csrc_triton.w8a8_gemm import _aligned, _device_caps, w8a8_gemm_ref
-
-
-@gluon.jit
-def _pdl_enter(PDL: gl.constexpr):
-    """csrc_triton.pdl.enter in Gluon: wait for the predecessor kernel, then let the next one start."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -101,12 +91,9 @@ def _epilogue_half(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, 
 def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc, M, N,
                        K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       IN_FLIGHT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PDL: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       IN_FLIGHT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, num_warps: gl.constexpr):
     """Persistent: this program's tiles as one stream of K steps (see the module docstring). IN_FLIGHT: K steps
-    whose wgmmas may still run when the next step's are issued (1; 0 waits for each, as Triton's int8 loop).
-    PDL: launched with programmatic dependent launch (csrc_triton/pdl.py)."""
-    _pdl_enter(PDL)
+    whose wgmmas may still run when the next step's are issued (1; 0 waits for each, as Triton's int8 loop)."""
     # The tile's two halves, each its own accumulator: column halves (128 x 256: int8 wgmma is at most 224 wide, so
     # a 256-wide tile is two 128-wide instructions anyway), or row halves when the tile is taller than wide
     # (256 x 128: each half is still 128 wide, so its wgmmas read as many operand bytes per MAC).
@@ -262,11 +249,9 @@ def _pp_tiles(a_smem, b_smem, ready, empty, turn, c_smem, r_bar, res_desc, c_des
 def _w8a8_pingpong_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc, M, N,
                           K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                          NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PDL: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Warp-specialised ping-pong form (num_warps 4): two consumer warpgroups (the default partition and a worker)
     take this program's tiles alternately, one producer warp feeds both through one ring in tile order."""
-    _pdl_enter(PDL)
     pid = gl.program_id(0)
     K_TILES: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     n_tiles = (gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N) - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS
@@ -346,12 +331,11 @@ def w8a8_gemm_wgmma(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
         _w8a8_pingpong_kernel[(n_prog,)](
             *args, K=K, HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=n_prog, CONSUMER_REGS=PINGPONG_REGS[0], num_warps=warps,
-            maxnreg=PINGPONG_REGS[1], **pdl.options(a.device))
+            maxnreg=PINGPONG_REGS[1])
         return c
     _w8a8_wgmma_kernel[(n_prog,)](
         *args, K=K, HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, IN_FLIGHT=in_flight, NUM_PROGRAMS=n_prog, num_warps=warps,
-        **pdl.options(a.device))
+        BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, IN_FLIGHT=in_flight, NUM_PROGRAMS=n_prog, num_warps=warps)
     return c
 
 

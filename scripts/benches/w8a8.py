@@ -299,9 +299,8 @@ def rows_offline_table() -> list[dict]:
     rows = []
     for name, fn, K, sig, extra in cases:
         for split in (True, False):
-            meta = qpt.launch_meta(K, torch.device("cuda"), {"SPLIT": split, "PDL": True, "launch_pdl": True})
+            meta = qpt.launch_meta(K, torch.device("cuda"), {"SPLIT": split})
             warps = meta.pop("num_warps")
-            meta.pop("launch_pdl")
             consts = dict(K=K, **extra, **meta)
             full = {**sig, **{k: "constexpr" for k in consts}}
             aligned = [i for i, (k, v) in enumerate(full.items()) if v.startswith("*") or k.startswith("stride")]
@@ -612,7 +611,7 @@ def _compile_sm90(t: tuple, K: int, persistent: bool, has_res: bool = True, spli
            "b_scale_ptr": "*fp32", "bias_ptr": "*fp16", "res_ptr": out, "c_ptr": out, "M": "i32", "N": "i32",
            "stride_am": "i32", "stride_bn": "i32", "stride_rm": "i32", "stride_cm": "i32"}
     consts = dict(K=K, HAS_BIAS=True, HAS_RES=has_res, TMA=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                  EPI_SPLIT=split, PDL=True)
+                  EPI_SPLIT=split)
     if persistent:
         consts.update(NUM_PROGRAMS=132, FLATTEN=t[6])
     sig.update({k: "constexpr" for k in consts})
