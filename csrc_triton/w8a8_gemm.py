@@ -15,8 +15,9 @@ out-of-range tiles), else through pointers (clamped rows, a peeled K tail). K is
 constant: full K tiles run unmasked. Any M, N, K; contiguous inner dims.
 A persistent variant (`_w8a8_gemm_persistent_kernel`, config PERSISTENT) loops each program over tiles
 with a sub-tiled epilogue and TMA stores; the launcher runs it at 128 x 256 tiles (8 and 64 SigLIP images; see
-_LARGE_TILE_PERSISTENT), except for GEMMs with a residual on sm_90, which go to the Gluon kernel of
-csrc_triton/w8a8_gemm_wgmma.py (wgmma kept in flight across K steps; see USE_WGMMA).
+_LARGE_TILE_PERSISTENT), except on sm_90 under Triton 3.6, where those GEMMs go to the Gluon kernels of
+csrc_triton/w8a8_gemm_wgmma.py (wgmma kept in flight across K steps; warp-specialised ping-pong at short K; see
+USE_WGMMA and _wgmma_form).
 """
 
 from __future__ import annotations
@@ -380,10 +381,10 @@ USE_PERSISTENT = True  # False: the default kernel everywhere (A/B)
 # ping-pong form (each 128 x 128 tile's epilogue overlapped with the other warpgroup's K loop) qkv 1.34 / 1.25x, wo
 # 1.40 / 1.56x, fc1 1.29 / 1.19x, all at K = 1152, but fc2 (K = 4304, where the epilogue is a small share of a
 # tile) 0.91 / 0.95x; fc2 takes the 256 x 128 row-halves form (1.03 / 1.09x; grouped 4 row tiles at a time
-# 1.04 / 1.01x more, S15-C). Encoder 64 images 66.1 -> 61.4 ms,
-# 8 images 9.01 -> 8.20-8.28. Gluon is Triton's experimental dialect and its API moves between releases: the
-# dispatch needs the Triton it was written and measured with (3.6), else the Triton kernel runs. False: Triton
-# only (the A/B).
+# 1.04 / 1.01x more, S15-C). Encoder (S15-E, graph): 64 images 64.6 -> 57.9 ms, 8 images 9.11 -> 8.02 against
+# Triton GEMMs only. Gluon is Triton's experimental dialect and its API moves between releases: the dispatch
+# needs the Triton it was written and measured with (3.6), else the Triton kernel runs. False: Triton only
+# (the A/B).
 USE_WGMMA = True
 PINGPONG_MAX_K = 2048  # ping-pong measured faster at K = 1152 and slower at 4304; between them, untested
 

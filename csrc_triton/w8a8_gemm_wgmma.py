@@ -6,19 +6,31 @@ The same operation, operands and epilogue as csrc_triton/w8a8_gemm.py (its docst
 sm_90 only. Why a second kernel: Triton 3.6's software pipeliner keeps a wgmma in flight across K steps only
 when its accumulator is fp32, so every K step of the Triton int8 GEMM waits for its own wgmma before the next
 is issued (docs/perf_notes.md, session 5). Here the pipeline is written out in Gluon (Triton's explicit-layout
-dialect). Persistent: one program per SM takes tiles pid, pid + P, ... (grouped order) as ONE stream of K steps
-through a STAGES-deep ring of TMA loads that runs ahead across tile boundaries, so the next tile's first loads
-are in flight during this tile's epilogue. Each K step issues its wgmmas asynchronously and then waits only for
-the previous step's (`warpgroup_mma_wait`), whose operand stage is then refilled with the step STAGES - 1
-ahead. The tile's two column halves are two accumulators (int8 wgmma is at most 224 wide, so a 256-wide tile is
-two 128-wide instructions anyway), so the epilogue runs a half at a time without reshaping: fp32 in the
-reference's order, the residual half loaded by TMA, one rounding, stored through shared memory by TMA. Edges
-(M, N, the K tail) are zero-filled by TMA loads and clipped by TMA stores.
+dialect), in two forms, both persistent (one program per SM takes tiles pid, pid + P, ... in grouped order):
+
+- `_w8a8_wgmma_kernel`: all warps share each tile. Its tiles form ONE stream of K steps through a STAGES-deep
+  ring of TMA loads that runs ahead across tile boundaries, so the next tile's first loads are in flight during
+  this tile's epilogue. Each K step issues its wgmmas asynchronously and then waits only for the previous step's
+  (`warpgroup_mma_wait`), whose operand stage is then refilled with the step STAGES - 1 ahead. The tile's two
+  halves are two accumulators: column halves of a 128 x 256 tile (int8 wgmma is at most 224 wide, so a 256-wide
+  tile is two 128-wide instructions anyway) or row halves of a 256 x 128 one, so the epilogue runs a half at a
+  time without reshaping.
+- `_w8a8_pingpong_kernel`, warp-specialised (`gl.warp_specialize`): one producer warp issues every K step's
+  TMA loads into one ring in tile order; two consumer warpgroups take the program's 128 x 128 tiles alternately,
+  each starting its K loop when the other has issued its previous tile's wgmmas (an mbarrier each way), so the
+  K loops take the tensor cores in turn while each warpgroup's epilogue overlaps the other's K loop. A stage is
+  released once the wgmma that read it is done. Best where K is short and the epilogue a large share of a tile
+  (the ViT's qkv, wo, fc1 at K = 1152); at K = 4304 (fc2) its 128-wide tiles' L2 traffic per MAC is what limits it
+  (Nsight Compute: L2 throughput 91% of peak), and the 256 x 128 form of the first kernel is faster.
+
+Epilogue (both): fp32 in the reference's order, the residual loaded by TMA into shared memory, one rounding,
+stored through shared memory by TMA. Edges (M, N, the K tail) are zero-filled by TMA loads and clipped by TMA
+stores. Integer sums are exact, so every form gives the Triton kernel's bits.
 
 No interpreter form: Gluon kernels run on the GPU only. csrc_triton.w8a8_gemm.w8a8_gemm checks a call and
-dispatches here the GEMMs it would run on its persistent 128 x 256 kernel that carry a residual (the ViT's wo and
-fc2: where this kernel measured faster), on sm_90 under Triton 3.6 with TMA-suited operands (`ok`); everything
-else runs the Triton kernels (see w8a8_gemm.USE_WGMMA for the measurements). The plain PyTorch form is
+dispatches here the GEMMs it would run on its persistent 128 x 256 kernel (8 and more SigLIP images), in the form
+`w8a8_gemm._wgmma_form` picks by K, on sm_90 under Triton 3.6 with TMA-suited operands (`ok`); everything else
+runs the Triton kernels (see w8a8_gemm.USE_WGMMA for the measurements). The plain PyTorch form is
 `w8a8_gemm_wgmma_ref` (= the Triton kernel's reference).
 """
 
