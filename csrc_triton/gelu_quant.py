@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .quant_per_token import _launch_rows, _load_row, _rmax_abs, _row_scales, _store_q, quantize_rows_ref, row_grid
+from .quant_per_token import _launch_rows, _rmax_abs, _row_block, _row_scales, _store_q, quantize_rows_ref
 from .rounding import INTERPRET
 
 KINDS = {"gelu": 0, "gelu_tanh": 1, "quick_gelu": 2}
@@ -72,16 +72,18 @@ def _gelu(h, KIND: tl.constexpr):
 
 
 @triton.jit
-def _gelu_quant_rows(h, mask, offs, ht, mask_t, offs_t, rows, q_ptr, scale_ptr, M, stride_qm, KIND: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_T: tl.constexpr):
-    """GELU, quantize and store loaded rows (quant_per_token._load_row's blocks). Row = head block + tail
-    block, as quant_per_token; GELU(0) = 0, so padding lanes stay 0. ROWS == 1 (the GPU launch) reduces to
-    scalars: per-row (ROWS,) maxima of the head and the tail carry the two blocks' different layouts, and to
-    combine them Triton moved the head's whole tile into the tail's layout, computing its GELU twice (sm_90a:
-    4 MUFU an element instead of 2)."""
+def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, stride_hm, stride_qm, K: tl.constexpr, KIND: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    # Row = head block + tail block, as quant_per_token; GELU(0) = 0, so padding lanes stay 0.
+    # ROWS == 1 (the GPU launch) reduces to scalars: per-row (ROWS,) maxima of the head and the tail carry
+    # the two blocks' different layouts, and to combine them Triton moved the head's whole tile into the
+    # tail's layout, computing its GELU twice (sm_90a: 4 MUFU an element instead of 2).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    h, mask, offs = _row_block(h_ptr, rows, stride_hm, M, K, 0, BLOCK_K)
     g = _gelu(h, KIND)
     amax = _rmax_abs(g, ROWS)
     if BLOCK_T > 0:
+        ht, mask_t, offs_t = _row_block(h_ptr, rows, stride_hm, M, K, BLOCK_K, BLOCK_T)
         gt = _gelu(ht, KIND)
         amax = tl.maximum(amax, _rmax_abs(gt, ROWS))
     inv, scale = _row_scales(amax)
@@ -89,21 +91,6 @@ def _gelu_quant_rows(h, mask, offs, ht, mask_t, offs_t, rows, q_ptr, scale_ptr, 
     if BLOCK_T > 0:
         _store_q(gt, mask_t, offs_t, rows, q_ptr, stride_qm, inv, ROWS)
     tl.store(scale_ptr + rows, scale, mask=rows < M)
-
-
-@triton.jit
-def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, stride_hm, stride_qm, K: tl.constexpr, KIND: tl.constexpr,
-                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, PAIR: tl.constexpr = False):
-    # PAIR: two row groups a program, both loaded before either is reduced (quant_per_token._row_meta).
-    STEP: tl.constexpr = 2 * ROWS if PAIR else ROWS
-    rows = tl.program_id(0).to(tl.int64) * STEP + tl.arange(0, ROWS)
-    h, mask, offs, ht, mask_t, offs_t = _load_row(h_ptr, rows, stride_hm, M, K, BLOCK_K, BLOCK_T)
-    if PAIR:
-        h2, mask2, offs2, ht2, mask_t2, offs_t2 = _load_row(h_ptr, rows + ROWS, stride_hm, M, K, BLOCK_K, BLOCK_T)
-    _gelu_quant_rows(h, mask, offs, ht, mask_t, offs_t, rows, q_ptr, scale_ptr, M, stride_qm, KIND, ROWS, BLOCK_T)
-    if PAIR:
-        _gelu_quant_rows(h2, mask2, offs2, ht2, mask_t2, offs_t2, rows + ROWS, q_ptr, scale_ptr, M, stride_qm, KIND,
-                         ROWS, BLOCK_T)
 
 
 def gelu_quant(h: torch.Tensor, kind: str, meta: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,8 +101,8 @@ def gelu_quant(h: torch.Tensor, kind: str, meta: dict | None = None) -> tuple[to
     h2, q, scale, meta = _launch_rows(h, "gelu_quant", meta)
     M = h2.shape[0]
     if M:
-        _gelu_quant_kernel[row_grid(M, meta)](h2, q, scale, M, h2.stride(0), q.stride(0), K=h2.shape[1],
-                                              KIND=KINDS[kind], **meta)
+        _gelu_quant_kernel[(triton.cdiv(M, meta["ROWS"]),)](h2, q, scale, M, h2.stride(0), q.stride(0),
+                                                            K=h2.shape[1], KIND=KINDS[kind], **meta)
     return q.view(h.shape), scale.view(h.shape[:-1])
 
 

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_per_token import (_launch_rows, _load_row, _per_row, _rmax_abs, _row_scales, _rsum, _store_q,
-                              quantize_rows_ref, row_grid)
+from .quant_per_token import (_launch_rows, _per_row, _rmax_abs, _row_block, _row_scales, _rsum, _store_q,
+                              quantize_rows_ref)
 
 
 @triton.jit
@@ -31,13 +31,15 @@ def _affine(xc, rstd, w_ptr, b_ptr, offs, K: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _layer_norm_quant_rows(x, mask, offs, xt, mask_t, offs_t, rows, w_ptr, b_ptr, q_ptr, scale_ptr, M, stride_qm, eps,
-                           K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """LayerNorm, quantize and store loaded rows (quant_per_token._load_row's blocks). Row = head block of
-    BLOCK_K columns + tail block of BLOCK_T: every statistic is the sum of the two blocks' partials, a scalar
-    when ROWS == 1 (the GPU launch: see _rsum)."""
+def _layer_norm_quant_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, M, stride_xm, stride_qm, eps,
+                             K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    # Row = head block of BLOCK_K columns + tail block of BLOCK_T (quant_per_token's layout): every
+    # statistic is the sum of the two blocks' partials, a scalar when ROWS == 1 (the GPU launch: see _rsum).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    x, mask, offs = _row_block(x_ptr, rows, stride_xm, M, K, 0, BLOCK_K)
     total = _rsum(x, ROWS)
     if BLOCK_T > 0:
+        xt, mask_t, offs_t = _row_block(x_ptr, rows, stride_xm, M, K, BLOCK_K, BLOCK_T)
         total += _rsum(xt, ROWS)
     mean = total / K
     xc = x - _per_row(mean, ROWS)
@@ -60,23 +62,6 @@ def _layer_norm_quant_rows(x, mask, offs, xt, mask_t, offs_t, rows, w_ptr, b_ptr
     tl.store(scale_ptr + rows, scale, mask=rows < M)
 
 
-@triton.jit
-def _layer_norm_quant_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, M, stride_xm, stride_qm, eps,
-                             K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                             PAIR: tl.constexpr = False):
-    # PAIR: two row groups a program, both loaded before either is reduced (quant_per_token._row_meta).
-    STEP: tl.constexpr = 2 * ROWS if PAIR else ROWS
-    rows = tl.program_id(0).to(tl.int64) * STEP + tl.arange(0, ROWS)
-    x, mask, offs, xt, mask_t, offs_t = _load_row(x_ptr, rows, stride_xm, M, K, BLOCK_K, BLOCK_T)
-    if PAIR:
-        x2, mask2, offs2, xt2, mask_t2, offs_t2 = _load_row(x_ptr, rows + ROWS, stride_xm, M, K, BLOCK_K, BLOCK_T)
-    _layer_norm_quant_rows(x, mask, offs, xt, mask_t, offs_t, rows, w_ptr, b_ptr, q_ptr, scale_ptr, M, stride_qm, eps,
-                           K, ROWS, BLOCK_K, BLOCK_T)
-    if PAIR:
-        _layer_norm_quant_rows(x2, mask2, offs2, xt2, mask_t2, offs_t2, rows + ROWS, w_ptr, b_ptr, q_ptr, scale_ptr,
-                               M, stride_qm, eps, K, ROWS, BLOCK_K, BLOCK_T)
-
-
 def layer_norm_quant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                      meta: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) -> (q (..., K) int8, scale (...,) fp32) of LayerNorm(x; weight, bias, eps).
@@ -87,7 +72,7 @@ def layer_norm_quant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     x2, q, scale, meta = _launch_rows(x, "layer_norm_quant", meta)
     M = x2.shape[0]
     if M:
-        _layer_norm_quant_kernel[row_grid(M, meta)](
+        _layer_norm_quant_kernel[(triton.cdiv(M, meta["ROWS"]),)](
             x2, weight.contiguous(), bias.contiguous(), q, scale, M, x2.stride(0), q.stride(0), float(eps), K=K, **meta)
     return q.view(x.shape), scale.view(x.shape[:-1])
 

@@ -44,18 +44,6 @@ def _row_block(ptr, rows, stride, M, K: tl.constexpr, START: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _load_row(ptr, rows, stride, M, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """A row's head block and tail block as _row_block gives them: (x, mask, offs, xt, mask_t, offs_t); without a
-    tail (BLOCK_T == 0) the tail names repeat the head's and are not used."""
-    x, mask, offs = _row_block(ptr, rows, stride, M, K, 0, BLOCK_K)
-    if BLOCK_T > 0:
-        xt, mask_t, offs_t = _row_block(ptr, rows, stride, M, K, BLOCK_K, BLOCK_T)
-    else:
-        xt, mask_t, offs_t = x, mask, offs
-    return x, mask, offs, xt, mask_t, offs_t
-
-
-@triton.jit
 def _row_scales(amax):
     """Row max (ROWS,) -> (127 / amax, amax / 127) with amax clamped to 1e-5; IEEE divisions, as torch."""
     amax = tl.maximum(amax, 1e-5)
@@ -101,36 +89,22 @@ def _store_q(y, mask, offs, rows, q_ptr, stride_qm, inv, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows(x, mask, offs, xt, mask_t, offs_t, rows, q_ptr, scale_ptr, M, stride_qm, ROWS: tl.constexpr,
-                BLOCK_T: tl.constexpr):
-    """Quantize loaded rows (_load_row's blocks) and store them with their scales."""
+def _quant_per_token_kernel(x_ptr, q_ptr, scale_ptr, M, stride_xm, stride_qm, K: tl.constexpr,
+                            ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    # A row is a power-of-two head of BLOCK_K columns plus a tail block (BLOCK_T > 0) when K is not
+    # a power of two (1152 = 1024 + 128): no lanes idle on padding (next_pow2(1152) = 2048 would
+    # leave 44% of them computing nothing; the row kernels are instruction-bound, docs/perf_notes.md).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    x, mask, offs = _row_block(x_ptr, rows, stride_xm, M, K, 0, BLOCK_K)
     amax = _rmax_abs(x, ROWS)  # (ROWS,), a scalar when ROWS == 1
     if BLOCK_T > 0:
+        xt, mask_t, offs_t = _row_block(x_ptr, rows, stride_xm, M, K, BLOCK_K, BLOCK_T)
         amax = tl.maximum(amax, _rmax_abs(xt, ROWS))
     inv, scale = _row_scales(amax)
     _store_q(x, mask, offs, rows, q_ptr, stride_qm, inv, ROWS)
     if BLOCK_T > 0:
         _store_q(xt, mask_t, offs_t, rows, q_ptr, stride_qm, inv, ROWS)
     tl.store(scale_ptr + rows, scale, mask=rows < M)
-
-
-@triton.jit
-def _quant_per_token_kernel(x_ptr, q_ptr, scale_ptr, M, stride_xm, stride_qm, K: tl.constexpr,
-                            ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                            PAIR: tl.constexpr = False):
-    # A row is a power-of-two head of BLOCK_K columns plus a tail block (BLOCK_T > 0) when K is not
-    # a power of two (1152 = 1024 + 128): no lanes idle on padding (next_pow2(1152) = 2048 would
-    # leave 44% of them computing nothing; the row kernels are instruction-bound, docs/perf_notes.md).
-    # PAIR: two row groups a program, both loaded before either is reduced (see _row_meta).
-    STEP: tl.constexpr = 2 * ROWS if PAIR else ROWS
-    rows = tl.program_id(0).to(tl.int64) * STEP + tl.arange(0, ROWS)
-    x, mask, offs, xt, mask_t, offs_t = _load_row(x_ptr, rows, stride_xm, M, K, BLOCK_K, BLOCK_T)
-    if PAIR:
-        x2, mask2, offs2, xt2, mask_t2, offs_t2 = _load_row(x_ptr, rows + ROWS, stride_xm, M, K, BLOCK_K, BLOCK_T)
-    _quant_rows(x, mask, offs, xt, mask_t, offs_t, rows, q_ptr, scale_ptr, M, stride_qm, ROWS, BLOCK_T)
-    if PAIR:
-        _quant_rows(x2, mask2, offs2, xt2, mask_t2, offs_t2, rows + ROWS, q_ptr, scale_ptr, M, stride_qm, ROWS,
-                    BLOCK_T)
 
 
 def _row_meta(K: int, device: torch.device, split: bool | None = None) -> dict:
@@ -151,11 +125,7 @@ def _row_meta(K: int, device: torch.device, split: bool | None = None) -> dict:
         # elements a thread computed; head + tail: 34), and the instruction count per element falls for
         # all three row kernels (gelu_quant, layer_norm_quant, quant_per_token; scripts/benches/w8a8.py
         # --offline-rows). TINYVILA_W8A8_ROW_SWEEP measures the alternatives.
-        # A one-warp program is one CTA, and an SM holds at most 32 CTAs: 32 of its 64 warp slots. So a narrow row
-        # kernel's programs take two rows each (PAIR), both loaded before either is reduced: twice the loads in
-        # flight per warp (at 8 SigLIP images, 5832 rows fit one wave of 132 x 32 programs instead of 1.4).
-        return dict(ROWS=1, BLOCK_K=head, BLOCK_T=tail, num_warps=1 if narrow else (4 if head <= 8192 else 8),
-                    **({"PAIR": True} if narrow else {}))
+        return dict(ROWS=1, BLOCK_K=head, BLOCK_T=tail, num_warps=1 if narrow else (4 if head <= 8192 else 8))
     # The interpreter's cost is per program: ~8K elements a program keeps CPU tests fast.
     rows = 1 << (max(1, min(64, 8192 // (head + tail))).bit_length() - 1)  # a power of two
     return dict(ROWS=rows, BLOCK_K=head, BLOCK_T=tail, num_warps=min(16, max(1, rows * head // 512)))
@@ -180,11 +150,6 @@ def _launch_rows(x: torch.Tensor, name: str, meta: dict | None = None
     return x2, q, scale, launch_meta(K, x.device, meta)
 
 
-def row_grid(M: int, meta: dict) -> tuple[int]:
-    """The row kernels' grid: ROWS rows a program, twice that with PAIR."""
-    return (triton.cdiv(M, meta["ROWS"] * (2 if meta.get("PAIR") else 1)),)
-
-
 def launch_meta(K: int, device: torch.device, meta: dict | None = None) -> dict:
     """The row kernels' launch kwargs: `_row_meta`, overridden by `meta` (may hold SPLIT)."""
     meta = dict(meta or {})
@@ -196,8 +161,8 @@ def quant_per_token(x: torch.Tensor, meta: dict | None = None) -> tuple[torch.Te
     x2, q, scale, meta = _launch_rows(x, "quant_per_token", meta)
     M = x2.shape[0]
     if M:
-        _quant_per_token_kernel[row_grid(M, meta)](x2, q, scale, M, x2.stride(0), q.stride(0), K=x2.shape[1],
-                                                   **meta)
+        _quant_per_token_kernel[(triton.cdiv(M, meta["ROWS"]),)](x2, q, scale, M, x2.stride(0), q.stride(0),
+                                                                 K=x2.shape[1], **meta)
     return q.view(x.shape), scale.view(x.shape[:-1])
 
 

@@ -54,9 +54,7 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("meta", [dict(ROWS=1, num_warps=1), dict(ROWS=2, num_warps=2), dict(ROWS=4, num_warps=8),
-                                  dict(SPLIT=False), dict(SPLIT=False, ROWS=2, num_warps=1),
-                                  dict(ROWS=1, num_warps=1, PAIR=True), dict(ROWS=2, num_warps=2, PAIR=True),
-                                  dict(ROWS=1, num_warps=1, PAIR=False)])
+                                  dict(SPLIT=False), dict(SPLIT=False, ROWS=2, num_warps=1)])
 @pytest.mark.parametrize("K", [300, 256] + ([1152] if DEVICE == "cuda" else []))
 def test_launch_shapes(meta, K):
     """Every launch shape the benchmark sweeps (rows per program, warps; one padded block instead of
