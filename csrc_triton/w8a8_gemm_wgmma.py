@@ -71,6 +71,22 @@ def _load_step(a_desc, b_desc, a_smem, b_smem, ready, step, off_m, off_n, K_TILE
 
 
 @gluon.jit
+def _scaled(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
+            COLS: gl.constexpr, layout: gl.constexpr):
+    """The epilogue's arithmetic on a (ROWS, COLS) accumulator at (off_m, off_n): fp32 acc * a_scale[m] *
+    b_scale[n] (+ bias[n]), in the reference's order."""
+    rm = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    rn = off_n + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    a_s = gl.load(a_scale_ptr + rm, mask=rm < M, other=0.0)
+    b_s = gl.load(b_scale_ptr + rn, mask=rn < N, other=0.0)
+    out = acc.to(gl.float32) * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
+        out = out + gl.expand_dims(bias, 0)
+    return out
+
+
+@gluon.jit
 def _epilogue_half(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc, c_smem, r_smem,
                    r_bar, PHASE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                    SUB_M: gl.constexpr, SUB_N: gl.constexpr, layout: gl.constexpr, C_BUFS: gl.constexpr):
@@ -81,14 +97,7 @@ def _epilogue_half(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, 
     if HAS_RES:  # the residual's load first: it lands while the scales are applied
         mbarrier.expect(r_bar, SUB_M * SUB_N * res_desc.dtype.primitive_bitwidth // 8)
         tma.async_copy_global_to_shared(res_desc, [off_m, off_n], r_bar, r_smem)
-    rm = off_m + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, layout))
-    rn = off_n + gl.arange(0, SUB_N, layout=gl.SliceLayout(0, layout))
-    a_s = gl.load(a_scale_ptr + rm, mask=rm < M, other=0.0)
-    b_s = gl.load(b_scale_ptr + rn, mask=rn < N, other=0.0)
-    out = acc.to(gl.float32) * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
-    if HAS_BIAS:
-        bias = gl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
-        out = out + gl.expand_dims(bias, 0)
+    out = _scaled(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, HAS_BIAS, SUB_M, SUB_N, layout)
     if HAS_RES:
         mbarrier.wait(r_bar, PHASE)
         out = out + r_smem.load(layout).to(gl.float32)
@@ -237,14 +246,7 @@ def _pp_tiles(a_smem, b_smem, ready, empty, turn, c_smem, r_bar, res_desc, c_des
         mbarrier.arrive(turn.index(1 - WG), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((j * K_TILES + K_TILES - 1) % STAGES), count=1)
-        rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        rn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        a_s = gl.load(a_scale_ptr + rm, mask=rm < M, other=0.0)
-        b_s = gl.load(b_scale_ptr + rn, mask=rn < N, other=0.0)
-        out = acc.to(gl.float32) * gl.expand_dims(a_s, 1) * gl.expand_dims(b_s, 0)
-        if HAS_BIAS:
-            bias = gl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(gl.float32)
-            out = out + gl.expand_dims(bias, 0)
+        out = _scaled(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, HAS_BIAS, BLOCK_M, BLOCK_N, layout)
         if HAS_RES:
             mbarrier.wait(my_r, (j // 2) & 1)
             out = out + my_c.load(layout).to(gl.float32)
