@@ -21,8 +21,8 @@
     --offline-rows instead: the int8-producing row kernels' SASS per element (head + tail vs one padded block).
 
 GEMM rows: the Triton w8a8_gemm (int8 x int8 -> int32, fused scale/bias epilogue, fp16 out) in TOPS
-against the measured int8 ceiling (the faster of torch._int_mm and
-w8a8_gemm itself at 8192^3), beside torch._int_mm alone (a lower
+against the measured int8 ceiling (the fastest of torch._int_mm, w8a8_gemm and its Gluon kernel's forms at
+8192^3; the last not yet run on a GPU in this form), beside torch._int_mm alone (a lower
 bound for any "_int_mm + epilogue" dispatch), _int_mm + a PyTorch epilogue, and fp16 cuBLAS. Kernel
 times come from CUDA-graph replays of many calls (no host launch overhead in them; `triton_eager_ms`
 keeps the per-call eager time). Encoder rows: the 26-layer SigLIP encoder (synthetic weights) in
@@ -63,17 +63,24 @@ def _progress(row: dict) -> dict:
 
 
 def int8_tops_ceiling() -> float:
-    """Measured int8 tensor-core ceiling, TOPS: the faster of torch._int_mm (cuBLASLt) and tinyvila's own
-    w8a8_gemm at 8192^3. (S8-A: _int_mm 907 TOPS, w8a8_gemm 1257 on one H200: cuBLAS's int8 kernels are not
-    the chip's int8 rate, so taking them alone made the ceiling ~28% too low; scripts/diag/matmul_ceilings.py.)"""
-    from csrc_triton.w8a8_gemm import w8a8_gemm
+    """Measured int8 tensor-core ceiling, TOPS: the fastest of torch._int_mm (cuBLASLt), tinyvila's own
+    w8a8_gemm and (sm_90, Triton 3.6) each form of its Gluon kernel at 8192^3. (S8-A: _int_mm 907 TOPS, w8a8_gemm
+    1257 on one H200: cuBLAS's int8 kernels are not the chip's int8 rate, so taking them alone made the ceiling ~28%
+    too low; scripts/diag/matmul_ceilings.py. S15-C: the Gluon ping-pong form ran 1328 TOPS at the ViT's qkv shape,
+    above that ceiling, while w8a8_gemm at 8192^3 still runs the Triton kernel: K > PINGPONG_MAX_K, no residual.)"""
+    import csrc_triton.w8a8_gemm as wg
 
     n = 8192
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device="cuda")
     b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device="cuda")
     sa, sb = torch.ones(n, device="cuda"), torch.ones(n, device="cuda")
-    ms = min(common.bench(lambda: torch._int_mm(a, b.t()), [()], warmup=5, iters=20),
-             common.bench(lambda: w8a8_gemm(a, b, sa, sb), [()], warmup=5, iters=20))
+    calls = [lambda: torch._int_mm(a, b.t()), lambda: wg.w8a8_gemm(a, b, sa, sb)]
+    if wg._wgmma_ok(a, b, torch.empty(n, n, dtype=torch.float16, device="cuda"), None):
+        from csrc_triton.w8a8_gemm_wgmma import w8a8_gemm_wgmma
+
+        calls += [lambda kw=kw: w8a8_gemm_wgmma(a, b, sa, sb, **kw)
+                  for kw in ({"pingpong": True}, {"tile": (256, 128, 128, 8, 3)}, {})]
+    ms = min(common.bench(f, [()], warmup=5, iters=20) for f in calls)
     return 2 * n**3 / ms / 1e9
 
 
@@ -566,12 +573,12 @@ def run(args) -> list[dict]:
     rows, best = [], {}
     if "gemm" in parts:
         ceil_i8, ceil_f16 = int8_tops_ceiling(), common.matmul_tflops(torch.float16)
-        rows += [{"case": "ceiling int8 8192^3, faster of _int_mm and w8a8_gemm (TOPS)", "triton_tops": ceil_i8},
+        rows += [{"case": "ceiling int8 8192^3, fastest of _int_mm and w8a8_gemm's kernels (TOPS)", "triton_tops": ceil_i8},
                  {"case": "ceiling fp16 matmul 8192^3 (TFLOP/s)", "fp16_tflops": ceil_f16}]
     if "epi" in parts:
         if "gemm" not in parts:
             ceil_i8 = int8_tops_ceiling()
-            rows += [{"case": "ceiling int8 8192^3, faster of _int_mm and w8a8_gemm (TOPS)", "triton_tops": ceil_i8}]
+            rows += [{"case": "ceiling int8 8192^3, fastest of _int_mm and w8a8_gemm's kernels (TOPS)", "triton_tops": ceil_i8}]
         rows += _epi_rows(images, ceil_i8)
     if "gemm" in parts and variants:  # the variants pick the encoder's GEMM configs: GEMMs first
         gemm_rows, faster = _gemm_rows(images, ceil_i8, ceil_f16, sweep, variants=True)
