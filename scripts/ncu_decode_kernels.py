@@ -17,9 +17,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+
+from benches import common  # noqa: E402
 
 
 def main() -> None:
@@ -50,15 +53,7 @@ def main() -> None:
     src = torch.empty(64 << 20, device="cuda", dtype=torch.uint8)
     dst = torch.empty_like(src)
     calls.append(lambda: dst.copy_(src))
-    for _ in range(3):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    common.profiled_calls(calls, warmups=3)
     print("ok")
 
 

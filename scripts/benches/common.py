@@ -116,6 +116,20 @@ def matmul_tflops(dtype=torch.float16) -> float:
     return _CEILINGS[key]
 
 
+def profiled_calls(calls: list, warmups: int = 1) -> None:
+    """Run each call `warmups` times (compiling, tuning), then each once more inside cudaProfilerStart/Stop: what
+    `ncu --profile-from-start off` profiles (the ncu scripts of scripts/ and scripts/diag/)."""
+    for _ in range(warmups):
+        for f in calls:
+            f()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for f in calls:
+        f()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def environment() -> dict:
     """GPU, versions and commit, for the JSON line."""
     import triton

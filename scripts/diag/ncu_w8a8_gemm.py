@@ -14,11 +14,13 @@ import argparse
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
 import csrc_triton.w8a8_gemm as wg  # noqa: E402
+from benches import common  # noqa: E402
 from csrc_triton.w8a8_gemm_wgmma import w8a8_gemm_wgmma  # noqa: E402
 
 SHAPES = {"qkv": (3456, 1152, False), "wo": (1152, 1152, True), "fc1": (4304, 1152, False), "fc2": (1152, 4304, True)}
@@ -49,14 +51,7 @@ def main() -> None:
                 def call(a=a, b=b, sa=sa, sb=sb, bias=bias, r=r, kw=FORMS[form]):
                     return w8a8_gemm_wgmma(a, b, sa, sb, bias, residual=r, **kw)
             calls.append(call)
-    for f in calls:  # compile and warm up outside the profiled range
-        f()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for f in calls:
-        f()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    common.profiled_calls(calls)  # compiled and warmed up outside the profiled range
     print("ok")
 
 
