@@ -7,7 +7,8 @@ elements); max_diff_vs_ref against the plain PyTorch reference. `inflight0` is t
 each wgmma before the next K step, the A/B for the overlap itself; `pingpong` the warp-specialised form (two
 consumer warpgroups taking tiles in turn, one producer warp).
 
-    PYTHONPATH=. python scripts/diag/w8a8_wgmma.py [--images 8,64] [--skip pingpong]     (~1-2 min on the H200)
+    PYTHONPATH=. python scripts/diag/w8a8_wgmma.py [--images 8,64] [--skip pingpong] [--grid] [--gemms fc2,qkv]
+                                                                                   (~1-2 min on the H200)
 """
 import argparse
 import json
@@ -32,6 +33,12 @@ GLUON = {"p128x256s3": dict(tile=(128, 256, 128, 8, 3)),
          "pingpong128x128s5": dict(pingpong=True, tile=(128, 128, 128, 4, 5)),
          "pingpong64x128s4": dict(pingpong=True, tile=(64, 128, 128, 4, 4)),
          "pingpong64x128s6": dict(pingpong=True, tile=(64, 128, 128, 4, 6))}
+# --grid adds these (session 15's sweep for fc2, run S15-C): ping-pong over GROUP_M and stages, 64-deep K steps,
+# the row-halves form over GROUP_M.
+GRID = {**{f"pingpong s{s} g{g}": dict(pingpong=True, tile=(128, 128, 128, 4, s), group_m=g)
+           for s in (4, 5) for g in (1, 4, 8, 16, 32)},
+        **{f"pingpong bk64 s{s}": dict(pingpong=True, tile=(128, 128, 64, 4, s)) for s in (6, 8)},
+        **{f"p256x128s3 g{g}": dict(tile=(256, 128, 128, 8, 3), group_m=g) for g in (4, 16)}}
 
 
 def _triton(a, b, sa, sb, bias, r):
@@ -44,11 +51,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", default="8,64")
     ap.add_argument("--skip", default="", help="comma-separated substrings: Gluon configs whose names hold one are skipped")
+    ap.add_argument("--grid", action="store_true", help="also the GRID configs (GROUP_M, stages, K depth)")
+    ap.add_argument("--gemms", default=",".join(s[0] for s in SHAPES))
     args = ap.parse_args()
+    configs = {**GLUON, **(GRID if args.grid else {})}
     rows = []
     for n_img in (int(n) for n in args.images.split(",")):
         M = n_img * 729
         for name, N, K, res in SHAPES:
+            if name not in args.gemms.split(","):
+                continue
             sets = [(torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda"),
                      torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda"),
                      torch.rand(M, device="cuda") * 0.02, torch.rand(N, device="cuda") * 1e-3,
@@ -56,7 +68,7 @@ def main() -> int:
                      torch.randn(M, N, device="cuda", dtype=torch.float16) if res else None) for _ in range(2)]
             fns = {"triton": _triton}
             skip = [x for x in args.skip.split(",") if x]
-            for cname, kw in GLUON.items():
+            for cname, kw in configs.items():
                 if any(x in cname for x in skip):
                     continue
                 fns[cname] = (lambda a, b, sa, sb, bias, r, kw=kw: gw.w8a8_gemm_wgmma(a, b, sa, sb, bias, residual=r,
