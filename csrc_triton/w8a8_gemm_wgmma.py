@@ -15,14 +15,15 @@ dialect), in two forms, both persistent (one program per SM takes tiles pid, pid
   halves are two accumulators: column halves of a 128 x 256 tile (int8 wgmma is at most 224 wide, so a 256-wide
   tile is two 128-wide instructions anyway) or row halves of a 256 x 128 one, so the epilogue runs a half at a
   time without reshaping. Stream-K option (STREAM_K): when the tiles are not a whole number of waves (fc2 at 8
-  images: 207 tiles of 256 x 128 for 132 programs, so a second round of 75 tiles leaves 57 SMs idle), the whole
-  waves run as above and the K steps of the remaining tiles are split evenly over all programs, as one run in tile
-  order. A program's share then ends in the first steps of a tile (whose epilogue it runs) and may begin in the
-  middle of another: that part's int32 partial goes to the program's workspace slot, and a flag raised with GPU-
-  scope release tells the tile's owner, which adds it after an acquire (the flag is reset then, for the next
-  call). Only a share's first segment is ever given away and it is computed first, before any wait, so owners
-  wait only on later programs' early work (all programs are resident: one per SM). Integer sums are exact in
-  any order: the bits are the same as without it.
+  images: 207 tiles of 256 x 128 for 132 programs, so a second round of 75 tiles leaves 57 SMs idle), all whole
+  waves but the last run as above, and the K steps of the remaining tiles (the last whole wave and the partial
+  one) are split evenly over all programs, as one run in tile order: each share is more than a tile's K steps.
+  A share may begin in the middle of a tile: that first part's int32 partial goes to the program's workspace
+  slot, and a flag raised with GPU-scope release tells the tile's owner (the program holding its first K step,
+  which runs the epilogue), which adds it after an acquire and resets the flag for the next call. Only a share's
+  first segment is ever given away, computed before anything else of the share, and an owner's segment is the
+  last of its share, so owners wait only on other programs' early work (all programs are resident: one per
+  SM). Integer sums are exact in any order: the bits are the same as without it.
 - `_w8a8_pingpong_kernel`, warp-specialised (`gl.warp_specialize`): one producer warp issues every K step's
   TMA loads into one ring in tile order; two consumer warpgroups take the program's 128 x 128 tiles alternately,
   each starting its K loop when the other has issued its previous tile's wgmmas (an mbarrier each way), so the
@@ -205,8 +206,9 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
                        num_warps: gl.constexpr):
     """Persistent: this program's tiles as one stream of K steps (see the module docstring). IN_FLIGHT: K steps
     whose wgmmas may still run when the next step's are issued (1; 0 waits for each, as Triton's int8 loop).
-    STREAM_K: the tiles past the last whole wave (n_tiles % P of them) are not one program's each but split
-    evenly by K steps over all P programs (see the module docstring); ws_ptr / flag_ptr are its workspace."""
+    STREAM_K: the tiles of the last whole wave and of the partial one after it (P + n_tiles % P) are not one
+    program's each but split evenly by K steps over all P programs (see the module docstring); ws_ptr / flag_ptr
+    are its workspace."""
     # The tile's two halves, each its own accumulator: column halves (128 x 256: int8 wgmma is at most 224 wide, so
     # a 256-wide tile is two 128-wide instructions anyway), or row halves when the tile is taller than wide
     # (256 x 128: each half is still 128 wide, so its wgmmas read as many operand bytes per MAC).
@@ -218,9 +220,9 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
     pid = gl.program_id(0)
     n_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     K_TILES: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    if STREAM_K:  # whole waves data-parallel, then this program's even share of the rest's K steps
-        n_dp = (n_tiles // NUM_PROGRAMS) * NUM_PROGRAMS
-        dp_steps = (n_tiles // NUM_PROGRAMS) * K_TILES
+    if STREAM_K:  # whole waves but the last data-parallel, then this program's even share of the rest's K steps
+        n_dp = (n_tiles // NUM_PROGRAMS - 1) * NUM_PROGRAMS
+        dp_steps = (n_tiles // NUM_PROGRAMS - 1) * K_TILES
         sk_total = (n_tiles - n_dp) * K_TILES
         sk_lo = pid * sk_total // NUM_PROGRAMS
         steps = dp_steps + (pid + 1) * sk_total // NUM_PROGRAMS - sk_lo
@@ -440,8 +442,8 @@ def w8a8_gemm_wgmma(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
     does, then dispatches here). tile: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES), default DEFAULT_TILE
     (PINGPONG_TILE with pingpong); in_flight: 1 (a step's wgmmas overlapped with the next step) or 0 (the A/B
     form); out: the (M, N) result buffer (default: a new one); pingpong: the warp-specialised form; stream_k (the
-    first form, one program per SM): the tiles past the last whole wave split over all programs by K steps, where
-    that gives every program at least one (`stream_k_split`), else ignored."""
+    first form, one program per SM): the last whole wave of tiles and the partial one after it split over all
+    programs by K steps, where there are both (`stream_k_split`), else ignored."""
     M, K = a.shape
     N = b.shape[0]
     bm, bn, bk, warps, stages = tile or (PINGPONG_TILE if pingpong else DEFAULT_TILE)
@@ -465,8 +467,7 @@ def w8a8_gemm_wgmma(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
             GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=n_prog, CONSUMER_REGS=PINGPONG_REGS[0], num_warps=warps,
             maxnreg=PINGPONG_REGS[1])
         return c
-    split = stream_k and programs_per_sm == 1 and stream_k_split(triton.cdiv(M, bm) * triton.cdiv(N, bn),
-                                                                triton.cdiv(K, bk), n_prog)
+    split = stream_k and programs_per_sm == 1 and stream_k_split(triton.cdiv(M, bm) * triton.cdiv(N, bn), n_prog)
     ws, flags = _stream_k_workspace(a.device, n_prog, bm * bn) if split else (b_scale, b_scale)  # placeholders
     _w8a8_wgmma_kernel[(n_prog,)](
         *args[:7], ws, flags, *args[7:], K=K, HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_M=bm,
@@ -475,11 +476,12 @@ def w8a8_gemm_wgmma(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
     return c
 
 
-def stream_k_split(tiles: int, k_tiles: int, programs: int) -> bool:
-    """Whether a persistent launch of `programs` programs splits its last partial wave stream-K: there is one
-    (tiles % programs != 0) and its K steps give every program at least one (else a program would own nothing and
-    the fix-up's count of contributors would be wrong)."""
-    return tiles > programs and tiles % programs != 0 and (tiles % programs) * k_tiles >= programs
+def stream_k_split(tiles: int, programs: int) -> bool:
+    """Whether a persistent launch of `programs` programs splits its last whole wave and the partial one after it
+    stream-K: there is a partial wave (tiles % programs != 0) after at least one whole one. Each program's share is
+    then more than one tile's K steps, so the part of a tile it gives away is computed first and long done when the
+    tile's owner needs it."""
+    return tiles > programs and tiles % programs != 0
 
 
 _WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -143,10 +143,11 @@ ROWS_TILE = (256, 128, 128, 8, 3)
 
 
 @pytest.mark.parametrize("M,N,K,with_res,dtype", [
-    (8 * 729, 1152, 4304, True, torch.float16),  # fc2 at 8 images: 207 tiles, 75 past the wave, ~19 K steps each
-    (17 * 256 - 40, 1024, 4304, True, torch.bfloat16),  # 136 tiles: 4 past the wave, each split over ~33 programs
-    (8 * 729, 3456, 1152, False, torch.float16),  # 621 tiles, 9 K steps a tile: shares cross several tiles
-    (64 * 729, 1152, 4304, True, torch.float16),  # fc2 at 64 images: 12 waves + 63 tiles
+    (8 * 729, 1152, 4304, True, torch.float16),  # fc2 at 8 images: all 207 tiles split, ~53 K steps a share
+    (17 * 256 - 40, 1024, 4304, True, torch.bfloat16),  # 136 tiles: a share is 1.03 tiles' K steps
+    (8 * 729, 3456, 1152, False, torch.float16),  # 621 tiles, 9 K steps a tile: 3 whole waves, then shares of ~14
+    (64 * 729, 1152, 4304, True, torch.float16),  # fc2 at 64 images: 11 whole waves, then 195 tiles split
+    (3 * 256, 45 * 128, 128 + 16, True, torch.float16),  # 135 tiles of 2 K steps: 1-2 steps a share
 ])
 def test_stream_k_bits(M, N, K, with_res, dtype):
     """Stream-K changes only the schedule: its int32 partials are summed exactly, so the output is the same form's
@@ -155,7 +156,7 @@ def test_stream_k_bits(M, N, K, with_res, dtype):
 
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = triton.cdiv(M, 256) * triton.cdiv(N, 128)
-    assert gw.stream_k_split(tiles, triton.cdiv(K, 128), n_sm)  # the case under test really splits
+    assert gw.stream_k_split(tiles, n_sm)  # the case under test really splits
     a, b, a_s, b_s, bias, res = make(M, N, K, seed=M + N, dtype=dtype, with_res=with_res)
     base = w8a8_gemm_wgmma(a, b, a_s, b_s, bias, out_dtype=dtype, residual=res, tile=ROWS_TILE, group_m=4)
     for _ in range(3):
@@ -183,11 +184,9 @@ def test_stream_k_graph_replay():
 
 
 def test_stream_k_split_rule():
-    """Split only a partial last wave whose K steps give every program one or more."""
+    """Split where a partial wave follows one or more whole ones."""
     from csrc_triton.w8a8_gemm_wgmma import stream_k_split
 
-    assert stream_k_split(207, 34, 132)
-    assert not stream_k_split(264, 34, 132)  # whole waves: nothing to split
-    assert not stream_k_split(100, 34, 132)  # one partial wave: every tile already has its own program
-    assert not stream_k_split(133, 34, 132)  # 34 K steps for 132 programs
-    assert stream_k_split(136, 34, 132)
+    assert stream_k_split(207, 132) and stream_k_split(133, 132) and stream_k_split(1647, 132)
+    assert not stream_k_split(264, 132)  # whole waves: nothing to split
+    assert not stream_k_split(100, 132)  # one partial wave: every tile already has its own program
