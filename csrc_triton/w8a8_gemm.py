@@ -396,7 +396,7 @@ def _wgmma_form(persistent: bool, K: int, residual: torch.Tensor | None) -> dict
         return None
     if K <= PINGPONG_MAX_K:
         return {"pingpong": True}
-    return {"tile": (256, 128, 128, 8, 3), "group_m": 4, "stream_k": True} if residual is not None else None
+    return {"tile": (256, 128, 128, 8, 3), "group_m": 4} if residual is not None else None
 
 
 _GLUON_TRITON = triton.__version__.startswith("3.6.")

@@ -14,16 +14,7 @@ dialect), in two forms, both persistent (one program per SM takes tiles pid, pid
   (`warpgroup_mma_wait`), whose operand stage is then refilled with the step STAGES - 1 ahead. The tile's two
   halves are two accumulators: column halves of a 128 x 256 tile (int8 wgmma is at most 224 wide, so a 256-wide
   tile is two 128-wide instructions anyway) or row halves of a 256 x 128 one, so the epilogue runs a half at a
-  time without reshaping. Stream-K option (STREAM_K): when the tiles are not a whole number of waves (fc2 at 8
-  images: 207 tiles of 256 x 128 for 132 programs, so a second round of 75 tiles leaves 57 SMs idle), all whole
-  waves but the last run as above, and the K steps of the remaining tiles (the last whole wave and the partial
-  one) are split evenly over all programs, as one run in tile order: each share is more than a tile's K steps.
-  A share may begin in the middle of a tile: that first part's int32 partial goes to the program's workspace
-  slot, and a flag raised with GPU-scope release tells the tile's owner (the program holding its first K step,
-  which runs the epilogue), which adds it after an acquire and resets the flag for the next call. Only a share's
-  first segment is ever given away, computed before anything else of the share, and an owner's segment is the
-  last of its share, so owners wait only on other programs' early work (all programs are resident: one per
-  SM). Integer sums are exact in any order: the bits are the same as without it.
+  time without reshaping.
 - `_w8a8_pingpong_kernel`, warp-specialised (`gl.warp_specialize`): one producer warp issues every K step's
   TMA loads into one ring in tile order; two consumer warpgroups take the program's 128 x 128 tiles alternately,
   each starting its K loop when the other has issued its previous tile's wgmmas (an mbarrier each way), so the
@@ -68,12 +59,12 @@ def _tile_mn(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: 
 
 
 @gluon.jit
-def _load_step(a_desc, b_desc, a_smem, b_smem, ready, step, off_m, off_n, kt, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """Issue the TMA loads of this program's K step `step` (K tile kt of the tile at off_m, off_n) into its ring
-    stage, signalling ready[stage] when they land."""
+def _load_step(a_desc, b_desc, a_smem, b_smem, ready, step, off_m, off_n, K_TILES: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Issue the TMA loads of this program's K step `step` (K tile step % K_TILES of the tile at off_m, off_n)
+    into its ring stage, signalling ready[stage] when they land."""
     s = step % STAGES
-    k = kt * BLOCK_K
+    k = (step % K_TILES) * BLOCK_K
     mbarrier.expect(ready.index(s), (BLOCK_M + BLOCK_N) * BLOCK_K)
     tma.async_copy_global_to_shared(a_desc, [off_m, k], ready.index(s), a_smem.index(s))
     tma.async_copy_global_to_shared(b_desc, [off_n, k], ready.index(s), b_smem.index(s))
@@ -118,97 +109,12 @@ def _epilogue_half(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, 
 
 
 @gluon.jit
-def _step_work(step, pid, dp_steps, sk_lo, n_dp, K_TILES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-               STREAM_K: gl.constexpr):
-    """(tile, K tile) of this program's K step `step`: its data-parallel tiles pid, pid + P, ... (dp_steps steps),
-    then with STREAM_K its share [sk_lo, sk_hi) of the K steps of tiles n_dp, n_dp + 1, ... counted as one run."""
-    tile = pid + (step // K_TILES) * NUM_PROGRAMS
-    kt = step % K_TILES
-    if STREAM_K:
-        if step >= dp_steps:
-            g = sk_lo + step - dp_steps
-            tile = n_dp + g // K_TILES
-            kt = g % K_TILES
-    return tile, kt
-
-
-@gluon.jit
-def _starts(kt, step, dp_steps, STREAM_K: gl.constexpr):
-    """Whether K step `step` (K tile kt of its tile) is the first of its tile, or of this program's stream-K share."""
-    return (kt == 0) | (step == dp_steps) if STREAM_K else kt == 0
-
-
-@gluon.jit
-def _fence_gpu(x):
-    """fence.acq_rel.gpu in every thread (x, a scalar, passes through so the fence keeps its place in program order)."""
-    return gl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False,
-                                     pack=1)
-
-
-@gluon.jit
-def _partial_offs(SUB_M: gl.constexpr, SUB_N: gl.constexpr, layout: gl.constexpr):
-    """Offsets of a (SUB_M, SUB_N) half tile, row-major, in the accumulator's layout: a stream-K partial is stored
-    and read back by threads holding the same elements, so no layout change is needed either way."""
-    rm = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, layout))
-    rn = gl.arange(0, SUB_N, layout=gl.SliceLayout(0, layout))
-    return gl.expand_dims(rm, 1) * SUB_N + gl.expand_dims(rn, 0)
-
-
-@gluon.jit
-def _sk_give(acc0, acc1, ws_ptr, flag_ptr, pid, SUB_M: gl.constexpr, SUB_N: gl.constexpr, layout: gl.constexpr):
-    """Stream-K, a program whose share starts inside a tile: store its int32 partial of that tile (both halves) in
-    its workspace slot, then raise its flag (every thread's stores made visible GPU-wide first)."""
-    offs = _partial_offs(SUB_M, SUB_N, layout)
-    slot = ws_ptr + pid.to(gl.int64) * (2 * SUB_M * SUB_N)
-    gl.store(slot + offs, acc0)
-    gl.store(slot + SUB_M * SUB_N + offs, acc1)
-    token = _fence_gpu(pid)
-    gl.thread_barrier()
-    gl.atomic_xchg(flag_ptr + token, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
-def _sk_take(acc0, acc1, ws_ptr, flag_ptr, pid, end, sk_total, NUM_PROGRAMS: gl.constexpr, SUB_M: gl.constexpr,
-             SUB_N: gl.constexpr, layout: gl.constexpr):
-    """Stream-K, the program that holds a tile's first K step (and runs its epilogue): add the partials of the
-    programs whose shares start inside the tile (before `end`, in K steps of the stream-K run): programs
-    pid + 1 .. last, each waited for on its flag, which is reset for the next call. Integer sums: exact."""
-    offs = _partial_offs(SUB_M, SUB_N, layout)
-    # Program j's share starts at floor(j * total / P), inside the tile while that is < end.
-    last = (end * NUM_PROGRAMS + sk_total - 1) // sk_total - 1
-    for j in range(pid + 1, last + 1):
-        while gl.atomic_cas(flag_ptr + j, 1, 0, sem="acquire", scope="gpu") != 1:
-            pass
-        jj = _fence_gpu(j)  # acquire in every thread, not only in the one that took the flag
-        slot = ws_ptr + jj.to(gl.int64) * (2 * SUB_M * SUB_N)
-        acc0 += gl.load(slot + offs, cache_modifier=".cg")
-        acc1 += gl.load(slot + SUB_M * SUB_N + offs, cache_modifier=".cg")
-    return acc0, acc1
-
-
-@gluon.jit
-def _epilogue_tile(acc0, acc1, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc, c_smem,
-                   r_smem, r_bar, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, SUB_M: gl.constexpr,
-                   SUB_N: gl.constexpr, SECOND_M: gl.constexpr, SECOND_N: gl.constexpr, layout: gl.constexpr,
-                   C_BUFS: gl.constexpr):
-    """Both halves' epilogues (_epilogue_half), the second at (SECOND_M, SECOND_N) in the tile."""
-    _epilogue_half(acc0, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc, c_smem.index(0),
-                   r_smem, r_bar, 0, HAS_BIAS, HAS_RES, SUB_M, SUB_N, layout, C_BUFS)
-    _epilogue_half(acc1, off_m + SECOND_M, off_n + SECOND_N, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc,
-                   c_desc, c_smem.index(C_BUFS - 1), r_smem, r_bar, 1, HAS_BIAS, HAS_RES, SUB_M, SUB_N, layout, C_BUFS)
-
-
-@gluon.jit
-def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc, ws_ptr, flag_ptr, M, N,
+def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc, M, N,
                        K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       IN_FLIGHT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STREAM_K: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       IN_FLIGHT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, num_warps: gl.constexpr):
     """Persistent: this program's tiles as one stream of K steps (see the module docstring). IN_FLIGHT: K steps
-    whose wgmmas may still run when the next step's are issued (1; 0 waits for each, as Triton's int8 loop).
-    STREAM_K: the tiles of the last whole wave and of the partial one after it (P + n_tiles % P) are not one
-    program's each but split evenly by K steps over all P programs (see the module docstring); ws_ptr / flag_ptr
-    are its workspace."""
+    whose wgmmas may still run when the next step's are issued (1; 0 waits for each, as Triton's int8 loop)."""
     # The tile's two halves, each its own accumulator: column halves (128 x 256: int8 wgmma is at most 224 wide, so
     # a 256-wide tile is two 128-wide instructions anyway), or row halves when the tile is taller than wide
     # (256 x 128: each half is still 128 wide, so its wgmmas read as many operand bytes per MAC).
@@ -220,18 +126,7 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
     pid = gl.program_id(0)
     n_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     K_TILES: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    if STREAM_K:  # whole waves but the last data-parallel, then this program's even share of the rest's K steps
-        n_dp = (n_tiles // NUM_PROGRAMS - 1) * NUM_PROGRAMS
-        dp_steps = (n_tiles // NUM_PROGRAMS - 1) * K_TILES
-        sk_total = (n_tiles - n_dp) * K_TILES
-        sk_lo = pid * sk_total // NUM_PROGRAMS
-        steps = dp_steps + (pid + 1) * sk_total // NUM_PROGRAMS - sk_lo
-    else:
-        steps = ((n_tiles - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS) * K_TILES
-        n_dp = n_tiles
-        dp_steps = steps
-        sk_total = 0
-        sk_lo = 0
+    steps = ((n_tiles - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS) * K_TILES
     a_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     # Output staging: one buffer with a residual (its own buffer takes the room), else one per half, so a
@@ -250,61 +145,48 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
     # tile, when the loads cross into it (the grouped order's divisions by runtime tile counts are ~100 SASS).
     ld_m, ld_n = _tile_mn(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     for i in gl.static_range(STAGES - 1):
+        if i % K_TILES == 0 and i > 0:
+            ld_m, ld_n = _tile_mn(pid + (i // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         if i < steps:
-            ld_tile, ld_k = _step_work(gl.to_tensor(i), pid, dp_steps, sk_lo, n_dp, K_TILES, NUM_PROGRAMS, STREAM_K)
-            if _starts(ld_k, i, dp_steps, STREAM_K):
-                ld_m, ld_n = _tile_mn(ld_tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            _load_step(a_desc, b_desc, a_smem, b_smem, ready, i, ld_m, ld_n, ld_k, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+            _load_step(a_desc, b_desc, a_smem, b_smem, ready, i, ld_m, ld_n, K_TILES, BLOCK_M, BLOCK_N, BLOCK_K,
+                       STAGES)
 
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, SUB_N, 32])
     acc0 = gl.zeros((SUB_M, SUB_N), gl.int32, layout=layout)
     acc1 = gl.zeros((SUB_M, SUB_N), gl.int32, layout=layout)
     for step in range(steps):
-        tile, k = _step_work(step, pid, dp_steps, sk_lo, n_dp, K_TILES, NUM_PROGRAMS, STREAM_K)
+        k = step % K_TILES
         s = step % STAGES
         mbarrier.wait(ready.index(s), (step // STAGES) & 1)
         a_s = a_smem.index(s)
         b_s = b_smem.index(s)
-        keep = ~_starts(k, step, dp_steps, STREAM_K)  # the first step of a tile (or of a share) starts a new sum
         if HALF_M:
-            acc0 = warpgroup_mma(a_s.slice(0, SUB_M, dim=0), b_s.permute((1, 0)), acc0, use_acc=keep, is_async=True)
-            acc1 = warpgroup_mma(a_s.slice(SUB_M, SUB_M, dim=0), b_s.permute((1, 0)), acc1, use_acc=keep,
+            acc0 = warpgroup_mma(a_s.slice(0, SUB_M, dim=0), b_s.permute((1, 0)), acc0, use_acc=k != 0, is_async=True)
+            acc1 = warpgroup_mma(a_s.slice(SUB_M, SUB_M, dim=0), b_s.permute((1, 0)), acc1, use_acc=k != 0,
                                  is_async=True)
         else:
-            acc0 = warpgroup_mma(a_s, b_s.slice(0, SUB_N, dim=0).permute((1, 0)), acc0, use_acc=keep,
+            acc0 = warpgroup_mma(a_s, b_s.slice(0, SUB_N, dim=0).permute((1, 0)), acc0, use_acc=k != 0,
                                  is_async=True)
-            acc1 = warpgroup_mma(a_s, b_s.slice(SUB_N, SUB_N, dim=0).permute((1, 0)), acc1, use_acc=keep,
+            acc1 = warpgroup_mma(a_s, b_s.slice(SUB_N, SUB_N, dim=0).permute((1, 0)), acc1, use_acc=k != 0,
                                  is_async=True)
         # Two wgmma groups a step: with IN_FLIGHT 1 this step's may run on, the previous step's are done, so
         # its ring stage is free for the step STAGES - 1 ahead.
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=2 * IN_FLIGHT, deps=(acc0, acc1))
         nxt = step + STAGES - 1
         if nxt < steps:
-            ld_tile, ld_k = _step_work(nxt, pid, dp_steps, sk_lo, n_dp, K_TILES, NUM_PROGRAMS, STREAM_K)
-            if _starts(ld_k, nxt, dp_steps, STREAM_K):
-                ld_m, ld_n = _tile_mn(ld_tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            _load_step(a_desc, b_desc, a_smem, b_smem, ready, nxt, ld_m, ld_n, ld_k, BLOCK_M, BLOCK_N, BLOCK_K,
+            if nxt % K_TILES == 0:
+                ld_m, ld_n = _tile_mn(pid + (nxt // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            _load_step(a_desc, b_desc, a_smem, b_smem, ready, nxt, ld_m, ld_n, K_TILES, BLOCK_M, BLOCK_N, BLOCK_K,
                        STAGES)
-        # The last step of a tile, or of this program's stream-K share, ends a sum.
-        done = (k == K_TILES - 1) | (step == steps - 1) if STREAM_K else k == K_TILES - 1
-        if done:
+        if k == K_TILES - 1:
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-            off_m, off_n = _tile_mn(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            if STREAM_K:
-                if (step >= dp_steps) & ((tile - n_dp) * K_TILES < sk_lo):  # the tile's first step is another's
-                    _sk_give(acc0, acc1, ws_ptr, flag_ptr, pid, SUB_M, SUB_N, layout)
-                else:
-                    if step >= dp_steps:
-                        acc0, acc1 = _sk_take(acc0, acc1, ws_ptr, flag_ptr, pid, (tile - n_dp + 1) * K_TILES,
-                                              sk_total, NUM_PROGRAMS, SUB_M, SUB_N, layout)
-                    _epilogue_tile(acc0, acc1, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc,
-                                   c_desc, c_smem, r_smem, r_bar, HAS_BIAS, HAS_RES, SUB_M, SUB_N, SECOND_M, SECOND_N,
-                                   layout, C_BUFS)
-            else:
-                _epilogue_tile(acc0, acc1, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc,
-                               c_smem, r_smem, r_bar, HAS_BIAS, HAS_RES, SUB_M, SUB_N, SECOND_M, SECOND_N, layout,
-                               C_BUFS)
+            off_m, off_n = _tile_mn(pid + (step // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            _epilogue_half(acc0, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc,
+                           c_smem.index(0), r_smem, r_bar, 0, HAS_BIAS, HAS_RES, SUB_M, SUB_N, layout, C_BUFS)
+            _epilogue_half(acc1, off_m + SECOND_M, off_n + SECOND_N, M, N, a_scale_ptr, b_scale_ptr,
+                           bias_ptr, res_desc, c_desc, c_smem.index(C_BUFS - 1), r_smem, r_bar, 1, HAS_BIAS, HAS_RES,
+                           SUB_M, SUB_N, layout, C_BUFS)
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -437,13 +319,11 @@ def w8a8_gemm_wgmma(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
                     residual: torch.Tensor | None = None, tile: tuple | None = None, in_flight: int = 1,
                     group_m: int = 8, programs_per_sm: int = 1, out: torch.Tensor | None = None,
-                    pingpong: bool = False, stream_k: bool = False) -> torch.Tensor:
+                    pingpong: bool = False) -> torch.Tensor:
     """w8a8_gemm's operation on sm_90 (the caller checks shapes and dtypes and `ok`: csrc_triton.w8a8_gemm.w8a8_gemm
     does, then dispatches here). tile: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES), default DEFAULT_TILE
     (PINGPONG_TILE with pingpong); in_flight: 1 (a step's wgmmas overlapped with the next step) or 0 (the A/B
-    form); out: the (M, N) result buffer (default: a new one); pingpong: the warp-specialised form; stream_k (the
-    first form, one program per SM): the last whole wave of tiles and the partial one after it split over all
-    programs by K steps, where there are both (`stream_k_split`), else ignored."""
+    form); out: the (M, N) result buffer (default: a new one); pingpong: the warp-specialised form."""
     M, K = a.shape
     N = b.shape[0]
     bm, bn, bk, warps, stages = tile or (PINGPONG_TILE if pingpong else DEFAULT_TILE)
@@ -467,42 +347,10 @@ def w8a8_gemm_wgmma(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
             GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=n_prog, CONSUMER_REGS=PINGPONG_REGS[0], num_warps=warps,
             maxnreg=PINGPONG_REGS[1])
         return c
-    split = stream_k and programs_per_sm == 1 and stream_k_split(triton.cdiv(M, bm) * triton.cdiv(N, bn), n_prog)
-    ws, flags = _stream_k_workspace(a.device, n_prog, bm * bn) if split else (b_scale, b_scale)  # placeholders
     _w8a8_wgmma_kernel[(n_prog,)](
-        *args[:7], ws, flags, *args[7:], K=K, HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, IN_FLIGHT=in_flight, NUM_PROGRAMS=n_prog,
-        STREAM_K=split, num_warps=warps)
+        *args, K=K, HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, GROUP_M=group_m, STAGES=stages, IN_FLIGHT=in_flight, NUM_PROGRAMS=n_prog, num_warps=warps)
     return c
-
-
-def stream_k_split(tiles: int, programs: int) -> bool:
-    """Whether a persistent launch of `programs` programs splits its last whole wave and the partial one after it
-    stream-K: there is a partial wave (tiles % programs != 0) after at least one whole one. Each program's share is
-    then more than one tile's K steps, so the part of a tile it gives away is computed first and long done when the
-    tile's owner needs it."""
-    return tiles > programs and tiles % programs != 0
-
-
-_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _stream_k_workspace(device: torch.device, programs: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's stream-K workspace: one int32 partial tile and one flag (zeroed once) per program. Every call
-    leaves the flags at zero, so calls share it; they run one at a time because stream-K calls are issued on one
-    stream at a time (the encoder's). Grows on demand, which cannot happen under CUDA-graph capture: capture
-    after one eager call of the same shapes (tinyvila.cuda_graph.capture warms up first)."""
-    ws, flags = _WORKSPACE.get(device, (None, None))
-    if ws is None or flags.numel() < programs or ws.numel() < programs * tile:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("w8a8_gemm_wgmma: the stream-K workspace must exist before CUDA-graph capture; run "
-                               "the same call once eagerly first")
-        grown = (programs * tile, programs) if ws is None else (max(programs * tile, ws.numel()),
-                                                                max(programs, flags.numel()))
-        ws = torch.empty(grown[0], dtype=torch.int32, device=device)
-        flags = torch.zeros(grown[1], dtype=torch.int32, device=device)
-        _WORKSPACE[device] = (ws, flags)
-    return ws, flags
 
 
 def w8a8_gemm_wgmma_ref(a, b, a_scale, b_scale, bias=None, out_dtype=torch.float16, residual=None):

@@ -4,13 +4,12 @@ GEMM dispatch or of the environment, graph-replayed, with the fp16 encoder timed
 variant's bit for bit. `--rows` also times the three row kernels alone (graph-replayed) per variant.
 
     PYTHONPATH=. python scripts/diag/w8a8_encoder_ab.py [--images 1,8,64] [--rounds 3] [--rows]
-        [--variants default,triton,no-sk,s14,pp-all,pp64,one-pp64,one-pp128,env:TINYVILA_PDL=0]
+        [--variants default,triton,s14,pp-all,pp64,one-pp64,one-pp128,env:TINYVILA_PDL=0]
 
 Variants: default (the launcher as it is), triton (csrc_triton.w8a8_gemm.USE_WGMMA off), s14 (session 14's
 dispatch: the 128 x 256 Gluon form for the residual GEMMs only), pp-all (ping-pong for every persistent-config
 GEMM, fc2 included), pp64 (ping-pong at 64 x 128 tiles where the default runs it at 128 x 128), one-pp64 /
-one-pp128 (also the one-image, non-persistent calls at K <= PINGPONG_MAX_K on ping-pong at that tile), no-sk
-(the default without stream-K for the tiles past fc2's last whole wave),
+one-pp128 (also the one-image, non-persistent calls at K <= PINGPONG_MAX_K on ping-pong at that tile),
 env:NAME=VALUE (the default dispatch with an environment variable set for the variant's run, e.g. a kernel's
 A/B switch of a past commit: TINYVILA_PDL=0 at bf14043). Session 15 ran this logic from session-local copies
 (runs S15-A, S15-B, S15-D, S15-F in docs/benchmarks.md).
@@ -48,12 +47,7 @@ def _pp64(persistent, K, residual):
     return {"pingpong": True, "tile": PP64} if f == {"pingpong": True} else f
 
 
-def _no_stream_k(persistent, K, residual):
-    f = DEFAULT_FORM(persistent, K, residual)
-    return f if f is None else {k: v for k, v in f.items() if k != "stream_k"}
-
-
-FORMS = {"default": DEFAULT_FORM, "triton": None, "no-sk": _no_stream_k, "pp64": _pp64, "one-pp64": _one_image(PP64),
+FORMS = {"default": DEFAULT_FORM, "triton": None, "pp64": _pp64, "one-pp64": _one_image(PP64),
          "one-pp128": _one_image(PP128),
          "s14": lambda p, K, r: ({"tile": (128, 256, 128, 8, 3)} if p and r is not None else None),
          "pp-all": lambda p, K, r: ({"pingpong": True} if p else None)}

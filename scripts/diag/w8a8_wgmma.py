@@ -5,8 +5,7 @@ and 64 images by default (issue 4; at one image the Triton row is the launcher's
 config: us, TOPS, and whether the output equals the Triton kernel's bit for bit (else the fraction of equal
 elements); max_diff_vs_ref against the plain PyTorch reference. `inflight0` is the same Gluon kernel waiting for
 each wgmma before the next K step, the A/B for the overlap itself; `pingpong` the warp-specialised form (two
-consumer warpgroups taking tiles in turn, one producer warp); `stream-K` the row-halves form with the tiles past the
-last whole wave split over all programs by K steps.
+consumer warpgroups taking tiles in turn, one producer warp).
 
     PYTHONPATH=. python scripts/diag/w8a8_wgmma.py [--images 8,64] [--skip pingpong] [--grid] [--gemms fc2,qkv]
                                                                                    (~1-2 min on the H200)
@@ -30,8 +29,7 @@ SHAPES = (("qkv", 3456, 1152, False), ("wo", 1152, 1152, True), ("fc1", 4304, 11
 GLUON = {"p128x256s3": dict(tile=(128, 256, 128, 8, 3)),
          "p128x256s3_inflight0": dict(tile=(128, 256, 128, 8, 3), in_flight=0),
          "p256x128s3 (row halves)": dict(tile=(256, 128, 128, 8, 3)),
-         "p256x128s3 g4": dict(tile=(256, 128, 128, 8, 3), group_m=4),
-         "p256x128s3 g4 stream-K": dict(tile=(256, 128, 128, 8, 3), group_m=4, stream_k=True),
+         "p256x128s3 g4": dict(tile=(256, 128, 128, 8, 3), group_m=4),  # fc2's dispatched form
          "pingpong128x128s4": dict(pingpong=True, tile=(128, 128, 128, 4, 4)),
          "pingpong128x128s5": dict(pingpong=True, tile=(128, 128, 128, 4, 5)),
          "pingpong64x128s4": dict(pingpong=True, tile=(64, 128, 128, 4, 4)),

@@ -19,11 +19,8 @@ if ON_HOPPER:
 
 FLOOR = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}  # relative to max|out|
 # The kernel's forms: 256-wide tiles in column halves, 256-tall ones in row halves, the warp-specialised ping-pong.
-# With stream_k the row-halves form splits the tiles past its last whole wave over every program (the 8-image
-# shapes; the others have fewer tiles than SMs and ignore it).
 FORMS = [dict(tile=(128, 256, 128, 8, 3)), dict(tile=(128, 256, 64, 8, 6)), dict(tile=(256, 128, 128, 8, 3)),
-         dict(tile=(256, 128, 128, 8, 3), stream_k=True), dict(pingpong=True),
-         dict(pingpong=True, tile=(128, 128, 128, 4, 5))]
+         dict(pingpong=True), dict(pingpong=True, tile=(128, 128, 128, 4, 5))]
 
 
 def make(M, N, K, seed, dtype=torch.float16, with_bias=True, with_res=True):
@@ -121,15 +118,13 @@ def test_ok():
 def test_dispatch_by_k(monkeypatch):
     """w8a8_gemm sends its persistent-config calls to the Gluon kernel in the form measured fastest there
     (csrc_triton/w8a8_gemm.py, USE_WGMMA): ping-pong at K <= PINGPONG_MAX_K with or without a residual, the
-    256 x 128 form with stream-K at longer K with a residual, the Triton kernel at longer K without; same results
-    every way."""
+    256 x 128 form at longer K with a residual, the Triton kernel at longer K without; same results every way."""
     import csrc_triton.w8a8_gemm_wgmma as gw
 
     calls = []
     real = gw.w8a8_gemm_wgmma
     monkeypatch.setattr(gw, "w8a8_gemm_wgmma", lambda *args, **kw: calls.append(kw) or real(*args, **kw))
-    for K, want in ((1152, [{"pingpong": True}] * 2),
-                    (4304, [{"tile": (256, 128, 128, 8, 3), "group_m": 4, "stream_k": True}])):
+    for K, want in ((1152, [{"pingpong": True}] * 2), (4304, [{"tile": (256, 128, 128, 8, 3), "group_m": 4}])):
         calls.clear()
         a, b, a_s, b_s, bias, res = make(8 * 729, 1152, K, seed=6)
         with_res = w8a8_gemm(a, b, a_s, b_s, bias, residual=res)
@@ -137,56 +132,3 @@ def test_dispatch_by_k(monkeypatch):
         assert [{k: v for k, v in kw.items() if k != "out"} for kw in calls] == want
         torch.testing.assert_close(with_res, _triton(a, b, a_s, b_s, bias, res), rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(plain, _triton(a, b, a_s, b_s, bias, None), rtol=2e-3, atol=2e-3)
-
-
-ROWS_TILE = (256, 128, 128, 8, 3)
-
-
-@pytest.mark.parametrize("M,N,K,with_res,dtype", [
-    (8 * 729, 1152, 4304, True, torch.float16),  # fc2 at 8 images: all 207 tiles split, ~53 K steps a share
-    (17 * 256 - 40, 1024, 4304, True, torch.bfloat16),  # 136 tiles: a share is 1.03 tiles' K steps
-    (8 * 729, 3456, 1152, False, torch.float16),  # 621 tiles, 9 K steps a tile: 3 whole waves, then shares of ~14
-    (64 * 729, 1152, 4304, True, torch.float16),  # fc2 at 64 images: 11 whole waves, then 195 tiles split
-    (3 * 256, 45 * 128, 128 + 16, True, torch.float16),  # 135 tiles of 2 K steps: 1-2 steps a share
-])
-def test_stream_k_bits(M, N, K, with_res, dtype):
-    """Stream-K changes only the schedule: its int32 partials are summed exactly, so the output is the same form's
-    without it bit for bit, call after call (each call leaves the workspace's flags at zero for the next)."""
-    import csrc_triton.w8a8_gemm_wgmma as gw
-
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    tiles = triton.cdiv(M, 256) * triton.cdiv(N, 128)
-    assert gw.stream_k_split(tiles, n_sm)  # the case under test really splits
-    a, b, a_s, b_s, bias, res = make(M, N, K, seed=M + N, dtype=dtype, with_res=with_res)
-    base = w8a8_gemm_wgmma(a, b, a_s, b_s, bias, out_dtype=dtype, residual=res, tile=ROWS_TILE, group_m=4)
-    for _ in range(3):
-        out = w8a8_gemm_wgmma(a, b, a_s, b_s, bias, out_dtype=dtype, residual=res, tile=ROWS_TILE, group_m=4,
-                              stream_k=True)
-        assert torch.equal(out, base)
-    torch.cuda.synchronize()
-    assert not gw._WORKSPACE[a.device][1].any()
-
-
-def test_stream_k_graph_replay():
-    """Captured after one eager call (which sizes the workspace), replays give the eager bits every time."""
-    a, b, a_s, b_s, bias, res = make(8 * 729, 1152, 4304, seed=11)
-    run = lambda: w8a8_gemm_wgmma(a, b, a_s, b_s, bias, residual=res, tile=ROWS_TILE, group_m=4,  # noqa: E731
-                                  stream_k=True)
-    want = run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
-
-
-def test_stream_k_split_rule():
-    """Split where a partial wave follows one or more whole ones."""
-    from csrc_triton.w8a8_gemm_wgmma import stream_k_split
-
-    assert stream_k_split(207, 132) and stream_k_split(133, 132) and stream_k_split(1647, 132)
-    assert not stream_k_split(264, 132)  # whole waves: nothing to split
-    assert not stream_k_split(100, 132)  # one partial wave: every tile already has its own program
