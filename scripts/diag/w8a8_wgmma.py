@@ -35,11 +35,12 @@ GLUON = {"p128x256s3": dict(tile=(128, 256, 128, 8, 3)),
          "pingpong64x128s4": dict(pingpong=True, tile=(64, 128, 128, 4, 4)),
          "pingpong64x128s6": dict(pingpong=True, tile=(64, 128, 128, 4, 6))}
 # --grid adds these (session 15's sweep for fc2, run S15-C): ping-pong over GROUP_M and stages, 64-deep K steps,
-# the row-halves form over GROUP_M.
+# the row-halves form over GROUP_M (1, 2, 3, 6 and its 64-deep K steps added in session 16).
 GRID = {**{f"pingpong s{s} g{g}": dict(pingpong=True, tile=(128, 128, 128, 4, s), group_m=g)
            for s in (4, 5) for g in (1, 4, 8, 16, 32)},
         **{f"pingpong bk64 s{s}": dict(pingpong=True, tile=(128, 128, 64, 4, s)) for s in (6, 8)},
-        **{f"p256x128s3 g{g}": dict(tile=(256, 128, 128, 8, 3), group_m=g) for g in (4, 16)}}
+        **{f"p256x128s3 g{g}": dict(tile=(256, 128, 128, 8, 3), group_m=g) for g in (1, 2, 3, 4, 6, 16)},
+        "p256x128 bk64 s6 g4": dict(tile=(256, 128, 64, 8, 6), group_m=4)}
 
 
 def _triton(a, b, sa, sb, bias, r):
