@@ -59,12 +59,12 @@ def _tile_mn(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: 
 
 
 @gluon.jit
-def _load_step(a_desc, b_desc, a_smem, b_smem, ready, step, off_m, off_n, K_TILES: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """Issue the TMA loads of this program's K step `step` (K tile step % K_TILES of the tile at off_m, off_n)
-    into its ring stage, signalling ready[stage] when they land."""
+def _load_step(a_desc, b_desc, a_smem, b_smem, ready, step, off_m, off_n, kt, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Issue the TMA loads of this program's K step `step` (K tile kt of the tile at off_m, off_n) into its ring
+    stage, signalling ready[stage] when they land. Both forms' loads (the ping-pong producer's after its wait)."""
     s = step % STAGES
-    k = (step % K_TILES) * BLOCK_K
+    k = kt * BLOCK_K
     mbarrier.expect(ready.index(s), (BLOCK_M + BLOCK_N) * BLOCK_K)
     tma.async_copy_global_to_shared(a_desc, [off_m, k], ready.index(s), a_smem.index(s))
     tma.async_copy_global_to_shared(b_desc, [off_n, k], ready.index(s), b_smem.index(s))
@@ -148,7 +148,7 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
         if i % K_TILES == 0 and i > 0:
             ld_m, ld_n = _tile_mn(pid + (i // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         if i < steps:
-            _load_step(a_desc, b_desc, a_smem, b_smem, ready, i, ld_m, ld_n, K_TILES, BLOCK_M, BLOCK_N, BLOCK_K,
+            _load_step(a_desc, b_desc, a_smem, b_smem, ready, i, ld_m, ld_n, i % K_TILES, BLOCK_M, BLOCK_N, BLOCK_K,
                        STAGES)
 
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -177,8 +177,8 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
         if nxt < steps:
             if nxt % K_TILES == 0:
                 ld_m, ld_n = _tile_mn(pid + (nxt // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            _load_step(a_desc, b_desc, a_smem, b_smem, ready, nxt, ld_m, ld_n, K_TILES, BLOCK_M, BLOCK_N, BLOCK_K,
-                       STAGES)
+            _load_step(a_desc, b_desc, a_smem, b_smem, ready, nxt, ld_m, ld_n, nxt % K_TILES, BLOCK_M, BLOCK_N,
+                       BLOCK_K, STAGES)
         if k == K_TILES - 1:
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
             off_m, off_n = _tile_mn(pid + (step // K_TILES) * NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -205,9 +205,7 @@ def _pp_loads(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, pid, n_tiles, 
             step = j * K_TILES + k
             s = step % STAGES
             mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-            mbarrier.expect(ready.index(s), (BLOCK_M + BLOCK_N) * BLOCK_K)
-            tma.async_copy_global_to_shared(a_desc, [off_m, k * BLOCK_K], ready.index(s), a_smem.index(s))
-            tma.async_copy_global_to_shared(b_desc, [off_n, k * BLOCK_K], ready.index(s), b_smem.index(s))
+            _load_step(a_desc, b_desc, a_smem, b_smem, ready, step, off_m, off_n, k, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
 
 
 @gluon.jit
