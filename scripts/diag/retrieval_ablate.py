@@ -8,7 +8,9 @@ module per variant (written to a temporary directory and imported):
   noexp    each tile's sum over the question is of the raw logits (no FMA, no exp2: the MUFU idle);
   nomma    no wgmma (ping-pong form): each tile's "logits" are a per-key-row ramp (the tensor cores idle; the
            exponentials, the key loads and the ring's barriers stay);
-  neither  both (what is left: the key loads through the ring, the barriers, the sums and the stores).
+  neither  both (what is left: the key loads through the ring, the barriers, the sums and the stores);
+  polyexp  every exponential on the FMA pipe (a polynomial, POLY; not exact at padded rows: timing only);
+  halfpoly the ping-pong's second warpgroup's tiles (every other tile) with the polynomial, the first's with MUFU.
 Each at Llama-3-8B shapes (32 query heads, 8 KV heads, D = 128, fp16), a T-token question over a 32K range:
 every variant in the ping-pong form, real and noexp in the halves form, graph-replayed like
 scripts/benches/retrieval_variants.py. Then nvidia-smi's SM clock and power while the real kernel runs back to
@@ -34,8 +36,36 @@ MASS = "    return gl.sum(gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 0)), axi
 NOEXP = "    return gl.sum(s, axis=1) + gl.sum(gl.expand_dims(lse2, 0) * 0.0, axis=1)"
 MMA_PP = "        acc = warpgroup_mma(k_smem.index(s), q_t, zero, use_acc=False, is_async=True)"
 NOMMA_PP = ("        acc = warpgroup_mma_init(zero + gl.expand_dims((offs + t).to(gl.float32), 1) * 1e-3)")
+# 2^x on the FMA pipe (the MUFU idle): x = n + f, n = round(x) by the 1.5 * 2^23 trick, 2^f by a degree-5
+# polynomial on [-0.5, 0.5] (Taylor: relative error ~3e-6, enough for timing), n added to the exponent bits;
+# x clamped at -126 (padded rows give ~1e-38 instead of 0: a timing variant, not exact).
+POLY = '''
+
+@gluon.jit
+def _exp2_fma(x):
+    x = gl.maximum(x, -126.0)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    p = 1.3333558146428443e-03 * f + 9.6181291076284772e-03
+    p = p * f + 5.5504108664821580e-02
+    p = p * f + 2.4022650695910071e-01
+    p = p * f + 6.9314718055994531e-01
+    p = p * f + 1.0
+    bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _mass_poly(s, lse2, scale_log2, POLY: gl.constexpr):
+    if POLY:
+        return gl.sum(_exp2_fma(s * scale_log2 - gl.expand_dims(lse2, 0)), axis=1)
+    return gl.sum(gl.exp2(s * scale_log2 - gl.expand_dims(lse2, 0)), axis=1)
+'''
+EMIT_PP = "_emit(o_base + t * BLOCK_N + offs, _mass(acc, lse2, scale_log2),"
 EDITS = {"real": [], "noexp": [(MASS, NOEXP)], "nomma": [(MMA_PP, NOMMA_PP)],
-         "neither": [(MASS, NOEXP), (MMA_PP, NOMMA_PP)]}
+         "neither": [(MASS, NOEXP), (MMA_PP, NOMMA_PP)],
+         "polyexp": [(EMIT_PP, "_emit(o_base + t * BLOCK_N + offs, _mass_poly(acc, lse2, scale_log2, True),")],
+         "halfpoly": [(EMIT_PP, "_emit(o_base + t * BLOCK_N + offs, _mass_poly(acc, lse2, scale_log2, WG == 1),")]}
 
 
 def variant(name: str, tmp: Path):
@@ -46,6 +76,8 @@ def variant(name: str, tmp: Path):
         text = text.replace(old, new)
     text = text.replace("from triton.experimental.gluon.language.nvidia.hopper import (",
                         "from triton.experimental.gluon.language.nvidia.hopper import (warpgroup_mma_init, ")
+    if "_mass_poly" in text:  # the helpers go right after _mass
+        text = text.replace("\n\n@gluon.jit\ndef _emit(", POLY + "\n\n@gluon.jit\ndef _emit(", 1)
     path = tmp / f"rw_{name}.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location(f"rw_{name}", path)
