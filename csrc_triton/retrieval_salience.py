@@ -61,14 +61,8 @@ KEY_WARPS = 4
 # programs that fit per SM. H200, session 7 (run S7-C, scripts/benches/retrieval_variants.py, graph-replayed, 32K keys,
 # 32 query / 8 KV heads): T=64 gather 50.9 us as S5 launched it (7-tile chunks: 2.2 waves), 41.1 in one
 # wave, pipe 44.1; T=16 26.1 / 20.9 (4 per SM) / 22.8; T=256 (1024 rows) gather 343 / 276, pipe 179.
-IMPLS = ("gather", "pipe", "wgmma")
+IMPLS = ("gather", "pipe")
 DEFAULT_IMPL = None  # None: the rule above; "gather" / "pipe": always that kernel
-# impl "wgmma": span calls on sm_90 under Triton 3.6 run the Gluon kernel of csrc_triton/retrieval_salience_wgmma.py
-# (the tensor cores' work on one part of the question overlapping the exponentials of another, which Triton cannot
-# express) when it can take them (its `ok`) and no impl or tile is asked for; USE_WGMMA False: the Triton kernels
-# only (the A/B of benches and tests).
-USE_WGMMA = True
-_GLUON_TRITON = triton.__version__.startswith("3.6.")
 PIPE_HALF = 128
 PIPE_BLOCK = 64
 PIPE_WARPS = 4
@@ -342,9 +336,6 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
     compiled kernel that fit, at most PROGRAMS_PER_SM for gather), num_warps, num_stages (gather: 1, it
     pipelines its own loads; pipe: Triton's pipeline depth), key_rows (gather: the dot's orientation). The
     gather tile (KEY_ROWS, KEY_BLOCK, KEY_WARPS) comes from the H200 sweep of run S5-C (docs/benchmarks.md)."""
-    tuned = (block_m, block_n, tiles, num_warps, num_stages, key_rows, per_sm) != (None,) * 7
-    if impl == "wgmma" or (impl is None and DEFAULT_IMPL is None and not tuned and _wgmma_ok(q, k, idx, out)):
-        return _wgmma(q, k, idx, lse, scale, out, tiles, num_stages)
     key = (tensor_key(q), tensor_key(k), (idx.start, idx.stop, idx.step) if isinstance(idx, range) else tensor_key(idx),
            tensor_key(lse), scale, tensor_key(out), block_m, block_n, tiles, num_warps, num_stages, key_rows, impl,
            per_sm, DEFAULT_IMPL, KEY_ROWS, KEY_BLOCK, KEY_WARPS, PIPE_HALF, PIPE_BLOCK, PIPE_WARPS, PIPE_STAGES,
@@ -369,35 +360,6 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
         if rkey not in _RESIDENT and q.is_cuda and hasattr(compiled, "n_regs"):
             _RESIDENT[rkey] = _resident(compiled, launch.meta["num_warps"], q.device)
     return out
-
-
-def _wgmma_ok(q, k, idx, out) -> bool:
-    """Whether a call with no impl runs the Gluon kernel (see USE_WGMMA)."""
-    if not USE_WGMMA or not _GLUON_TRITON or _INTERPRET or not q.is_cuda or not isinstance(idx, range):
-        return False
-    try:
-        from csrc_triton.retrieval_salience_wgmma import ok
-    except ImportError:  # a Triton without Gluon's Hopper API: the Triton kernels serve
-        return False
-    return ok(q, k, out)
-
-
-def _wgmma(q, k, idx, lse, scale, out, tiles, num_stages) -> torch.Tensor:
-    """impl "wgmma": checks, then csrc_triton.retrieval_salience_wgmma (tiles: key tiles per program, num_stages:
-    its key ring's depth)."""
-    _check(q, k, idx, lse, out)
-    if not (isinstance(idx, range) and _GLUON_TRITON and not _INTERPRET and q.is_cuda):
-        raise ValueError("retrieval_salience: impl 'wgmma' takes a range of slots on an sm_90 GPU under Triton 3.6")
-    from csrc_triton.retrieval_salience_wgmma import ok, retrieval_salience_wgmma
-
-    if not ok(q, k, out):
-        raise ValueError("retrieval_salience: impl 'wgmma' needs sm_90, 16-bit q and k of one dtype, D of 64 or 128 "
-                         "and TMA-aligned keys whose rows flatten (csrc_triton/retrieval_salience_wgmma.ok)")
-    B, H, T, D = q.shape
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    accumulate = out is not None
-    out = torch.empty((B, k.shape[1], len(idx)), device=q.device, dtype=torch.float32) if out is None else out
-    return retrieval_salience_wgmma(q, k, idx, lse, scale, out, accumulate, tiles=tiles, stages=num_stages)
 
 
 def _plan(q, k, idx, lse, scale, out, block_m, block_n, tiles, num_warps, num_stages, key_rows, impl, per_sm) -> _Plan:

@@ -261,7 +261,7 @@ def retrieval_rows(S=32768, T=64) -> list[dict]:
     kern, kern_g = common.bench(kern_fn, sets), common.graph_ms(kern_fn, sets)
     prefill, prefill_g = common.bench(prefill_fn, sets), common.graph_ms(prefill_fn, sets)
     # The same slots as a range: what the runtime passes when the retrievable slots are one run (kv_cache's
-    # kernel_idx), read as one block (on sm_90: the Gluon kernel of csrc_triton/retrieval_salience_wgmma.py).
+    # kernel_idx): the keys are read as one block and no slot is loaded.
     span_fn = lambda q, k, v, lse: ops.retrieval_salience(q, k, range(0, S), lse)  # noqa: E731
     span, span_g = common.bench(span_fn, sets), common.graph_ms(span_fn, sets)
     naive = common.bench(lambda q, k, v, lse: _naive_salience(q, k[:, :, :S], idx, scale), sets, iters=20)

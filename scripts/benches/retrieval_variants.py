@@ -20,58 +20,53 @@ import torch
 import triton
 
 from csrc_triton import retrieval_salience as rs
-from csrc_triton import retrieval_salience_wgmma as rw
 from tinyvila import ops
 
 H, HKV, D, S = 32, 8, 128, 32768
 SPAN = range(1024, 1024 + 30000)
 DEV = "cuda"
 CALLS, REPLAYS = 16, 40
-BUDGET_S = 150  # stop adding rows past this (compiles dominate)
+BUDGET_S = 105  # stop adding rows past this (compiles dominate; the lead's run must stay < 2 minutes)
 
-# (label, idx kind, kwargs for retrieval_salience); idx kind "t": the case's slots as an int32 tensor (gathered),
-# "r": the same slots as a range (read as one block; what the runtime passes when the retrievable slots are one
-# run, kv_cache's kernel_idx). "form" picks the Gluon kernel's form (retrieval_salience_wgmma.FORM). The first
-# variant of each case is the reference its rows are checked against.
+# (label, kwargs for retrieval_salience); the first of each case is the reference its rows are checked against
 VARIANTS_64 = [
-    ("gather (default for slots)", "t", {}),
-    ("wgmma pingpong (default for a range)", "r", {}),
-    ("wgmma pingpong stages=3", "r", dict(impl="wgmma", num_stages=3)),
-    ("wgmma pingpong stages=6", "r", dict(impl="wgmma", num_stages=6)),
-    ("wgmma halves", "r", dict(impl="wgmma", form="halves")),
-    ("wgmma halves stages=2", "r", dict(impl="wgmma", form="halves", num_stages=2)),
-    ("gather, range", "r", dict(impl="gather")),
-    ("gather tiles=7 (S5's launch: 2.2 waves)", "t", dict(tiles=7, impl="gather")),
-    ("gather tiles=8 (2 waves)", "t", dict(tiles=8)),
-    ("pipe", "t", dict(impl="pipe")),
-    ("pipe, range", "r", dict(impl="pipe")),
-    ("pipe stages=4", "t", dict(impl="pipe", num_stages=4)),
+    ("default", {}),
+    ("gather tiles=7 (S5's launch: 2.2 waves)", dict(tiles=7, impl="gather")),
+    ("gather tiles=16 (1 wave)", dict(tiles=16, impl="gather")),
+    ("gather tiles=8 (2 waves)", dict(tiles=8)),
+    ("pipe", dict(impl="pipe")),
+    ("pipe stages=2", dict(impl="pipe", num_stages=2)),
+    ("pipe stages=4", dict(impl="pipe", num_stages=4)),
+    ("pipe per_sm=1", dict(impl="pipe", per_sm=1)),
+    ("pipe tiles=8 (2 waves)", dict(impl="pipe", tiles=8)),
+    ("pipe tiles=4 (4 waves)", dict(impl="pipe", tiles=4)),
+    ("pipe n128 w8", dict(impl="pipe", block_n=128, num_warps=8)),
+    ("pipe half=64 (2 launches)", dict(impl="pipe", block_m=64)),
 ]
-VARIANTS_SPAN = [
-    ("gather, slot tensor", "t", {}),
-    ("wgmma pingpong, range (default)", "r", {}),
-    ("wgmma halves, range", "r", dict(impl="wgmma", form="halves")),
-    ("gather, range", "r", dict(impl="gather")),
+VARIANTS_SPAN = [  # idx: "t" = the span's slots as a tensor (as the runtime passes them today), "r" = range
+    ("default, slot tensor", "t", {}),
+    ("gather, range", "r", {}),
+    ("gather tiles=16, range", "r", dict(tiles=16)),
+    ("pipe, slot tensor", "t", dict(impl="pipe")),
     ("pipe, range", "r", dict(impl="pipe")),
+    ("pipe stages=2, range", "r", dict(impl="pipe", num_stages=2)),
+    ("pipe stages=4, range", "r", dict(impl="pipe", num_stages=4)),
 ]
-VARIANTS_ACC = [  # T=64, adding into `out` as kv_cache._score does
-    ("gather +out", "t", {}),
-    ("wgmma pingpong +out, range (default)", "r", {}),
-    ("wgmma halves +out, range", "r", dict(impl="wgmma", form="halves")),
-    ("gather +out, range", "r", dict(impl="gather")),
+VARIANTS_ACC = [  # T=64, idx = every slot, adding into `out`
+    ("default +out", {}),
+    ("gather tiles=16 +out", dict(tiles=16)),
+    ("pipe +out", dict(impl="pipe")),
 ]
 VARIANTS_16 = [
-    ("gather", "t", {}),
-    ("wgmma pingpong, range (default)", "r", {}),
-    ("wgmma halves, range", "r", dict(impl="wgmma", form="halves")),
-    ("gather per_sm=4 (whole waves)", "t", dict(per_sm=4)),
-    ("pipe", "t", dict(impl="pipe")),
+    ("default", {}),
+    ("gather per_sm=4 (whole waves)", dict(per_sm=4)),
+    ("pipe", dict(impl="pipe")),
+    ("pipe per_sm=4", dict(impl="pipe", per_sm=4)),
 ]
 VARIANTS_256 = [
-    ("pipe (default for slots: 4 launches)", "t", {}),
-    ("wgmma pingpong, range (default: 4 launches)", "r", {}),
-    ("wgmma halves, range", "r", dict(impl="wgmma", form="halves")),
-    ("gather tiles=16", "t", dict(tiles=16)),
+    ("default", {}),
+    ("gather tiles=16", dict(tiles=16)),
+    ("pipe (4 launches)", dict(impl="pipe")),
 ]
 
 
@@ -109,32 +104,18 @@ def question(T: int, seed: int = 0):
     return q, k, v, ops.attention_lse(q, k, v, S)[1]
 
 
-def _with_form(form, fn):
-    """fn with the Gluon kernel's FORM set to `form` while it runs (None: as it is)."""
-    def call():
-        saved = rw.FORM
-        rw.FORM = form or saved
-        try:
-            return fn()
-        finally:
-            rw.FORM = saved
-    return call
-
-
-def sweep(case, variants, q, k, lse, prefill_us, t0, rows, slots=range(S), accumulate=False):
+def sweep(case, variants, q, k, lse, prefill_us, t0, rows, idx_of=None, accumulate=False):
     """Time each variant; rows get us, diff against the case's first row and the prefill share."""
     ref = None
-    slot_t = torch.arange(slots.start, slots.stop, device=DEV, dtype=torch.int32)
-    for label, kind, kw in variants:
+    for label, *rest in variants:
         if time.time() - t0 > BUDGET_S:
             print(f"[budget] {case} / {label}: skipped ({BUDGET_S} s budget spent)", flush=True)
             continue
-        kw = dict(kw)
-        form = kw.pop("form", None)
-        idx = slot_t if kind == "t" else slots
+        kind, kw = rest if len(rest) == 2 else ("t", rest[0])
+        idx = idx_of(kind) if idx_of else torch.arange(S, device=DEV, dtype=torch.int32)
         out = torch.zeros(1, HKV, len(idx), device=DEV) if accumulate else None
         try:
-            call = _with_form(form, functools.partial(rs.retrieval_salience, q, k, idx, lse, out=out, **kw))
+            call = functools.partial(rs.retrieval_salience, q, k, idx, lse, out=out, **kw)
             if accumulate:
                 out.zero_()
             got = call().clone()
@@ -160,7 +141,9 @@ def measure(t0: float) -> list[dict]:
     prefill_us = graph_us(functools.partial(ops.attention_lse, q, k, v, S))
     print(f"question prefill attention (flash + LSE), T=64 over {S}: {prefill_us:.2f} us (graph)", flush=True)
     sweep("T=64 all slots", VARIANTS_64, q, k, lse, prefill_us, t0, rows)
-    sweep("T=64 span 30K", VARIANTS_SPAN, q, k, lse, prefill_us, t0, rows, slots=SPAN)
+    span_t = torch.arange(SPAN.start, SPAN.stop, device=DEV, dtype=torch.int32)
+    sweep("T=64 span 30K", VARIANTS_SPAN, q, k, lse, prefill_us, t0, rows,
+          idx_of=lambda kind: span_t if kind == "t" else SPAN)
     sweep("T=64 all slots +out", VARIANTS_ACC, q, k, lse, prefill_us, t0, rows, accumulate=True)
     for T, variants in ((16, VARIANTS_16), (256, VARIANTS_256)):
         q = k = v = lse = None  # free the previous question's 134 MB first
