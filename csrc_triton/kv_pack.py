@@ -15,9 +15,13 @@ layers do); any dtype, D <= 256, unit stride along D.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+from csrc_triton.launch import Plans, _Launch, tensor_key
 
 
 @triton.jit
@@ -60,25 +64,49 @@ def _check(srcs: tuple, idx: torch.Tensor, dsts: tuple) -> None:
         raise ValueError(f"kv_pack: src/dst dtypes {src.dtype}/{dst.dtype} differ or idx is not int32/int64")
 
 
-def kv_pack(src, idx: torch.Tensor, dst, block_l: int = 32):
-    """Write src's rows idx (..., Hkv, L) into dst[..., :L, :]; src and dst are tensors or (K, V)
-    pairs. Returns dst."""
-    srcs, dsts = _pair(src), _pair(dst)
+class _Plan(NamedTuple):
+    """What one distinct call launches (built by _plan): the launch (None when there are no rows) and whether
+    idx must first become a contiguous int32 (O, Hkv, L) tensor (else it is passed itself)."""
+    launch: _Launch | None
+    idx_copy: bool
+
+
+# Plans per distinct call (every tensor's shape, strides, dtype and device, block_l): a question packs once, but
+# its eager host time counts (issue 6: retrieval plus packing against a turn's decode), so it skips Triton's
+# per-call dispatch like the prefill launchers (csrc_triton/launch.py).
+_PLANS = Plans()
+
+
+def _plan(srcs: tuple, idx: torch.Tensor, dsts: tuple, block_l: int) -> _Plan:
     _check(srcs, idx, dsts)
     Hkv, L = idx.shape[-2:]
     S, D = srcs[0].shape[-2:]
     if any(t.stride(-1) != 1 for t in srcs + dsts) or D > 256:
         raise ValueError("kv_pack: the last dim must be contiguous and at most 256")
-    # (O, Hkv, rows, D) views: .view raises if the leading dims cannot flatten without a copy.
-    s4 = [t.view(-1, Hkv, S, D) for t in srcs]
-    d4 = [t.view(-1, Hkv, t.shape[-2], D) for t in dsts]
-    idx = idx.reshape(-1, Hkv, L).to(torch.int32).contiguous()  # small: a copy is fine
-    if L:
-        s2, d2 = s4[-1], d4[-1]  # the second of a pair, or the first again (never launched then)
-        _kv_pack_kernel[(s4[0].shape[0] * Hkv, triton.cdiv(L, block_l), len(srcs))](
-            s4[0], s2, idx, d4[0], d2, *s4[0].stride()[:3], idx.stride(0), idx.stride(1), *d4[0].stride()[:3],
-            L, Hkv, D=D, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(D), num_warps=4,
-        )
+    # (O, Hkv, rows, D) views: .view raises if the leading dims cannot flatten without a copy. The kernel gets the
+    # tensors themselves (same memory) with these views' strides.
+    s4 = srcs[0].view(-1, Hkv, S, D)
+    d4 = dsts[0].view(-1, Hkv, dsts[0].shape[-2], D)
+    idx_copy = idx.dtype != torch.int32 or not idx.is_contiguous()
+    if not L:
+        return _Plan(None, idx_copy)
+    launch = _Launch(_kv_pack_kernel, (s4.shape[0] * Hkv, triton.cdiv(L, block_l), len(srcs)),
+                     (*s4.stride()[:3], Hkv * L, L, *d4.stride()[:3], L, Hkv),
+                     dict(D=D, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(D), num_warps=4))
+    return _Plan(launch, idx_copy)
+
+
+def kv_pack(src, idx: torch.Tensor, dst, block_l: int = 32):
+    """Write src's rows idx (..., Hkv, L) into dst[..., :L, :]; src and dst are tensors or (K, V)
+    pairs. Returns dst."""
+    srcs, dsts = _pair(src), _pair(dst)
+    key = (tuple(tensor_key(t) for t in srcs), tensor_key(idx), tuple(tensor_key(t) for t in dsts), block_l)
+    plan = _PLANS.get_or_build(key, lambda: _plan(srcs, idx, dsts, block_l))
+    if plan.launch is not None:
+        if plan.idx_copy:  # small: a copy is fine
+            idx = idx.reshape(-1, *idx.shape[-2:]).to(torch.int32).contiguous()
+        # The second of a pair, or the first again (never launched then: the grid's third dim is 1).
+        plan.launch(srcs[0], srcs[-1], idx, dsts[0], dsts[-1])
     return dst
 
 

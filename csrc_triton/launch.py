@@ -8,7 +8,7 @@ constexprs, options) and keeps them in a bounded `Plans` table; each `_Launch` t
 Triton's dispatch only once per (device, debug flag, tensor alignments) and afterwards calls the
 compiled kernel's C launcher directly. Why that is exact: see `_Launch`. The interpreter, pre-run hooks
 and launch hooks (profilers) always take Triton's dispatch. Used by prefill_salience, w4a16_gemm,
-w4a16_dequant, add_rms_norm, silu_mul, rope_qkv, retrieval_salience; `--host` timings:
+w4a16_dequant, add_rms_norm, silu_mul, rope_qkv, retrieval_salience, kv_pack; `--host` timings:
 scripts/diag/launch_host.py and scripts/benches/prefill_salience.py --host.
 """
 

@@ -356,8 +356,8 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
     whole = len(plan.launches) == 1
     for t0, t1, launch, rkey in plan.launches:
         qc, lc = (q, lse) if whole else (q[:, :, t0:t1], lse[:, :, t0:t1])
-        compiled = launch(qc, k, idx, lc, out)
-        if rkey not in _RESIDENT and q.is_cuda and hasattr(compiled, "n_regs"):
+        compiled = launch(qc, k, idx, lc, out)  # None once launches go direct: then nothing is left to learn
+        if compiled is not None and rkey not in _RESIDENT and q.is_cuda and hasattr(compiled, "n_regs"):
             _RESIDENT[rkey] = _resident(compiled, launch.meta["num_warps"], q.device)
     return out
 

@@ -297,7 +297,7 @@ def test_one_image_scores_as_a_range_with_the_slot_tensor_answers(vlm, monkeypat
     runs = []
     for tensor in (False, True):
         if tensor:
-            monkeypatch.setattr(KVCache, "retrievable_span", staticmethod(lambda host_idx: None))
+            monkeypatch.setattr(KVCache, "retrievable_span", staticmethod(lambda runs: None))
         calls = spy_salience(monkeypatch)
         chat = vlm.chat(sampling=greedy(5), sparsity=SparsityConfig(decode_keep=0.3), mode=mode)
         out = []

@@ -233,3 +233,30 @@ def test_retrievable_slots_of_many_spans_in_order():
     assert cache.retrievable_slots(end=310).tolist() == want + list(range(300, 310))
     assert cache.retrievable_slots(end=5).tolist() == [3, 4]
     assert KVCache(cfg).retrievable_slots().numel() == 0
+
+
+@pytest.mark.parametrize("spans,q_from", [
+    ([("system", 0, 3), ("visual", 3, 20), ("question", 20, 24)], 24),                    # one run
+    ([("visual", 3, 10), ("visual", 10, 20), ("question", 20, 24)], 24),                  # two adjacent: one run
+    ([("visual", 3, 20), ("question", 20, 24), ("text", 24, 40), ("question", 40, 44)], 44),  # two runs, a text one
+    ([("visual", 22, 30), ("visual", 3, 20), ("question", 30, 34)], 34),                  # out of order
+    ([("text", 5, 30)], 18),                                                              # cut at q_from
+])
+def test_scoring_state_matches_the_slot_list(spans, q_from):
+    """begin_scoring's slots (device and host), window mask and span, and pack's rows, equal what the plain slot
+    list gives: the retrievable slots before q_from in span order, the text ones marked, the rest in order."""
+    cache = filled_cache(batch=1)
+    for kind, a, b in spans:
+        cache.add_span(kind, a, b, retrievable=kind in ("visual", "text"))
+    want = [s for kind, a, b in spans if kind in ("visual", "text") for s in range(a, min(b, q_from)) if a < q_from]
+    text = {s for kind, a, b in spans if kind == "text" for s in range(a, b)}
+    n = score_question(cache, q_from, q_from + 4)
+    sc = cache.scoring
+    assert n == len(want) and sc.idx.dtype == sc.host_idx.dtype == torch.int32
+    assert sc.idx.tolist() == sc.host_idx.tolist() == want == cache.retrievable_slots(q_from).tolist()
+    assert (sc.windowed is None) == (not text & set(want))
+    if sc.windowed is not None:
+        assert sc.windowed.tolist() == [s in text for s in want]
+    assert sc.span == (range(want[0], want[-1] + 1) if want == list(range(want[0], want[-1] + 1)) else None)
+    rows = cache.pack(1.0, q_from + 4)  # everything kept: the packed slots are all of 0..length-1, in order
+    assert rows == q_from + 4 and cache.packed.idx[0, 0, 0].tolist() == list(range(q_from + 4))

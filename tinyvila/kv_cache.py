@@ -238,54 +238,74 @@ class KVCache:
         self.scoring = None
         self.unpack()
 
+    def _retrievable_runs(self, end: int | None = None) -> list[tuple[int, int]]:
+        """(start, stop) of the retrievable spans' slots (before `end`), in span order."""
+        return [(s.start, min(s.end, end or s.end)) for s in self.spans if s.retrievable and s.start < (end or s.end)]
+
     def retrievable_slots(self, end: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """(N,) int32 slots of the retrievable spans (before `end`), in order, on `device` (default:
         the cache's)."""
+        return self._slots_of(self._retrievable_runs(end), self.k[0].device if device is None else device)
+
+    @staticmethod
+    def _slots_of(runs: list[tuple[int, int]], device: torch.device | str) -> torch.Tensor:
+        """The slots of `runs` in order, (N,) int32 on `device`."""
         # A few tensor ops whatever the span count (a 256-frame video has 256 visual spans; one arange per span
         # was a Python loop of 256 small ops on every question).
-        runs = [(s.start, min(s.end, end or s.end)) for s in self.spans if s.retrievable and s.start < (end or s.end)]
         idx = torch.zeros(0, dtype=torch.long)
         if runs:
             starts, stops = torch.tensor(runs, dtype=torch.long).unbind(1)
             lens = stops - starts
             # slot of output i = its run's start + (i - the run's first output index)
             idx = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts - (lens.cumsum(0) - lens), lens)
-        return idx.to(self.k[0].device if device is None else device, torch.int32)
+        return idx.to(device, torch.int32)
 
     @staticmethod
-    def retrievable_span(host_idx: torch.Tensor) -> range | None:
-        """range(first, last + 1) when the slots host_idx (N,) (CPU, in scoring order) are one run of
-        consecutive slots, else None. The common case (one image's visual tokens or one document, or
-        adjacent images): the retrieval kernel then reads the keys as one contiguous block instead of
-        gathering them through a slot tensor (13% faster at a 64-token question over 32K keys, H200
-        S7-C), with the same sums in the same order. Host only: no device sync."""
-        n = host_idx.numel()
-        if not n or not bool((host_idx[1:] - host_idx[:-1] == 1).all()):
+    def retrievable_span(runs: list[tuple[int, int]]) -> range | None:
+        """range(first, last + 1) when the slots of `runs` (non-empty (start, stop) pairs, in scoring order) are one
+        run of consecutive slots, i.e. each pair starts where the one before it stops; else None. The common case
+        (one image's visual tokens or one document, or adjacent images): the retrieval kernel then reads the keys
+        as one contiguous block instead of gathering them through a slot tensor (13% faster at a 64-token question
+        over 32K keys, H200 S7-C), with the same sums in the same order. From the pairs alone: no tensor op."""
+        if not runs:
             return None
-        first = int(host_idx[0])
-        return range(first, first + n)
+        first, stop = runs[0]
+        for start, end in runs[1:]:
+            if start != stop:
+                return None
+            stop = end
+        return range(first, stop)
 
     # -- retrieval scoring (during the question's prefill) --------------------------------------
     def begin_scoring(self, q_from: int) -> int:
         """Score the retrievable slots before `q_from` by the attention of the rows from `q_from` on,
         in the next prefill calls. Returns the number of retrievable slots (0: nothing to score).
         When they are one run of slots, the kernel takes that range (`retrievable_span`), else the slots."""
-        host_idx = self.retrievable_slots(q_from, device="cpu")
-        N = host_idx.numel()
+        runs = self._retrievable_runs(q_from)
+        N = sum(stop - start for start, stop in runs)
         if not N:
             self.scoring = None
             return 0
-        text = torch.zeros(self.max_seq_len, dtype=torch.bool)
-        for s in self.spans:
-            if s.retrievable and s.kind == "text":
-                text[s.start:s.end] = True
-        windowed = text[host_idx.long()]  # (N,)
         dev = self.k[0].device
+        span = self.retrievable_span(runs)
+        if span is not None:  # one run (one image, one document): the slots made on each side, no copy between
+            host_idx = torch.arange(span.start, span.stop, dtype=torch.int32)
+            idx = torch.arange(span.start, span.stop, dtype=torch.int32, device=dev)
+        else:
+            host_idx = self._slots_of(runs, "cpu")
+            idx = host_idx.to(dev)
+        windowed = None  # decode_select's window: slots of retrievable text spans (None when there are none)
+        if any(s.retrievable and s.kind == "text" for s in self.spans):
+            text = torch.zeros(self.max_seq_len, dtype=torch.bool)
+            for s in self.spans:
+                if s.retrievable and s.kind == "text":
+                    text[s.start:s.end] = True
+            in_text = text[host_idx.long()]  # (N,)
+            windowed = in_text.to(dev) if in_text.any() else None
         # All layers' scores in one tensor: each layer's kernel accumulates into its slice, and
         # pack() selects for every layer at once.
         scores = torch.zeros(self.n_layers, self.batch, self.k[0].shape[1], N, dtype=torch.float32, device=dev)
-        self.scoring = _Scoring(host_idx.to(dev), q_from, scores, windowed.to(dev) if windowed.any() else None,
-                                host_idx, [False] * self.n_layers, span=self.retrievable_span(host_idx))
+        self.scoring = _Scoring(idx, q_from, scores, windowed, host_idx, [False] * self.n_layers, span=span)
         return N
 
     def begin_fastv(self, last_row: int, keep: float) -> int:
@@ -302,10 +322,11 @@ class KVCache:
         r0 = max(0, sc.q_from - start)  # first question row in this chunk
         if r0 >= q.shape[2]:
             return
-        lse = lse[:, :, r0:]
+        if r0:  # (a view per call costs host time: an eager prefill scores every layer)
+            q, lse = q[:, :, r0:], lse[:, :, r0:]
         if sc.pad is not None:  # padding rows take lse = +inf, so each adds exp(s - inf) = 0 exactly
             lse = lse.masked_fill(sc.pad, float("inf"))
-        ops.retrieval_salience(q[:, :, r0:], k_all, sc.kernel_idx, lse, out=sc.scores[layer])
+        ops.retrieval_salience(q, k_all, sc.kernel_idx, lse, out=sc.scores[layer])
         sc.scored[layer] = True
         if sc.fastv is not None and layer == FASTV_LAYER - 1:  # decided before layer K runs
             self.key_mask = fastv_keep_mask(sc.scores, sc.idx, self.max_seq_len, sc.fastv)
@@ -362,9 +383,13 @@ class KVCache:
         L, B, Hkv = self.n_layers, self.batch, self.k[0].shape[1]
         N = sc.idx.numel()
         n_keep = min(N, max(1, round(keep * N)))
-        rest = torch.ones(length, dtype=torch.bool)
-        rest[sc.host_idx.long()] = False
-        others = rest.nonzero()[:, 0].to(self.k[0].device, torch.int32, non_blocking=True)  # (length - N,)
+        if sc.span is not None:  # the slots around one run
+            others = torch.cat([torch.arange(sc.span.start), torch.arange(sc.span.stop, length)])
+        else:
+            rest = torch.ones(length, dtype=torch.bool)
+            rest[sc.host_idx.long()] = False
+            others = rest.nonzero()[:, 0]
+        others = others.to(self.k[0].device, torch.int32, non_blocking=True)  # (length - N,)
         rows = length - N + n_keep
         cap = rows + self.max_seq_len - length  # room for every token this turn can still append
         if room is not None:

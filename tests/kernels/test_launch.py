@@ -1,5 +1,6 @@
 """The prefill launchers' plans and direct launches (csrc_triton/launch.py): add_rms_norm, silu_mul, rope_qkv,
-w4a16_gemm (fused and dequant paths), w4a16_dequant, retrieval_salience (gather, pipe; span and slots).
+w4a16_gemm (fused and dequant paths), w4a16_dequant, retrieval_salience (gather, pipe; span and slots), kv_pack
+(a K/V pair; one tensor with an int64 slot tensor).
 
 On CPU, Triton's dispatch runs against a stub driver whose compiled kernels record their launches
 (scripts/triton_stub.py): after a call's first launch every launch is direct and carries exactly what
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import csrc_triton.add_rms_norm as rms_mod
+import csrc_triton.kv_pack as pack_mod
 import csrc_triton.launch as launch
 import csrc_triton.retrieval_salience as ret_mod
 import csrc_triton.rope_qkv as rope_mod
@@ -30,7 +32,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 KERNELS = {rms_mod: ["_add_rms_norm_kernel"], silu_mod: ["_silu_mul_kernel"], rope_mod: ["_rope_qkv_kernel"],
            gemm_mod: ["_w4a16_gemm_kernel"], deq_mod: ["_w4a16_dequant_kernel"],
-           ret_mod: ["_retrieval_salience_kernel", "_retrieval_salience_pipe_kernel"]}
+           ret_mod: ["_retrieval_salience_kernel", "_retrieval_salience_pipe_kernel"], pack_mod: ["_kv_pack_kernel"]}
 
 
 @pytest.fixture
@@ -71,6 +73,12 @@ def _calls():
     q, k, lse = rnd(1, 4, 3, 16), rnd(1, 2, 20, 16), torch.randn(1, 4, 3, generator=g).to(DEVICE) + 5
     idx = torch.tensor([7, 1, 19, 4, 4, 11], device=DEVICE)
     acc = torch.zeros(1, 2, 10, device=DEVICE)
+    kv_src = [rnd(2, 1, HKV, S, D) for _ in range(2)]  # (layers, B, Hkv, S, D)
+    kv_idx = torch.tensor([[0, 3, 4, 9, 11], [1, 2, 5, 6, 7]], device=DEVICE, dtype=torch.int32).expand(2, 1, 2, 5)
+
+    def pack(src, slots):
+        dst = tuple(torch.zeros(2, 1, HKV, 8, D, device=DEVICE, dtype=torch.float16) for _ in src)
+        return pack_mod.kv_pack(src if len(src) == 2 else src[0], slots, dst if len(dst) == 2 else dst[0])
 
     def rope(second=None):
         for c in caches:
@@ -91,6 +99,8 @@ def _calls():
                                                                config=gemm_mod.Config(16, 64, 8, 2, 4, 1))),
         ("w4a16_gemm dequant", lambda: gemm_mod.w4a16_gemm(xm, qw, sc, zr, bias, path="dequant")),
         ("w4a16_dequant", lambda: deq_mod.w4a16_dequant(qw, sc, zr)),
+        ("kv_pack pair", lambda: pack(tuple(kv_src), kv_idx.contiguous())),
+        ("kv_pack one, int64 slots", lambda: pack(kv_src[:1], kv_idx.long())),
         ("retrieval span", lambda: ret_mod.retrieval_salience(q, k, range(3, 13), lse)),
         ("retrieval slots", lambda: ret_mod.retrieval_salience(q, k, idx, lse)),
         ("retrieval accumulate", lambda: ret_mod.retrieval_salience(q, k, range(5, 15), lse, out=acc.clone())),
@@ -145,7 +155,8 @@ def test_cached_plans_give_identical_results(fresh_plans):
             out, ref = (out, cold[name]) if isinstance(out, tuple) else ((out,), (cold[name],))
             assert all(torch.equal(a, b) for a, b in zip(out, ref)), name
     assert {mod.__name__.split(".")[-1]: len(t) for mod, t in fresh_plans.items()} == {
-        "add_rms_norm": 3, "silu_mul": 2, "rope_qkv": 2, "w4a16_gemm": 3, "w4a16_dequant": 2, "retrieval_salience": 4}
+        "add_rms_norm": 3, "silu_mul": 2, "rope_qkv": 2, "w4a16_gemm": 3, "w4a16_dequant": 2, "retrieval_salience": 4,
+        "kv_pack": 2}
 
 
 def test_bad_calls_raise_every_time(fresh_plans):
@@ -165,6 +176,9 @@ def test_bad_calls_raise_every_time(fresh_plans):
         with pytest.raises(ValueError, match="out must be"):
             gemm_mod.w4a16_gemm(torch.randn(5, 128, device=DEVICE).half(), qw, sc, zr,
                                 out=torch.empty(5, 32, device=DEVICE).half())
+        with pytest.raises(ValueError, match="idx"):
+            pack_mod.kv_pack(torch.zeros(1, 2, 8, 16, device=DEVICE), torch.zeros(1, 3, 4, dtype=torch.int32,
+                             device=DEVICE), torch.empty(1, 2, 4, 16, device=DEVICE))
     assert not any(fresh_plans.values())
     assert rms_mod.add_rms_norm(x, None, w.repeat(2), 1e-5)[0].shape == (3, 64)
 
