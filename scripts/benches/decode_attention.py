@@ -301,18 +301,27 @@ def _timed(setup, fn, iters: int = 20) -> float:
     return sorted(times[3:])[iters // 2]
 
 
-def overhead_rows(S=8192, T=64, keep=0.1, turn=50) -> list[dict]:
-    """Per question, 32 layers: retrieval (per layer, as the prefill launches it beside attention)
-    + KVCache.pack (one selection over the stacked scores, one pack launch for all K and V)."""
+def question_cache(S: int, T: int, turn: int, device="cuda", dtype=DT):
+    """A 32-layer Llama-3-8B-head cache of S slots (32 system, then S - 32 retrievable visual ones) with a T-token
+    question after them and room for a `turn`-token answer, random K/V; the question's q (1, H, T, D) and its
+    LSE (the prefill attention's). What a question's scoring and packing run on (overhead_rows,
+    scripts/diag/retrieval_host.py)."""
     cfg = TextConfig(dim=H * D, n_layers=LAYERS, n_heads=H, n_kv_heads=HKV, max_seq_len=S + T + turn)
-    cache = KVCache(cfg, dtype=DT, device="cuda")
+    cache = KVCache(cfg, dtype=dtype, device=device)
     cache.k_stack.normal_()
     cache.v_stack.normal_()
     cache.add_span("system", 0, 32)
     cache.add_span("visual", 32, S)  # N = S - 32 retrievable slots
     cache.add_span("question", S, S + T)
-    q = torch.randn(1, H, T, D, device="cuda", dtype=DT)
+    q = torch.randn(1, H, T, D, device=device, dtype=dtype)
     lse = ops.attention_lse(q, cache.k[0][:, :, :S + T], cache.v[0][:, :, :S + T], S)[1]
+    return cache, q, lse
+
+
+def overhead_rows(S=8192, T=64, keep=0.1, turn=50) -> list[dict]:
+    """Per question, 32 layers: retrieval (per layer, as the prefill launches it beside attention)
+    + KVCache.pack (one selection over the stacked scores, one pack launch for all K and V)."""
+    cache, q, lse = question_cache(S, T, turn)
 
     def score():
         cache.begin_scoring(S)

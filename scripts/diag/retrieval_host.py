@@ -19,22 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benches.decode_attention import DT, HKV, LAYERS, D, H  # noqa: E402
-from tinyvila import ops  # noqa: E402
-from tinyvila.config import TextConfig  # noqa: E402
-from tinyvila.kv_cache import KVCache  # noqa: E402
+from benches.decode_attention import LAYERS, question_cache  # noqa: E402
 
 
 def main(S: int = 8192, T: int = 64, keep: float = 0.1, turn: int = 50) -> None:
-    cfg = TextConfig(dim=H * D, n_layers=LAYERS, n_heads=H, n_kv_heads=HKV, max_seq_len=S + T + turn)
-    cache = KVCache(cfg, dtype=DT, device="cuda")
-    cache.k_stack.normal_()
-    cache.v_stack.normal_()
-    cache.add_span("system", 0, 32)
-    cache.add_span("visual", 32, S)
-    cache.add_span("question", S, S + T)
-    q = torch.randn(1, H, T, D, device="cuda", dtype=DT)
-    lse = ops.attention_lse(q, cache.k[0][:, :, :S + T], cache.v[0][:, :, :S + T], S)[1]
+    cache, q, lse = question_cache(S, T, turn)
     k_all = [cache.k[layer][:, :, :S + T] for layer in range(LAYERS)]
 
     def begin():
