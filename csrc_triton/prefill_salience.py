@@ -41,31 +41,19 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels below
 
 
 @triton.jit
-def _in_registers(a, REG_A: tl.constexpr):
-    """a itself. REG_A: through a register move, so that wgmma takes it as its A operand from registers:
-    Triton's MMAV3HoistLayoutConversion moves a dot's A operand out of shared memory only when an
-    elementwise op lies between its load and the dot (see RESIDENT_IN_REGISTERS)."""
-    if REG_A:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [a], dtype=a.dtype, is_pure=True, pack=2)
-    return a
-
-
-@triton.jit
 def _load_resident(ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                   UPCAST: tl.constexpr, REG_A: tl.constexpr):
+                   UPCAST: tl.constexpr):
     """The resident (R, D0) and (R, D1) slices of R rows (the D1 slice masked past D; D1 = 0: unused)."""
     d0 = tl.arange(0, D0)
     a0 = tl.load(ptr + offs[:, None] * stride + d0[None, :], mask=ok[:, None], other=0.0)
     if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage: exact fp32 products instead
         a0 = a0.to(tl.float32)
-    a0 = _in_registers(a0, REG_A)
     if D1 > 0:
         d1 = D0 + tl.arange(0, D1)
         a1 = tl.load(ptr + offs[:, None] * stride + d1[None, :], mask=ok[:, None] & (d1[None, :] < D),
                      other=0.0)
         if UPCAST:
             a1 = a1.to(tl.float32)
-        a1 = _in_registers(a1, REG_A)
     else:
         a1 = a0  # unused: _dot_streamed skips the second slice
     return a0, a1
@@ -155,8 +143,7 @@ _SUM_HI = tl.constexpr(2.0 ** 100)
 @triton.jit
 def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N, scale_log2,
                     D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                    REG_A: tl.constexpr):
+                    UPCAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """Pass 1: out[bh, m] = -lse2, lse2 = log2 sum_n 2^(scale_log2 q.k) (log2 units, negated: pass 2 adds
     it in its FFMA) for BLOCK_R resident rows: first the sum with no running max (_row_sum_exp2),
     the online form only for a block whose sums leave the safe range."""
@@ -167,7 +154,7 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N
     k_ptr += b.to(tl.int64) * skb * ALIGN + h.to(tl.int64) * skh * ALIGN
     offs_m = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_ok = offs_m < M
-    q0, q1 = _load_resident(q_ptr, offs_m, m_ok, sqm, D, D0, D1, UPCAST, REG_A)
+    q0, q1 = _load_resident(q_ptr, offs_m, m_ok, sqm, D, D0, D1, UPCAST)
     _, l_i = _row_sum_exp2(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D, D0, D1, PRECISION, UPCAST, BLOCK_R,
                            BLOCK_S, False)
     lse2 = tl.log2(l_i)
@@ -197,7 +184,7 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
                              H, M, N, scale_log2, inv_count, D: tl.constexpr, D0: tl.constexpr,
                              D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                              ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                             NEG_LSE2: tl.constexpr, REG_A: tl.constexpr):
+                             NEG_LSE2: tl.constexpr):
     """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q - lse2[m]), BLOCK_R resident keys; lse2
     = the LSE in log2 units: -lse2 as pass 1 writes it (NEG_LSE2) or log2(e) x the caller's natural-log LSE.
     Full tiles of query rows unmasked; a partial last tile's rows past M get -lse2 = -inf, so exp2 gives
@@ -210,7 +197,7 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
     lse_ptr += b.to(tl.int64) * slb + h.to(tl.int64) * slh
     offs_n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_ok = offs_n < N
-    k0, k1 = _load_resident(k_ptr, offs_n, n_ok, skn, D, D0, D1, UPCAST, REG_A)
+    k0, k1 = _load_resident(k_ptr, offs_n, n_ok, skn, D, D0, D1, UPCAST)
     acc = tl.zeros([BLOCK_R], tl.float32)
     m_full = M - M % BLOCK_S
     for m0 in range(0, m_full, BLOCK_S):
@@ -265,8 +252,6 @@ DEFAULT_TILES = (128, 64, 4, 3)
 # D = 72). Pass 2: 115, its own count. H200, session 6 (run S6-C): the full-tiles-unmasked kernels at these caps
 # beat the original masked ones everywhere (16K 3.54 vs 3.80 ms, 4K 0.251 vs 0.269, 8 SigLIP frames 0.090 vs 0.095).
 MAXNREG: tuple[int, int] | None = (120, 115)
-# wgmma's A operand (the resident rows) from registers instead of shared memory (_in_registers): experiment.
-RESIDENT_IN_REGISTERS = True
 
 
 # Per-call host work (issue 5: at 1 SigLIP frame the kernels run for microseconds, so a call costs what
@@ -302,8 +287,7 @@ def _plan(q, k, n_query, lse, scale, tiles) -> _Plan:
     # tells the compiler, which then issues 16-byte (cp.async) loads instead of 2-byte ones.
     align = 8 if all(st % 8 == 0 for st in strides) else 1
     strides = tuple(st // align for st in strides)
-    reg_a = RESIDENT_IN_REGISTERS and not _INTERPRET and q.dtype != torch.float32
-    meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, ALIGN=align, REG_A=reg_a, num_warps=warps,
+    meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, ALIGN=align, num_warps=warps,
                 num_stages=stages)
     cap = (MAXNREG if (res, stream, warps, stages) == DEFAULT_TILES else None) or (None, None)
     pass1 = None
@@ -334,7 +318,7 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     # Everything _plan reads, the module switches included (benches and tests set them).
     key = (q.shape, k.shape, q.stride(), k.stride(), q.dtype, k.dtype, n_query,
            None if lse is None else (lse.shape, lse.stride(), lse.dtype), scale,
-           None if tiles is None else tuple(tiles), DEFAULT_TILES, MAXNREG, RESIDENT_IN_REGISTERS)
+           None if tiles is None else tuple(tiles), DEFAULT_TILES, MAXNREG)
     plan = _PLANS.get_or_build(key, lambda: _plan(q, k, n_query, lse, scale, tiles))
     if plan.pass1 is not None:
         lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)

@@ -299,8 +299,7 @@ def _compile_sm90(which: int, D: int, extra: dict, maxnreg: int | None):
     div = [i for i in range(n_ptr + n_int) if i not in stride_m]
     d0, d1 = km._split_head_dim(D)
     R, S, W, P = km.DEFAULT_TILES
-    consts = dict(D=D, D0=d0, D1=d1, PRECISION="tf32", UPCAST=False, ALIGN=8, BLOCK_R=R, BLOCK_S=S,
-                  REG_A=km.RESIDENT_IN_REGISTERS)
+    consts = dict(D=D, D0=d0, D1=d1, PRECISION="tf32", UPCAST=False, ALIGN=8, BLOCK_R=R, BLOCK_S=S)
     if which == 2:
         consts["NEG_LSE2"] = True  # pass 1's LSE, as a standalone call hands it over
     consts.update(extra)

@@ -4,14 +4,14 @@ another version of the kernel file, and/or against other default tiles.
     git show REV:csrc_triton/prefill_salience.py > /tmp/before.py
     PYTHONPATH=. python scripts/diag/salience_ab.py --before /tmp/before.py [--shapes siglip8,siglip64,4k,16k]
     PYTHONPATH=. python scripts/diag/salience_ab.py --tiles "128,64,4,3;256,64,8,3;128,64,4,2"
-    PYTHONPATH=. python scripts/diag/salience_ab.py --tiles "128,64,4,3,120,115/ss;128,64,8,3,0,0/rs"
+    PYTHONPATH=. python scripts/diag/salience_ab.py --tiles "128,64,4,3;128,64,8,3,0,0;64,64,4,3,128,128"
 
 --before: both modules run the same fp16 inputs, standalone (both passes) and fused (the column pass alone, given a
 natural-log LSE computed in fp32), and their maximum relative difference is printed. --tiles: each
 (resident, streamed, warps, stages) is put in place as the module's DEFAULT_TILES, so it runs with the register caps of
 the default (MAXNREG), which the bench's tile sweep (`tiles=`) does not apply, unless the config names its own
-caps (",C1,C2": pass 1 and pass 2, 0 = none); a "/ss" or "/rs" suffix sets RESIDENT_IN_REGISTERS off or on (the
-resident rows as wgmma's shared-memory or register operand). Every config must give the first one's salience.
+caps (",C1,C2": pass 1 and pass 2, 0 = none). Every config must give the first one's salience. Session 18 (run
+S18-A) ran this code with a "/ss" or "/rs" suffix that set the since removed RESIDENT_IN_REGISTERS (commit d153117).
 Per row: ms per call of each round (common.graph_ms: median over replays of a graph of back-to-back calls), then
 the best. Session 13 (runs S13-A..C) ran this code from an uncommitted copy that took the min of 5
 replays instead of the median.
@@ -54,11 +54,10 @@ def _row(name: str, times: list[float]) -> str:
 
 
 def _config(spec: str):
-    """"R,S,W,P[,C1,C2][/ss|/rs]" -> (spec, tiles, register caps or None, RESIDENT_IN_REGISTERS or None)."""
-    body, _, operand = spec.partition("/")
-    nums = [int(x) for x in body.split(",")]
+    """"R,S,W,P[,C1,C2]" -> (spec, (tiles, register caps or None: the default's))."""
+    nums = [int(x) for x in spec.split(",")]
     caps = None if len(nums) == 4 else tuple(c or None for c in nums[4:6])
-    return spec, (tuple(nums[:4]), caps, {"": None, "ss": False, "rs": True}[operand])
+    return spec, (tuple(nums[:4]), caps)
 
 
 def main() -> int:
@@ -72,7 +71,7 @@ def main() -> int:
         ap.error("give --before FILE and/or --tiles CONFIGS")
     before = _module(args.before) if args.before else None
     tiles = [_config(c) for c in args.tiles.split(";")] if args.tiles else []
-    default = current.DEFAULT_TILES, current.MAXNREG, current.RESIDENT_IN_REGISTERS
+    default = current.DEFAULT_TILES, current.MAXNREG
     for name in args.shapes.split(","):
         B, H, N, D = SHAPES[name]
         q, k, lse = _inputs(B, H, N, D)
@@ -91,17 +90,16 @@ def main() -> int:
             base = None
             try:
                 for _ in range(args.rounds):
-                    for name_t, (t, caps, reg_a) in tiles:
+                    for name_t, (t, caps) in tiles:
                         current.DEFAULT_TILES = t
                         current.MAXNREG = default[1] if caps is None else caps
-                        current.RESIDENT_IN_REGISTERS = default[2] if reg_a is None else reg_a
                         out = current.prefill_salience(q, k)
                         base = out if base is None else base
                         if (out - base).abs().max() > 1e-6 * base.abs().max():
                             raise AssertionError(f"tiles {name_t} give another salience")
                         rows.setdefault(name_t, []).append(common.graph_ms(current.prefill_salience, [(q, k)]))
             finally:
-                current.DEFAULT_TILES, current.MAXNREG, current.RESIDENT_IN_REGISTERS = default
+                current.DEFAULT_TILES, current.MAXNREG = default
         for key, times in rows.items():
             print(_row(key, times))
     return 0
