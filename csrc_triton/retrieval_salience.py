@@ -54,9 +54,6 @@ MAX_TILES = 64
 KEY_ROWS = True
 KEY_BLOCK = 64
 KEY_WARPS = 4
-# gather: key tiles asked into L2 (prefetch.global.L2) ahead of the tile being multiplied: over a span this many tiles
-# ahead, over gathered slots (any value > 0) tile j + 2, the furthest whose slots are loaded. 0: none. Experiment.
-KEY_PREFETCH = 0
 # The kernels (IMPLS) and the "pipe" kernel's defaults: rows per half, keys per tile, warps, Triton pipeline
 # stages, programs per SM its default tiles aim at. sm_90a at D=128, 256 rows: 237-244 registers, 97-112 KB
 # of shared memory (gathered / span), so 2 programs fit per SM. A call that names no impl runs "gather" when
@@ -112,20 +109,6 @@ def _key_tile(k_base, slot, ok, offs_d, d_ok, skl, KEY_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_keys(k_base, slot, ok, skl, D: tl.constexpr, LINES: tl.constexpr, ELEMS: tl.constexpr,
-                   ASM: tl.constexpr):
-    """prefetch.global.L2 of every 128-byte line (ELEMS elements, LINES a row) of the keys at cache slots `slot`
-    where `ok`: no effect on what any load returns, so a tile's later register load finds its lines in L2. The
-    interpreter has no inline asm (ASM False: a no-op)."""
-    col = tl.arange(0, LINES) * ELEMS
-    ptrs = k_base + slot[:, None].to(tl.int64) * skl + col[None, :]
-    if ASM:
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                                  "=r,l,r", [ptrs, (ok[:, None] & (col < D)[None, :]).to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _tile_mass(q, lse2, kt, scale_log2, PRECISION: tl.constexpr, UPCAST: tl.constexpr, KEY_ROWS: tl.constexpr):
     """sum over the query rows of exp2(scale_log2 * q k - lse2) for each key of the tile -> (BLOCK_N,).
 
@@ -169,8 +152,7 @@ def _retrieval_salience_kernel(
     T, N, HKV, scale_log2, TILES, N_REP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    KEY_ROWS: tl.constexpr, SPAN: tl.constexpr, PREFETCH: tl.constexpr, PF_LINES: tl.constexpr,
-    PF_ELEMS: tl.constexpr, ASM: tl.constexpr,
+    KEY_ROWS: tl.constexpr, SPAN: tl.constexpr,
 ):
     b, g, chunk, offs_d, d_ok, k_base = _program(k_ptr, skb, skh, HKV, D, BLOCK_D)
     if ONE_BLOCK:  # all n_rep*T rows in one tile: loaded once, reused by every key tile
@@ -192,13 +174,6 @@ def _retrieval_salience_kernel(
                             KEY_ROWS)
         slot_next = _slots(offs_n + 2 * BLOCK_N, (offs_n + 2 * BLOCK_N < N) & (j + 2 < TILES), idx_ptr + offs_n + 2 * BLOCK_N,
                            SPAN)
-        if PREFETCH > 0:  # keys PREFETCH tiles ahead into L2 (gathered: tile j + 2, whose slots are known now)
-            if SPAN:
-                pf = offs_n + PREFETCH * BLOCK_N
-                _prefetch_keys(k_base, pf, (pf < N) & (j + PREFETCH < TILES), skl, D, PF_LINES, PF_ELEMS, ASM)
-            else:
-                _prefetch_keys(k_base, slot_next, (offs_n + 2 * BLOCK_N < N) & (j + 2 < TILES), skl, D, PF_LINES,
-                               PF_ELEMS, ASM)
         ptrs = out_ptr + b * sob + g * soh + offs_n
         if ACCUMULATE:  # issued before the math too: its latency hides behind the dot and exp2
             acc = tl.load(ptrs, mask=n_ok, other=0.0)
@@ -344,7 +319,7 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
                        scale: float | None = None, out: torch.Tensor | None = None,
                        block_m: int | None = None, block_n: int | None = None, tiles: int | None = None,
                        num_warps: int | None = None, num_stages: int | None = None, key_rows: bool | None = None,
-                       impl: str | None = None, per_sm: int | None = None, prefetch: int | None = None) -> torch.Tensor:
+                       impl: str | None = None, per_sm: int | None = None) -> torch.Tensor:
     """q (B, H, T, D), k (B, Hkv, S, D), idx (N,), lse (B, H, T) fp32 -> (B, Hkv, N) fp32 (added to `out`).
 
     idx may be a range (start, stop) of consecutive cache slots (an image's span): the keys are then read
@@ -359,17 +334,16 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
     default all of a group's n_rep*T rows up to 256; pipe: rows per half, default 128), block_n, tiles (key
     tiles per program; default: whole waves of `per_sm` programs per SM, by default the programs of the
     compiled kernel that fit, at most PROGRAMS_PER_SM for gather), num_warps, num_stages (gather: 1, it
-    pipelines its own loads; pipe: Triton's pipeline depth), key_rows (gather: the dot's orientation), prefetch
-    (gather: key tiles asked into L2 ahead, default KEY_PREFETCH). The
+    pipelines its own loads; pipe: Triton's pipeline depth), key_rows (gather: the dot's orientation). The
     gather tile (KEY_ROWS, KEY_BLOCK, KEY_WARPS) comes from the H200 sweep of run S5-C (docs/benchmarks.md)."""
     key = (tensor_key(q), tensor_key(k), (idx.start, idx.stop, idx.step) if isinstance(idx, range) else tensor_key(idx),
            tensor_key(lse), scale, tensor_key(out), block_m, block_n, tiles, num_warps, num_stages, key_rows, impl,
-           per_sm, prefetch, KEY_PREFETCH, DEFAULT_IMPL, KEY_ROWS, KEY_BLOCK, KEY_WARPS, PIPE_HALF, PIPE_BLOCK,
-           PIPE_WARPS, PIPE_STAGES, PIPE_PER_SM, PROGRAMS_PER_SM, MAX_TILES)
+           per_sm, DEFAULT_IMPL, KEY_ROWS, KEY_BLOCK, KEY_WARPS, PIPE_HALF, PIPE_BLOCK, PIPE_WARPS, PIPE_STAGES,
+           PIPE_PER_SM, PROGRAMS_PER_SM, MAX_TILES)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k, idx, lse, scale, out, block_m, block_n, tiles, num_warps, num_stages, key_rows, impl,
-                     per_sm, prefetch)
+                     per_sm)
         if not plan.provisional:
             _PLANS.put(key, plan)
     if not plan.launches:  # no keys or no question rows
@@ -388,8 +362,7 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
     return out
 
 
-def _plan(q, k, idx, lse, scale, out, block_m, block_n, tiles, num_warps, num_stages, key_rows, impl, per_sm,
-          prefetch) -> _Plan:
+def _plan(q, k, idx, lse, scale, out, block_m, block_n, tiles, num_warps, num_stages, key_rows, impl, per_sm) -> _Plan:
     """Checks, impl, tiles, grids, constexprs and scalar arguments of a call: see retrieval_salience."""
     _check(q, k, idx, lse, out)
     B, H, T, D = q.shape
@@ -421,12 +394,8 @@ def _plan(q, k, idx, lse, scale, out, block_m, block_n, tiles, num_warps, num_st
     num_warps = num_warps or (KEY_WARPS if key_rows else 8)
     block_m = block_m or min(256, max(16, triton.next_power_of_2(rows)))
     n_tiles = triton.cdiv(N, block_n)
-    per_line = 128 // k.element_size()
-    prefetch = KEY_PREFETCH if prefetch is None else prefetch
     meta = dict(N_REP=H // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=rows <= block_m, ACCUMULATE=accumulate,
-                KEY_ROWS=key_rows, PREFETCH=prefetch if span else min(prefetch, 1) * 2,
-                PF_LINES=triton.next_power_of_2(-(-D // per_line)), PF_ELEMS=per_line, ASM=not _INTERPRET,
-                num_warps=num_warps, num_stages=num_stages or 1, **common)
+                KEY_ROWS=key_rows, num_warps=num_warps, num_stages=num_stages or 1, **common)
     key = ("gather", q.device, q.dtype, k.dtype, *meta.values())  # meta is built in one fixed order
     # Default: whole waves of the programs that fit per SM (at most PROGRAMS_PER_SM; 2 until compiled).
     provisional = q.is_cuda and not tiles and not per_sm and key not in _RESIDENT

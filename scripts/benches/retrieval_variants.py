@@ -1,7 +1,6 @@
 """Retrieval-salience variants on the GPU (issue 6): the default kernel against each variant, graph-replayed.
 
     PYTHONPATH=. python3 scripts/benches/retrieval_variants.py     (one H200, < 2 minutes incl. compiles)
-    PYTHONPATH=. python3 scripts/benches/retrieval_variants.py --prefetch   (only the gather kernel's L2 prefetch)
 
 Llama-3-8B shapes (32 query heads, 8 KV heads, D=128, fp16), a T-token question after a 32K-slot cache.
 Each row: median us per call over REPLAYS replays of one CUDA graph of CALLS back-to-back calls (K is
@@ -58,14 +57,6 @@ VARIANTS_ACC = [  # T=64, idx = every slot, adding into `out`
     ("gather tiles=16 +out", dict(tiles=16)),
     ("pipe +out", dict(impl="pipe")),
 ]
-# --prefetch: the gather kernel's key tiles asked into L2 ahead (retrieval_salience's `prefetch`), T=64
-PREFETCH_64 = [("gather prefetch 0", dict(impl="gather", prefetch=0)), ("gather prefetch 2", dict(impl="gather", prefetch=2))]
-PREFETCH_SPAN = [("gather prefetch 0, range", "r", dict(impl="gather", prefetch=0))] + [
-    (f"gather prefetch {n}, range", "r", dict(impl="gather", prefetch=n)) for n in (1, 2, 3, 4, 6)] + [
-    ("gather prefetch 0, slot tensor", "t", dict(impl="gather", prefetch=0)),
-    ("gather prefetch 2, slot tensor", "t", dict(impl="gather", prefetch=2))]
-PREFETCH_ACC = [("gather prefetch 0 +out", dict(impl="gather", prefetch=0)),
-                ("gather prefetch 2 +out", dict(impl="gather", prefetch=2))]
 VARIANTS_16 = [
     ("default", {}),
     ("gather per_sm=4 (whole waves)", dict(per_sm=4)),
@@ -143,19 +134,18 @@ def sweep(case, variants, q, k, lse, prefill_us, t0, rows, idx_of=None, accumula
               f"share {row['share_of_prefill']}", flush=True)
 
 
-def measure(t0: float, prefetch: bool = False) -> list[dict]:
-    """Every row of the module docstring, printed as measured (prefetch: only the PREFETCH_* rows)."""
+def measure(t0: float) -> list[dict]:
+    """Every row of the module docstring, printed as measured."""
     rows = []
     q, k, v, lse = question(64)
     prefill_us = graph_us(functools.partial(ops.attention_lse, q, k, v, S))
     print(f"question prefill attention (flash + LSE), T=64 over {S}: {prefill_us:.2f} us (graph)", flush=True)
-    sweep("T=64 all slots", PREFETCH_64 if prefetch else VARIANTS_64, q, k, lse, prefill_us, t0, rows)
+    sweep("T=64 all slots", VARIANTS_64, q, k, lse, prefill_us, t0, rows)
     span_t = torch.arange(SPAN.start, SPAN.stop, device=DEV, dtype=torch.int32)
-    sweep("T=64 span 30K", PREFETCH_SPAN if prefetch else VARIANTS_SPAN, q, k, lse, prefill_us, t0, rows,
+    sweep("T=64 span 30K", VARIANTS_SPAN, q, k, lse, prefill_us, t0, rows,
           idx_of=lambda kind: span_t if kind == "t" else SPAN)
-    sweep("T=64 all slots +out", PREFETCH_ACC if prefetch else VARIANTS_ACC, q, k, lse, prefill_us, t0, rows,
-          accumulate=True)
-    for T, variants in () if prefetch else ((16, VARIANTS_16), (256, VARIANTS_256)):
+    sweep("T=64 all slots +out", VARIANTS_ACC, q, k, lse, prefill_us, t0, rows, accumulate=True)
+    for T, variants in ((16, VARIANTS_16), (256, VARIANTS_256)):
         q = k = v = lse = None  # free the previous question's 134 MB first
         q, k, v, lse = question(T, seed=T)
         pre = graph_us(functools.partial(ops.attention_lse, q, k, v, S))
@@ -172,7 +162,7 @@ def run(args) -> list[dict]:
 
 def main():
     t0 = time.time()
-    rows = measure(t0, prefetch="--prefetch" in sys.argv)
+    rows = measure(t0)
     git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
     print(json.dumps(dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else DEV, torch=torch.__version__,
                           triton=triton.__version__, commit=git("rev-parse", "--short", "HEAD"),
