@@ -11,7 +11,7 @@ do per key tile. Forms of the same loop, each a separate compile:
     dot      x = (A B_i) * c_i - 1         (+ the wgmma)
     exp      x = exp2(s0 * c_i - 1)        (+ one MUFU ex2 a score)
     both     x = exp2((A B_i) * c_i - 1)   (the real loop)
-    poly     exp as a cubic on the FMA pipe (FlashAttention-4's trick; ~2^-9 relative error: timing only)
+    poly     exp as a cubic on the FMA pipe (FlashAttention-4's trick; ~1e-3 relative error: timing only)
     dotpoly  both, with the cubic
 
 Each form's cost over base is its pipe's work; if the two pipes overlapped, `both` would cost about the larger
@@ -42,8 +42,8 @@ FORMS = {"base": (False, 0), "dot": (True, 0), "exp": (False, 1), "both": (True,
          "dotpoly": (True, 2)}
 # (resident rows R, streamed rows S, num_warps, programs per SM, D): the salience passes' default tile first
 # (their D = 80 is a chain of a 64 and a 16 dot; here D is a power of two).
-# D = 128 with 64 resident rows: the retrieval kernel's shape (64 keys against a KV group's question rows; its
-# gather tile is 64 x 256, 4 warps, 2 programs an SM).
+# The D = 128 rows at the end: the same kind of tiles at the retrieval kernel's head dim, with the operands in the
+# salience's roles (the wide operand streams); STREAM_CONFIGS put them in the retrieval kernel's roles.
 CONFIGS = [(128, 64, 4, 4, 64), (128, 64, 4, 4, 128), (128, 64, 4, 2, 64), (128, 64, 8, 2, 64), (64, 64, 4, 4, 64),
            (64, 64, 4, 8, 64), (128, 128, 8, 1, 64), (128, 128, 8, 2, 64),
            (64, 256, 4, 2, 128), (64, 128, 4, 4, 128), (64, 64, 4, 4, 128), (64, 64, 4, 8, 128), (128, 64, 8, 2, 128)]
@@ -51,7 +51,6 @@ CONFIGS = [(128, 64, 4, 4, 64), (128, 64, 4, 4, 128), (128, 64, 4, 2, 64), (128,
 # group's 256 question rows over 2 or 4 programs.
 STREAM_CONFIGS = [(64, 256, 4, 2, 128), (64, 128, 4, 4, 128), (128, 128, 8, 2, 128), (128, 64, 8, 2, 128),
                   (128, 64, 4, 4, 128), (64, 64, 4, 8, 128), (128, 256, 8, 1, 128)]
-
 
 
 @triton.jit
