@@ -232,6 +232,7 @@ def test_retrievable_slots_of_many_spans_in_order():
     assert got.dtype == torch.int32 and got.tolist() == want + list(range(300, 320))
     assert cache.retrievable_slots(end=310).tolist() == want + list(range(300, 310))
     assert cache.retrievable_slots(end=5).tolist() == [3, 4]
+    assert cache.retrievable_slots(end=0).numel() == 0  # end 0 is "before slot 0", not "no end"
     assert KVCache(cfg).retrievable_slots().numel() == 0
 
 

@@ -239,8 +239,9 @@ class KVCache:
         self.unpack()
 
     def _retrievable_runs(self, end: int | None = None) -> list[tuple[int, int]]:
-        """(start, stop) of the retrievable spans' slots (before `end`), in span order."""
-        return [(s.start, min(s.end, end or s.end)) for s in self.spans if s.retrievable and s.start < (end or s.end)]
+        """(start, stop) of the retrievable spans' slots (before `end`: None = all), in span order."""
+        return [(s.start, s.end if end is None else min(s.end, end)) for s in self.spans
+                if s.retrievable and (end is None or s.start < end)]
 
     def retrievable_slots(self, end: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """(N,) int32 slots of the retrievable spans (before `end`), in order, on `device` (default:
