@@ -31,13 +31,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from benches import common  # noqa: E402
+from benches.decode_attention import D, H, HKV, TURN_ROOM, _kv  # noqa: E402
 from csrc_triton import pdl  # noqa: E402
 from csrc_triton.decode_attention import default_config, default_splits  # noqa: E402
 from tinyvila import ops  # noqa: E402
 from tinyvila.kv_cache import packed_slots  # noqa: E402
-
-H, HKV, D = 32, 8, 128
-TURN_ROOM = 50  # the answer room KVCache.pack keeps (scripts/benches/decode_attention.py)
 # (label, full cache for the SDPA reference or None, keep): the buffer is the runtime's packed one for the kept keys
 CASES = [("8K full buffer", None, 8192), ("keep 0.25 of 32K", 32768, 0.25), ("keep 0.1 of 32K", 32768, 0.1),
          ("keep 0.25 of 128K", 131072, 0.25), ("keep 0.1 of 128K", 131072, 0.1)]
@@ -71,9 +69,8 @@ def _read_kv(k_ptr, v_ptr, len_ptr, out_ptr, skh, N_SPLITS, BLOCK_N: tl.constexp
 
 
 def _sets(slots: int, keys: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    n = common.n_copies(4 * HKV * keys * D)
-    return [(torch.randn(1, HKV, slots, D, device="cuda", dtype=torch.float16),
-             torch.randn(1, HKV, slots, D, device="cuda", dtype=torch.float16)) for _ in range(n)]
+    """K / V buffers of `slots` rows, enough sets that the `keys` rows read from each exceed L2."""
+    return _kv(slots, common.n_copies(4 * HKV * keys * D))
 
 
 def read_us(sets, slots: int, keys: int, mode: str) -> float:

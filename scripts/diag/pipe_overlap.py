@@ -30,12 +30,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from benches import common  # noqa: E402
+from csrc_triton.retrieval_salience import _resident  # noqa: E402
 
 NB = 4  # distinct streamed tiles (L2-resident)
 FORMS = {"base": (False, 0), "dot": (True, 0), "exp": (False, 1), "both": (True, 1), "poly": (False, 2),
@@ -111,11 +113,10 @@ def _inputs(R: int, S: int, D: int, programs: int):
 
 
 def _fit(R: int, S: int, W: int, D: int, stream_a: bool) -> int:
-    """Programs of the real loop (form both) that fit on one SM: registers and shared memory."""
-    props = torch.cuda.get_device_properties(0)
+    """Programs of the real loop (form both) that fit on one SM (the retrieval launcher's count: registers, shared
+    memory, threads)."""
     k = _pipes_kernel[(1,)](*_inputs(R, S, D, 1), 1, 0.5, **_meta(R, S, W, D, "both", stream_a))
-    return min(65536 // (triton.cdiv(k.n_regs * 32, 256) * 256 * W),
-               props.shared_memory_per_multiprocessor // (k.metadata.shared + 1024))
+    return _resident(k, W, torch.device("cuda"))
 
 
 def _time(R: int, S: int, W: int, per_sm: int, D: int, form: str, iters: int, stream_a: bool) -> float:
