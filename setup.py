@@ -13,7 +13,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["tinyvila", "tinyvila.tokenizer", "csrc_triton"],
+    packages=["tinyvila", "tinyvila.convert", "tinyvila.tokenizer", "csrc_triton"],
     package_data={"tinyvila": ["assets/*.png"]},
     install_requires=[
         "torch>=2.4",                # GPU users keep their CUDA build; CI pins the CPU build 2.13.0

@@ -15,7 +15,6 @@ D <= 32768 (a row lives in registers). One program per row; graph-capturable (no
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -23,7 +22,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .launch import Plans, _Launch, tensor_key
+from .launch import Launch, Plans, tensor_key
+from .pdl import options as pdl_options
 from .rounding import round_to
 
 MAX_D = 32768
@@ -71,15 +71,15 @@ class _Plan(NamedTuple):
     new_sum: bool  # a residual was given: the sum goes to a new (M, D) tensor
     rows_x: bool  # x needs _rows (not contiguous): otherwise x itself is passed, the same memory as its (M, D) view
     rows_r: bool  # the same for the residual
-    launch: _Launch | None
+    launch: Launch | None
 
 
-# Plans per distinct call (shapes, strides, dtypes, device, eps, options, the PDL switch): a prefill makes
+# Plans per distinct call (shapes, strides, dtypes, device, eps, options, the pdl flag): a prefill makes
 # the same few calls every layer, so each pays Triton's dispatch only once (csrc_triton/launch.py).
 _PLANS = Plans()
 
 
-def _plan(x, residual, weight, eps, num_warps) -> _Plan:
+def _plan(x, residual, weight, eps, num_warps, pdl) -> _Plan:
     _check(x, residual, weight)
     D = x.shape[-1]
     x2 = _rows(x)  # the same strides on every call of this plan (reshape is deterministic in shape/strides)
@@ -92,25 +92,27 @@ def _plan(x, residual, weight, eps, num_warps) -> _Plan:
     # the whole cost; 8 warps keep 16 fp16 per thread at D = 4096.
     warps = num_warps or (8 if block >= 4096 else 4)
     stride_s = x2.stride(0) if residual is None else D  # s is x2 itself, or a new (M, D) tensor
-    launch = _Launch(_add_rms_norm_kernel, (M,), (D, x2.stride(0), r2.stride(0), D, stride_s, float(eps)),
-                     dict(HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=warps, **pdl.options(x.device)))
+    launch = Launch(_add_rms_norm_kernel, (M,), (D, x2.stride(0), r2.stride(0), D, stride_s, float(eps)),
+                    dict(HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=warps, **pdl_options(x.device, pdl)))
     return _Plan(residual is not None, not x.is_contiguous(), residual is not None and not residual.is_contiguous(),
                  launch)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_warps: int | None = None, *, pdl: bool = True, direct: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual (..., D) -> (normed (..., D), residual + x (..., D)); residual None -> (rms_norm(x), x).
-    `num_warps` overrides the launch (benchmarks)."""
-    key = (tensor_key(x), tensor_key(residual), tensor_key(weight), eps, num_warps,
-           os.environ.get("TINYVILA_PDL"))  # pdl.options reads it: a changed switch makes a new plan
-    plan = _PLANS.get_or_build(key, lambda: _plan(x, residual, weight, eps, num_warps))
+    `num_warps` overrides the launch (benchmarks). pdl: programmatic dependent launch where the device has it
+    (csrc_triton/pdl.py); direct: after the first launch, skip Triton's dispatch (csrc_triton/launch.py)."""
+    key = (tensor_key(x), tensor_key(residual), tensor_key(weight), eps, num_warps, pdl)
+    plan = _PLANS.get_or_build(key, lambda: _plan(x, residual, weight, eps, num_warps, pdl))
     x2 = _rows(x) if plan.rows_x else x
     # Outputs in x's shape, contiguous: the memory of an (M, D) tensor, without a view per call.
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if plan.new_sum else x2
     if plan.launch is not None:
-        plan.launch(x2, x2 if residual is None else _rows(residual) if plan.rows_r else residual, weight, y, s)
+        plan.launch(x2, x2 if residual is None else _rows(residual) if plan.rows_r else residual, weight, y, s,
+                    direct=direct)
     return y, (x if residual is None else s)
 
 

@@ -5,8 +5,8 @@
 Two launches, no host sync, no allocation beyond two small per-device buffers, so a decode step can be
 captured in a CUDA graph: `_block_kernel` (one program per BLOCK values) writes each block's maximum, the
 first index holding it and the first NaN index; `_final_kernel` (one program) reduces those partials with
-the same rules. PyTorch's one-stage argmax of the 128256 Llama-3 logits took 27.5 us of a ~2.6 ms decode
-step on the H200 (runs S5-B, S5-D).
+the same rules. Why: PyTorch's one-stage argmax of the 128256 Llama-3 logits took 27.5 us of a ~2.6 ms decode
+step on the H200 (docs/perf_notes.md).
 
 `argmax_step` is the tail of a greedy decode step in the same two launches: its final program (`_step_kernel`)
 also writes i as the next input token and into the step's record out[count], then adds 1 to count and to
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .pdl import options as pdl_options
 
 BLOCK = 4096
 MAX_BLOCKS = 1024  # the final program holds every partial at once: up to BLOCK * MAX_BLOCKS values
@@ -101,7 +102,7 @@ def _partials(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return _PARTIALS[key]
 
 
-def _blocks(x: torch.Tensor) -> tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict]:
+def _blocks(x: torch.Tensor, pdl: bool) -> tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict]:
     """Checks x, launches the block kernel -> (number of blocks, the partials, launch options)."""
     if x.dim() != 1 or x.stride(0) != 1 or not 1 <= x.numel() <= BLOCK * MAX_BLOCKS:
         raise ValueError(f"argmax: x must be a contiguous 1-D tensor of 1..{BLOCK * MAX_BLOCKS} values, "
@@ -110,7 +111,7 @@ def _blocks(x: torch.Tensor) -> tuple[int, tuple[torch.Tensor, torch.Tensor, tor
         raise ValueError(f"argmax: x must be a float tensor, got {x.dtype}")
     n_blocks = triton.cdiv(x.numel(), BLOCK)
     val, idx, nan = _partials(x.device)
-    opts = pdl.options(x.device)
+    opts = pdl_options(x.device, pdl)
     _block_kernel[(n_blocks,)](x, val, idx, nan, x.numel(), BLOCK=BLOCK, num_warps=8, **opts)
     return n_blocks, (val, idx, nan), opts
 
@@ -119,9 +120,10 @@ def _final_blocks(n_blocks: int) -> int:
     return max(16, triton.next_power_of_2(n_blocks))
 
 
-def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x (N,) float (unit stride, 1 <= N <= BLOCK * MAX_BLOCKS) -> (1,) int64 index, as torch.argmax(x)."""
-    n_blocks, partials, opts = _blocks(x)
+def argmax(x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool = True) -> torch.Tensor:
+    """x (N,) float (unit stride, 1 <= N <= BLOCK * MAX_BLOCKS) -> (1,) int64 index, as torch.argmax(x).
+    pdl: programmatic dependent launch where the device has it (csrc_triton/pdl.py)."""
+    n_blocks, partials, opts = _blocks(x, pdl)
     out = torch.empty(1, device=x.device, dtype=torch.int64) if out is None else out
     _final_kernel[(1,)](*partials, out, n_blocks, BLOCKS=_final_blocks(n_blocks), num_warps=4, **opts)
     return out
@@ -140,13 +142,14 @@ def _check_step(x: torch.Tensor, named: dict[str, tuple[torch.Tensor, torch.dtyp
 
 
 def argmax_step(x: torch.Tensor, token: torch.Tensor, out: torch.Tensor, count: torch.Tensor, steps: torch.Tensor,
-                lengths: torch.Tensor) -> None:
+                lengths: torch.Tensor, *, pdl: bool = True) -> None:
     """A greedy decode step's tail, in place: i = argmax(x) (x as for `argmax`) -> token (one int64) and
     out[count] (out (R,) int64, count one int64; nothing is written when count is not in 0..R-1); then
-    count += 1, steps += 1 (S,) int64 and lengths += 1 (B,) int32. Two launches, graph-capturable."""
+    count += 1, steps += 1 (S,) int64 and lengths += 1 (B,) int32. Two launches, graph-capturable.
+    pdl: programmatic dependent launch where the device has it (csrc_triton/pdl.py)."""
     _check_step(x, dict(token=(token, torch.int64), out=(out, torch.int64), count=(count, torch.int64),
                         steps=(steps, torch.int64), lengths=(lengths, torch.int32)))
-    n_blocks, partials, opts = _blocks(x)
+    n_blocks, partials, opts = _blocks(x, pdl)
     S, B = steps.numel(), lengths.numel()
     _step_kernel[(1,)](*partials, token, out, count, steps, lengths, n_blocks, out.numel(), S, B,
                        BLOCKS=_final_blocks(n_blocks), B64=max(16, triton.next_power_of_2(S)),

@@ -17,10 +17,10 @@ device length. K, V are read once. D <= 256.
 The counters live in a per-device int32 workspace allocated (zeroed) on the first call, which must
 therefore happen outside a CUDA graph capture; calls on one device must not overlap on two streams.
 
-The fixed cost of a call (~4.5 us of the 5.7 us at 1K on the H200 in session 5: PDL wait -> length load ->
-query load, shared-memory store and barrier -> first K/V loads -> tiles -> partial stores -> release + atomic
--> LSE loads -> partial loads -> output store) is shortened by what session 7 measured as switches, kept
-unconditionally (all on was the best at every length of S7 or behind only a different prefetch count,
+The fixed cost of a call (~4.5 us of the 5.7 us at 1K on the H200: PDL wait -> length load -> query load,
+shared-memory store and barrier -> first K/V loads -> tiles -> partial stores -> release + atomic -> LSE loads
+-> partial loads -> output store) is shortened by changes first measured as switches and now kept
+unconditionally (all on was the best at every length measured or behind only a different prefetch count,
 docs/benchmarks.md): the grid is (Hkv, splits, B), so the length load waits on no integer division; the
 length, split bounds and addresses are computed before the PDL wait; the query is loaded inside the key loop,
 staged with each tile's K/V (cp.async) rather than stored to shared memory behind a barrier; the merging
@@ -37,13 +37,14 @@ any layer, so it holds at every layer's attention.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from . import pdl
+from ._common import INTERPRET
+from .pdl import options as pdl_options
 
 LOG2E = 1.4426950408889634
 # Programs per SM that the split count aims for: enough loads in flight to cover HBM latency.
@@ -52,22 +53,17 @@ MIN_SPLIT = 128  # keys per split at least: below that the per-program prologue/
 MERGE_ELEMS = 8192  # fp32 partial elements the merging program holds per step (64 registers at 4 warps)
 # Launch config by buffer length L_max (the only length known on the host: the real one is on the device):
 # (largest L_max, block_n, num_warps, num_stages, programs per SM, prefetched tiles), first row that covers
-# L_max. Tiles: from the H200 sweep of session 5 (run S5-B, PDL on, graph-replayed, whole tiles unmasked,
-# splits in one wave): block 128 / 3 stages / one program per SM: 1K 5.76 us, 8K 12.7, 32K 35.7; above 32K
-# block 64 / 4 stages / one per SM: 128K 122.6 us (block 128: 124.2; two per SM: 126.1).
-# Prefetched tiles: H200 session 7 (run S7-C, DECODE_SWEEP=variants, graph-replayed, us, every other switch
-# on; prefetch 2 vs none): 2 was the best at 1K (4.93), at 1K keys in a 4K buffer (5.06) and at 32K (34.7),
-# none at 8K (11.9 vs 12.2) and at 8.2K keys (keep 0.25 of 32K: 12.0 vs 12.6); 3.3K keys (keep 0.1) took
-# 8.21 with 4 vs 8.32 with 2, but at 2 tiles a split 4 asks for the same lines as 2 (within noise: not used).
-# Hence none for buffers of [6K, 16K) slots, 2 otherwise. The buffer length stands for the keys: a packed
-# decode buffer holds the kept rows plus the turn's room (KVCache.pack), so keep 0.25 of 32K is an ~8.2K
-# buffer; 16K is not measured (the bound is where the 8K and 32K results meet, to be confirmed).
-# Buffers of [2K, 6K) slots: 64-key tiles, 3 stages, no prefetch. Those sweeps timed single calls; inside the
-# decode step (session 11, run S11-H, scripts/profile_decode.py --variants attncfg=..., 2304 keys in a 2768-slot
-# cache, graph tok/s) this tile gave 444.9 against 432.7 / 432.9 for 128-key tiles (64-key tiles with 3 stages
-# and 2 / 4 prefetched tiles 439.7 / 436.9, 4 stages 437.8; offline the 64-key program takes 74 KB of shared
-# memory, the 128-key one 140 KB, a W4 GEMV program ~75 KB). At 1K keys (S11-G) 64-key tiles were within noise
-# of 128-key ones (453.4 vs 450.5 / 452.4), so buffers below 2K keep the sweep's tile.
+# L_max. Tiles: the H200 sweep (scripts/benches/decode_attention.py, PDL on, graph-replayed, whole tiles
+# unmasked, splits in one wave; docs/benchmarks.md): 128-key tiles, 3 stages, one program per SM up to 32K
+# keys; above that 64-key tiles and 4 stages. Prefetched tiles: 2 was the best at 1K and 32K keys, none at 8K
+# (and at ~8.2K keys of a packed buffer), hence none for buffers of [6K, 16K) slots, 2 otherwise. The buffer
+# length stands for the keys: a packed decode buffer holds the kept rows plus the turn's room (KVCache.pack),
+# so keeping 0.25 of 32K is an ~8.2K buffer; 16K is not measured (the bound is where the 8K and 32K results
+# meet, to be confirmed). Buffers of [2K, 6K) slots: 64-key tiles, 3 stages, no prefetch: the sweeps timed
+# single calls, and inside the decode step (scripts/profile_decode.py --variants attncfg=...) this tile was
+# faster at 2.3K keys (its program takes 74 KB of shared memory, a 128-key one 140 KB, a W4 GEMV program ~75
+# KB, so more of them share an SM with the GEMVs under PDL); at 1K keys it was within noise, so buffers below
+# 2K keep the sweep's tile.
 CONFIG_BY_LENGTH = ((2047, 128, 4, 3, 1, 2), (6143, 64, 4, 3, 1, 0), (16383, 128, 4, 3, 1, 0),
                     (32768, 128, 4, 3, 1, 2), (None, 64, 4, 4, 1, 2))
 
@@ -308,10 +304,6 @@ def _decode_attention_reduce_kernel(
     tl.store(out_ptr + b * s_outb + h * s_outh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 _SMS: dict[int, int] = {}
 _COUNTERS: dict[str, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # outgrown counter buffers, kept alive for captured graphs
@@ -371,14 +363,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
                      scale: float | None = None, n_splits: int | None = None,
                      block_n: int | None = None, out: torch.Tensor | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, fused: bool = True,
-                     prefetch: int | None = None) -> torch.Tensor:
+                     prefetch: int | None = None, *, pdl: bool = True) -> torch.Tensor:
     """q (B, H, D) x k, v (B, Hkv, L_max, D), lengths (B,) int32 on q's device -> (B, H, D) in q's dtype.
 
     `out` (like q) receives the result when given (a captured graph's fixed output buffer).
     block_n, num_warps, num_stages, n_splits, fused (merge in the same launch) and prefetch (K/V tiles
     of each split asked into L2 before the PDL wait) are tuning knobs; left None they come from the buffer
     length (default_config: the H200 sweeps of scripts/benches/decode_attention.py, DECODE_SWEEP=decode
-    and DECODE_SWEEP=prefetch).
+    and DECODE_SWEEP=prefetch). pdl: programmatic dependent launch where the device has it (csrc_triton/pdl.py).
     """
     _check(q, k, v, lengths, out)
     B, H, D = q.shape
@@ -403,9 +395,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), scale * LOG2E, Hkv, H, n_splits,
         N_REP=n_rep, D=D, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_R=block_r, BLOCK_S=block_s, MERGE_S=min(block_s, max(1, MERGE_ELEMS // (block_r * block_d))),
-        FUSED=fused, UPCAST=_interpreting() and q.dtype == torch.bfloat16, PREFETCH=prefetch,
-        PF_LINES=triton.next_power_of_2(-(-D // per_line)), PF_ELEMS=per_line, ASM=not _interpreting(),
-        num_warps=num_warps, num_stages=num_stages, **pdl.options(q.device),
+        FUSED=fused, UPCAST=INTERPRET and q.dtype == torch.bfloat16, PREFETCH=prefetch,
+        PF_LINES=triton.next_power_of_2(-(-D // per_line)), PF_ELEMS=per_line, ASM=not INTERPRET,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device, pdl),
     )
     if n_splits > 1 and not fused:
         _decode_attention_reduce_kernel[(B * H,)](

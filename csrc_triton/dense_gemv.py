@@ -2,7 +2,7 @@
 
 Used for the LLM's output layer (lm_head, or the tied embedding matrix): at Llama-3-8B shapes (N = 128256,
 K = 4096) it reads 1.05 GB per token, the largest single read of a W4A16 decode step, which cuBLAS's
-GEMV ran at ~3.3 TB/s (0.8 of the copy bandwidth) in the S4 decode profile.
+GEMV ran at ~3.3 TB/s (0.8 of the copy bandwidth) in a W4A16 decode profile (docs/perf_notes.md).
 
 Each program owns BLOCK_N rows of W and walks K in BLOCK_K steps: the W tile (BLOCK_N, BLOCK_K) is the
 register operand A of the tensor cores' mma, x^T (BLOCK_K, 16) zero-padded past M the operand B, an fp32
@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from ._common import INTERPRET
+from .pdl import options as pdl_options
 
 MAX_M = 8
 BLOCK_M = 16  # tl.dot's smallest N; rows >= M are zero padding
@@ -75,19 +77,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-               config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+               config: tuple[int, int, int, int] | None = None, *, pdl: bool = True) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T -> (M, N) in x's dtype; `out` (M, N) receives it when given.
-    config = (BLOCK_N, BLOCK_K, num_warps, num_stages) overrides CONFIG (the benchmark's sweep)."""
+    config = (BLOCK_N, BLOCK_K, num_warps, num_stages) overrides CONFIG (the benchmark's sweep).
+    pdl: programmatic dependent launch where the device has it (csrc_triton/pdl.py)."""
     _check(x, weight)
     M, K = x.shape
     N = weight.shape[0]
     out = torch.empty(M, N, device=x.device, dtype=x.dtype) if out is None else out
     block_n, block_k, warps, stages = config or CONFIG
-    interp = pdl.INTERPRET
     _dense_gemv_kernel[(triton.cdiv(N, block_n),)](
         x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0,
-        UPCAST=interp, num_warps=warps, num_stages=stages, **pdl.options(x.device))
+        UPCAST=INTERPRET, num_warps=warps, num_stages=stages, **pdl_options(x.device, pdl))
     return out
 
 

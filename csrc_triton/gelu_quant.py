@@ -18,8 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .quant_per_token import _launch_rows, _rmax_abs, _row_block, _row_scales, _store_q, quantize_rows_ref
-from .rounding import INTERPRET
+from ._common import INTERPRET_JIT, launch_rows, quantize_rows_ref, rmax_abs, row_block, row_scales, store_q
 
 KINDS = {"gelu": 0, "gelu_tanh": 1, "quick_gelu": 2}
 _LOG2E = 1.4426950408889634
@@ -34,7 +33,7 @@ def _ex2(x):
     """2**x of fp32 x: MUFU ex2 (ex2.approx.ftz, ~2 ulp) on the GPU; tl.exp2 lowers to the same MUFU
     wrapped in denormal handling (3 more instructions) that these callers do not need. The interpreter
     clamps x at 127 only to keep numpy's overflow warnings quiet (2**127 + 1 or inf: g rounds to int8 0 alike)."""
-    if INTERPRET:
+    if INTERPRET_JIT:
         return tl.exp2(tl.minimum(x, 127.0))
     else:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
@@ -46,7 +45,7 @@ def _rcp(x):
     """1 / x of fp32 x >= 1: MUFU rcp (rcp.approx.ftz, ~1 ulp) on the GPU; `/` (div.full.f32) wraps the
     same MUFU in a range check and operand scaling (3 more instructions). rcp(inf) = 0; x > 2**126 gives 0
     (ftz), where g = h / x would round to int8 0 anyway."""
-    if INTERPRET:
+    if INTERPRET_JIT:
         return 1.0 / x
     else:
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
@@ -79,26 +78,26 @@ def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, stride_hm, stride_qm, K: tl.c
     # the two blocks' different layouts, and to combine them Triton moved the head's whole tile into the
     # tail's layout, computing its GELU twice (sm_90a: 4 MUFU an element instead of 2).
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    h, mask, offs = _row_block(h_ptr, rows, stride_hm, M, K, 0, BLOCK_K)
+    h, mask, offs = row_block(h_ptr, rows, stride_hm, M, K, 0, BLOCK_K)
     g = _gelu(h, KIND)
-    amax = _rmax_abs(g, ROWS)
+    amax = rmax_abs(g, ROWS)
     if BLOCK_T > 0:
-        ht, mask_t, offs_t = _row_block(h_ptr, rows, stride_hm, M, K, BLOCK_K, BLOCK_T)
+        ht, mask_t, offs_t = row_block(h_ptr, rows, stride_hm, M, K, BLOCK_K, BLOCK_T)
         gt = _gelu(ht, KIND)
-        amax = tl.maximum(amax, _rmax_abs(gt, ROWS))
-    inv, scale = _row_scales(amax)
-    _store_q(g, mask, offs, rows, q_ptr, stride_qm, inv, ROWS)
+        amax = tl.maximum(amax, rmax_abs(gt, ROWS))
+    inv, scale = row_scales(amax)
+    store_q(g, mask, offs, rows, q_ptr, stride_qm, inv, ROWS)
     if BLOCK_T > 0:
-        _store_q(gt, mask_t, offs_t, rows, q_ptr, stride_qm, inv, ROWS)
+        store_q(gt, mask_t, offs_t, rows, q_ptr, stride_qm, inv, ROWS)
     tl.store(scale_ptr + rows, scale, mask=rows < M)
 
 
 def gelu_quant(h: torch.Tensor, kind: str, meta: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """h (..., K) -> (q (..., K) int8, scale (...,) fp32) of GELU_kind(h).
-    `meta` overrides the launch shape (ROWS, num_warps; quant_per_token._row_meta)."""
+    `meta` overrides the launch shape (ROWS, num_warps; _common.row_meta)."""
     if kind not in KINDS:
         raise ValueError(f"gelu_quant: unknown activation {kind!r}; known: {', '.join(KINDS)}")
-    h2, q, scale, meta = _launch_rows(h, "gelu_quant", meta)
+    h2, q, scale, meta = launch_rows(h, "gelu_quant", meta)
     M = h2.shape[0]
     if M:
         _gelu_quant_kernel[(triton.cdiv(M, meta["ROWS"]),)](h2, q, scale, M, h2.stride(0), q.stride(0),

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.launch import Plans, _Launch, tensor_key
+from .launch import Launch, Plans, tensor_key
 
 
 @triton.jit
@@ -67,12 +67,12 @@ def _check(srcs: tuple, idx: torch.Tensor, dsts: tuple) -> None:
 class _Plan(NamedTuple):
     """What one distinct call launches (built by _plan): the launch (None when there are no rows) and whether
     idx must first become a contiguous int32 (O, Hkv, L) tensor (else it is passed itself)."""
-    launch: _Launch | None
+    launch: Launch | None
     idx_copy: bool
 
 
 # Plans per distinct call (every tensor's shape, strides, dtype and device, block_l): a question packs once, but
-# its eager host time counts (issue 6: retrieval plus packing against a turn's decode), so it skips Triton's
+# its eager host time counts (retrieval plus packing compete with a turn's decode), so it skips Triton's
 # per-call dispatch like the prefill launchers (csrc_triton/launch.py).
 _PLANS = Plans()
 
@@ -90,15 +90,15 @@ def _plan(srcs: tuple, idx: torch.Tensor, dsts: tuple, block_l: int) -> _Plan:
     idx_copy = idx.dtype != torch.int32 or not idx.is_contiguous()
     if not L:
         return _Plan(None, idx_copy)
-    launch = _Launch(_kv_pack_kernel, (s4.shape[0] * Hkv, triton.cdiv(L, block_l), len(srcs)),
-                     (*s4.stride()[:3], Hkv * L, L, *d4.stride()[:3], L, Hkv),
-                     dict(D=D, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(D), num_warps=4))
+    launch = Launch(_kv_pack_kernel, (s4.shape[0] * Hkv, triton.cdiv(L, block_l), len(srcs)),
+                    (*s4.stride()[:3], Hkv * L, L, *d4.stride()[:3], L, Hkv),
+                    dict(D=D, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(D), num_warps=4))
     return _Plan(launch, idx_copy)
 
 
-def kv_pack(src, idx: torch.Tensor, dst, block_l: int = 32):
+def kv_pack(src, idx: torch.Tensor, dst, block_l: int = 32, *, direct: bool = True):
     """Write src's rows idx (..., Hkv, L) into dst[..., :L, :]; src and dst are tensors or (K, V)
-    pairs. Returns dst."""
+    pairs. Returns dst. direct: after the first launch, skip Triton's dispatch (csrc_triton/launch.py)."""
     srcs, dsts = _pair(src), _pair(dst)
     key = (tuple(tensor_key(t) for t in srcs), tensor_key(idx), tuple(tensor_key(t) for t in dsts), block_l)
     plan = _PLANS.get_or_build(key, lambda: _plan(srcs, idx, dsts, block_l))
@@ -106,7 +106,7 @@ def kv_pack(src, idx: torch.Tensor, dst, block_l: int = 32):
         if plan.idx_copy:  # small: a copy is fine
             idx = idx.reshape(-1, *idx.shape[-2:]).to(torch.int32).contiguous()
         # The second of a pair, or the first again (never launched then: the grid's third dim is 1).
-        plan.launch(srcs[0], srcs[-1], idx, dsts[0], dsts[-1])
+        plan.launch(srcs[0], srcs[-1], idx, dsts[0], dsts[-1], direct=direct)
     return dst
 
 

@@ -1,15 +1,16 @@
-"""Eager Triton launches without Triton's per-call dispatch: `_Launch` (reference: `launch_ref`), `Plans`, DIRECT_LAUNCH.
+"""Eager Triton launches without Triton's per-call dispatch: `Launch` (reference: `launch_ref`), `Plans`.
 
 Why: an eager launch through `kernel[grid](...)` spends tens of microseconds of host time binding the
-arguments, specialising them, hashing the cache key and building launch metadata (issue 5 at 1 SigLIP
-frame; issue 7: a follow-up question's eager prefill, ~14 launches per layer x 32 layers, is host-bound).
-A launcher builds its launches once per distinct call (its plan: checks, tiles, grid, scalar arguments,
-constexprs, options) and keeps them in a bounded `Plans` table; each `_Launch` then goes through
-Triton's dispatch only once per (device, debug flag, tensor alignments) and afterwards calls the
-compiled kernel's C launcher directly. Why that is exact: see `_Launch`. The interpreter, pre-run hooks
-and launch hooks (profilers) always take Triton's dispatch. Used by prefill_salience, w4a16_gemm,
+arguments, specialising them, hashing the cache key and building launch metadata: at one SigLIP frame the
+salience kernels run for microseconds, and a follow-up question's eager prefill (~14 launches per layer x 32
+layers) is host-bound. A launcher builds its launches once per distinct call (its plan: checks, tiles, grid,
+scalar arguments, constexprs, options) and keeps them in a bounded `Plans` table; each `Launch` then goes
+through Triton's dispatch only once per (device, debug flag, tensor alignments) and afterwards calls the
+compiled kernel's C launcher directly. Why that is exact: see `Launch`. The interpreter, pre-run hooks and
+launch hooks (profilers) always take Triton's dispatch, and so does every call with `direct=False` (the
+launchers' `direct` argument: benches time both, tests compare). Used by prefill_salience, w4a16_gemm,
 w4a16_dequant, add_rms_norm, silu_mul, rope_qkv, retrieval_salience, kv_pack; `--host` timings:
-scripts/diag/launch_host.py and scripts/benches/prefill_salience.py --host.
+scripts/benches/prefill_salience.py --host.
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ from collections.abc import Callable, Hashable
 import torch
 from triton import knobs
 from triton.runtime import JITFunction, driver
-
-DIRECT_LAUNCH = True  # False: every launch through Triton's dispatch (benches time both; tests compare)
-
 
 def _no_hooks(fn) -> bool:
     """True when Triton's own launch would call no hook (profilers add launch hooks): then calling the
@@ -33,14 +31,14 @@ def _no_hooks(fn) -> bool:
 
 def launch_ref(fn, grid: tuple[int, ...], tensors: tuple, scalars: tuple, meta: dict):
     """The reference of a direct launch: the same launch through Triton's own dispatch (binding,
-    specialisation, cache lookup or compile, launch with metadata and hooks). `_Launch` takes this path on
-    its first call per compiled-kernel key, under the interpreter, with hooks, and with DIRECT_LAUNCH off;
+    specialisation, cache lookup or compile, launch with metadata and hooks). `Launch` takes this path on
+    its first call per compiled-kernel key, under the interpreter, with hooks, and when called with direct=False;
     tests/kernels/test_launch.py checks that its direct calls pass exactly what this one does. Returns
     Triton's compiled kernel (None when a JIT cache hook skipped the launch)."""
     return fn[grid](*tensors, *scalars, **meta)
 
 
-class _Launch:
+class Launch:
     """One kernel launch with its grid, scalar arguments, constexprs and options fixed; called with the
     kernel's tensor arguments, which must be its leading parameters, in order.
 
@@ -53,17 +51,18 @@ class _Launch:
     and pointer alignment, which key `compiled`; the direct call passes the arguments Triton binds
     (constexprs included, in parameter order) on the stream Triton would use (the current one, so a
     CUDA-graph capture records it like any launch). The interpreter, pre-run hooks and launch hooks
-    always take Triton's dispatch. Returns Triton's compiled kernel when dispatch ran (None otherwise)."""
+    always take Triton's dispatch, and so does a call with direct=False. Returns Triton's compiled kernel when
+    dispatch ran (None otherwise)."""
 
     def __init__(self, fn, grid: tuple[int, ...], scalars: tuple, meta: dict):
         self.fn, self.grid, self.scalars, self.meta = fn, (*grid, 1, 1)[:3], scalars, meta
-        self.direct = isinstance(fn, JITFunction)  # not the interpreter's InterpretedFunction
+        self.compiles = isinstance(fn, JITFunction)  # not the interpreter's InterpretedFunction
         # The compiled launcher takes every parameter in order, constexprs included (and ignored).
-        self.tail = (*scalars, *(meta[a] for a in fn.arg_names if a in meta)) if self.direct else ()
+        self.tail = (*scalars, *(meta[a] for a in fn.arg_names if a in meta)) if self.compiles else ()
         self.compiled = {}  # key -> (compiled launcher, kernel handle, packed metadata)
 
-    def __call__(self, *tensors: torch.Tensor):
-        if not (DIRECT_LAUNCH and self.direct and _no_hooks(self.fn)):
+    def __call__(self, *tensors: torch.Tensor, direct: bool = True):
+        if not (direct and self.compiles and _no_hooks(self.fn)):
             return launch_ref(self.fn, self.grid, tensors, self.scalars, self.meta)
         device = driver.active.get_current_device()
         key = (device, knobs.runtime.debug, *[t.data_ptr() % 16 == 0 for t in tensors])

@@ -16,14 +16,14 @@ which waited for its own), and the next kernel may be scheduled onto free SM slo
 what PDL saves is the launch latency and ramp-up between consecutive kernels, not any memory ordering.
 Kernels launched without PDL (cuBLAS, PyTorch ops) keep plain stream order in both directions.
 
-Measured on the H200 (docs/perf_notes.md, session 3): the graph-replayed vila-8b W4A16 decode step at 1K
-context went from 3.15 to 2.98 ms per token (317.8 -> 335.2 tok/s). Also tried and removed: each W4 GEMV
-program prefetching its weights into L2 (cp.async.bulk.prefetch.L2) before the wait and a few K steps
-ahead in its loop: slower at every distance (e.g. 3.41 ms per token at 4 steps ahead).
+Measured on the H200 (docs/perf_notes.md): the graph-replayed vila-8b W4A16 decode step at 1K context went
+from 3.15 to 2.98 ms per token. Also tried and removed: each W4 GEMV program prefetching its weights into L2
+(cp.async.bulk.prefetch.L2) before the wait and a few K steps ahead in its loop: slower at every distance (e.g.
+3.41 ms per token at 4 steps ahead).
 
-Not a kernel of its own: device-side helpers every decode-step kernel calls. A launcher passes
-`**options(device)` (the kernel's PDL constexpr and Triton's launch_pdl option): PDL on CUDA devices of
-compute capability >= 9.0 outside the interpreter, unless TINYVILA_PDL=0. `options_ref()` is the plain
+Not a kernel of its own: device-side helpers every decode-step kernel calls. A launcher takes `pdl: bool = True`
+and passes `**options(device, pdl)` (the kernel's PDL constexpr and Triton's launch_pdl option): PDL when asked
+for, on CUDA devices of compute capability >= 9.0, outside the interpreter. `options_ref()` is the plain
 launch, the reference: the same kernel launched with it gives the same bits (tests/kernels/test_pdl.py,
 kernel by kernel and for a whole decode-like chain, eager and graph-replayed). In the interpreter and on
 other devices `options` is `options_ref()`.
@@ -31,29 +31,29 @@ other devices `options` is `options_ref()`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_ENABLED: dict[int, bool] = {}
+from ._common import INTERPRET
+
+_SUPPORTED: dict[int, bool] = {}
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL (sm_90+, not the interpreter, TINYVILA_PDL != 0)."""
-    if device.type != "cuda" or INTERPRET or os.environ.get("TINYVILA_PDL", "1") == "0":
+def supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch with PDL: a CUDA device of sm_90+, not the interpreter."""
+    if device.type != "cuda" or INTERPRET:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _ENABLED:
-        _ENABLED[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return _ENABLED[index]
+    if index not in _SUPPORTED:
+        _SUPPORTED[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _SUPPORTED[index]
 
 
-def options(device: torch.device) -> dict:
-    """Launch keywords of a decode-step kernel on `device`: its PDL constexpr and Triton's launch_pdl."""
-    on = enabled(device)
+def options(device: torch.device, enabled: bool = True) -> dict:
+    """Launch keywords of a decode-step kernel on `device`: its PDL constexpr and Triton's launch_pdl, on when
+    `enabled` (the launcher's `pdl` argument) and the device supports it."""
+    on = enabled and supported(device)
     return {"PDL": on, "launch_pdl": on}
 
 

@@ -18,7 +18,7 @@ Q K^T costs a cross-warp reduction per tile; that layout was 2-2.7x slower on th
 attention already has the LSE (tinyvila.ops.attention_lse), so the encoder passes it and pays only
 pass 2, one QK^T. D not a power of two (SigLIP 72) = a 64 slice plus a masked 16 slice (2 dots).
 exp2 with log2(e) folded into the scale; full streamed tiles unmasked, only a partial last tile masked.
-Measured on the H200 and not kept (docs/perf_notes.md, sessions 1-13): exponentials in fp16 pairs (ptxas
+Measured on the H200 and not kept (docs/perf_notes.md): exponentials in fp16 pairs (ptxas
 splits ex2.f16x2 into two MUFU ops), a fraction of the exponentials as a polynomial on the FMA pipe
 (FlashAttention-4's trick: slower at every fraction tried), row sums on the tensor cores, two overlapped
 half-tiles, wider or deeper tiles.
@@ -26,18 +26,17 @@ half-tiles, wider or deeper tiles.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.launch import Plans, _Launch
+from ._common import INTERPRET
+from .launch import Launch, Plans
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # what a @triton.jit body may read
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels below are interpreted
 
 
 @triton.jit
@@ -65,8 +64,8 @@ def _dot_streamed(a0, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constex
     """(R, S) fp32 = resident rows . streamed rows `offs`, the streamed tile loaded transposed (D, S).
     MASKED: rows with ok False read as 0 (a partial tile); otherwise no row mask at all (full tiles).
     With a D1 slice its (small) dot is issued first: Triton waits for the first dot of the chain before
-    issuing the second, and waiting on 2 wgmmas instead of 8 is the shorter stall (H200, session 13,
-    run S13-B, graph: 16K standalone 3.418 -> 3.368 ms, 4K 0.225 -> 0.220, SigLIP frames equal)."""
+    issuing the second, and waiting on 2 wgmmas instead of 8 is the shorter stall (H200, graph-replayed: 16K
+    standalone 3.418 -> 3.368 ms, 4K 0.225 -> 0.220, SigLIP frames equal; docs/perf_notes.md)."""
     d0 = tl.arange(0, D0)
     if MASKED:
         b0 = tl.load(ptr + offs[None, :] * stride + d0[:, None], mask=ok[None, :], other=0.0)
@@ -249,13 +248,13 @@ DEFAULT_TILES = (128, 64, 4, 3)
 # Register caps (pass 1, pass 2) at DEFAULT_TILES, so 4 programs still share an SM (4 x 128 threads x 120 <= 64K
 # registers; shared memory allows 4 too). Uncapped, ptxas gives pass 1 (the unshifted loop plus its running-max
 # rerun) 150; offline sm_90a, D = 72 and 80: no spills at 120 (at 96: 43 spill instructions, 2 in the loop at
-# D = 72). Pass 2: 115, its own count. H200, session 6 (run S6-C): the full-tiles-unmasked kernels at these caps
-# beat the original masked ones everywhere (16K 3.54 vs 3.80 ms, 4K 0.251 vs 0.269, 8 SigLIP frames 0.090 vs 0.095).
+# D = 72). Pass 2: 115, its own count. On the H200 the full-tiles-unmasked kernels at these caps beat the
+# original masked ones everywhere (16K 3.54 vs 3.80 ms, 4K 0.251 vs 0.269, 8 SigLIP frames 0.090 vs 0.095).
 MAXNREG: tuple[int, int] | None = (120, 115)
 
 
-# Per-call host work (issue 5: at 1 SigLIP frame the kernels run for microseconds, so a call costs what
-# the host spends launching it). Everything the launcher derives from a call's shapes, strides, dtypes
+# Per-call host work (at 1 SigLIP frame the kernels run for microseconds, so a call costs what the host
+# spends launching it). Everything the launcher derives from a call's shapes, strides, dtypes
 # and options (checks, tiles, grids, constexprs, scalar arguments) is a _Plan built once per distinct
 # call; each launch then skips Triton's per-call dispatch after its first (csrc_triton/launch.py).
 _PLANS = Plans()  # distinct calls kept (an encoder makes a handful); past its limit the table starts over
@@ -266,8 +265,8 @@ class _Plan(NamedTuple):
     lse_shape: tuple[int, int, int] | None  # (B, H, M) that pass 1 writes; None: the caller's LSE
     copy_lse: bool  # the caller's LSE is not unit-stride along rows: pass a contiguous copy
     part_shape: tuple[int, int, int]  # (B, H, N) per-head column sums that pass 2 writes
-    pass1: _Launch | None
-    pass2: _Launch
+    pass1: Launch | None
+    pass2: Launch
 
 
 def _plan(q, k, n_query, lse, scale, tiles) -> _Plan:
@@ -277,7 +276,7 @@ def _plan(q, k, n_query, lse, scale, tiles) -> _Plan:
     N = k.shape[2]
     scale_log2 = (scale if scale is not None else D ** -0.5) * LOG2E
     d0, d1 = _split_head_dim(D)
-    upcast = q.dtype == torch.bfloat16 and _INTERPRET
+    upcast = q.dtype == torch.bfloat16 and INTERPRET
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"  # tf32 is ignored for 16-bit inputs
     res, stream, warps, stages = tiles or DEFAULT_TILES
     streamed_m = min(stream, max(16, triton.next_power_of_2(M)))  # summary mode: 1..few rows (dot needs 16)
@@ -293,27 +292,28 @@ def _plan(q, k, n_query, lse, scale, tiles) -> _Plan:
     pass1 = None
     if lse is None:
         block_m = min(res, max(16, triton.next_power_of_2(M)))
-        pass1 = _Launch(_row_lse_kernel, (triton.cdiv(M, block_m), B * H), (*strides, H, M, N, scale_log2),
-                        dict(BLOCK_R=block_m, BLOCK_S=stream, maxnreg=cap[0], **meta))
+        pass1 = Launch(_row_lse_kernel, (triton.cdiv(M, block_m), B * H), (*strides, H, M, N, scale_log2),
+                       dict(BLOCK_R=block_m, BLOCK_S=stream, maxnreg=cap[0], **meta))
         lse_strides = (H * M, M)  # torch.empty(B, H, M)'s
     else:  # strides of what the call passes (deterministic in lse's shape and strides, both in the key)
         lse_strides = (lse if lse.stride(2) == 1 else lse.contiguous()).stride()[:2]
-    pass2 = _Launch(_prefill_salience_kernel, (triton.cdiv(N, res), B * H),
-                    (*strides, *lse_strides, H, M, N, scale_log2, 1.0 / (H * M)),
-                    dict(BLOCK_R=res, BLOCK_S=streamed_m, maxnreg=cap[1], NEG_LSE2=lse is None, **meta))
+    pass2 = Launch(_prefill_salience_kernel, (triton.cdiv(N, res), B * H),
+                   (*strides, *lse_strides, H, M, N, scale_log2, 1.0 / (H * M)),
+                   dict(BLOCK_R=res, BLOCK_S=streamed_m, maxnreg=cap[1], NEG_LSE2=lse is None, **meta))
     return _Plan((B, H, M) if lse is None else None, lse is not None and lse.stride(2) != 1, (B, H, N), pass1, pass2)
 
 
 def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = None,
                      lse: torch.Tensor | None = None, scale: float | None = None,
-                     tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                     tiles: tuple[int, int, int, int] | None = None, direct: bool = True) -> torch.Tensor:
     """Mean attention each key receives: q (B, H, T, D), k (B, H, N, D) -> (B, N) fp32.
 
     n_query: average over the first n_query rows only (summary tokens); default all T rows.
     lse: (B, H, n_query) fp32 natural-log log-sum-exp of each row's scaled logits (unit stride along
     rows), when the caller's attention already computed it: then only pass 2 runs. scale: default
     D ** -0.5. tiles: (resident, streamed, num_warps, num_stages) instead of DEFAULT_TILES (sweeps; the
-    register caps MAXNREG apply at DEFAULT_TILES only).
+    register caps MAXNREG apply at DEFAULT_TILES only). direct: after a plan's first launch, skip Triton's
+    dispatch (csrc_triton/launch.py; False: every launch through it, the A/B).
     """
     # Everything _plan reads, the module switches included (benches and tests set them).
     key = (q.shape, k.shape, q.stride(), k.stride(), q.dtype, k.dtype, n_query,
@@ -322,11 +322,11 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
     plan = _PLANS.get_or_build(key, lambda: _plan(q, k, n_query, lse, scale, tiles))
     if plan.pass1 is not None:
         lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
-        plan.pass1(q, k, lse)
+        plan.pass1(q, k, lse, direct=direct)
     elif plan.copy_lse:
         lse = lse.contiguous()
     part = torch.empty(plan.part_shape, device=q.device, dtype=torch.float32)
-    plan.pass2(q, k, lse, part)
+    plan.pass2(q, k, lse, part, direct=direct)
     return part.sum(1)  # (B, N): heads summed outside, so every store above is plain (no atomics)
 
 

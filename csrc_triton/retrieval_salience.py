@@ -30,17 +30,16 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.launch import Plans, _Launch, tensor_key
+from ._common import INTERPRET
+from .launch import Launch, Plans, tensor_key
 
 LOG2E = 1.4426950408889634
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels below are interpreted
 # The most programs per SM the gather kernel's default tiles plan for (its whole waves use what fits, at most
 # this: 256 rows fit two per SM, sm_90a 248 registers x 128 threads and 80 KB of shared memory), and the most
 # key tiles per program.
@@ -48,9 +47,9 @@ PROGRAMS_PER_SM = 4
 MAX_TILES = 64
 # The dot's orientation (see _tile_mass) and its default tile. KEY_ROWS: keys are the rows of S^T = K Q^T,
 # so summing over the question is in-thread (the layout that made the prefill salience's column pass
-# 2-2.7x faster). H200 sweep (run S5-C, DECODE_SWEEP=retrieval of scripts/benches/decode_attention.py;
-# 64-token question, 32K keys, graph-replayed): S = Q K^T with 32-key tiles and 8 warps 78.8 us, S^T with
-# 64-key tiles and 4 warps 51.5 us (8 warps: 70.1; 128-key tiles: 64.6).
+# 2-2.7x faster). H200 sweep (DECODE_SWEEP=retrieval of scripts/benches/decode_attention.py; 64-token
+# question, 32K keys, graph-replayed): S = Q K^T with 32-key tiles and 8 warps 78.8 us, S^T with 64-key
+# tiles and 4 warps 51.5 us (8 warps: 70.1; 128-key tiles: 64.6).
 KEY_ROWS = True
 KEY_BLOCK = 64
 KEY_WARPS = 4
@@ -58,9 +57,9 @@ KEY_WARPS = 4
 # stages, programs per SM its default tiles aim at. sm_90a at D=128, 256 rows: 237-244 registers, 97-112 KB
 # of shared memory (gathered / span), so 2 programs fit per SM. A call that names no impl runs "gather" when
 # a KV group's question rows (n_rep * T) fit one 256-row block, else "pipe", each in whole waves of the
-# programs that fit per SM. H200, session 7 (run S7-C, scripts/benches/retrieval_variants.py, graph-replayed, 32K keys,
-# 32 query / 8 KV heads): T=64 gather 50.9 us as S5 launched it (7-tile chunks: 2.2 waves), 41.1 in one
-# wave, pipe 44.1; T=16 26.1 / 20.9 (4 per SM) / 22.8; T=256 (1024 rows) gather 343 / 276, pipe 179.
+# programs that fit per SM. H200 (graph-replayed, 32K keys, 32 query / 8 KV heads; docs/perf_notes.md): T=64
+# gather 50.9 us in 7-tile chunks (2.2 waves), 41.1 in one wave, pipe 44.1; T=16 26.1 / 20.9 (4 per SM) / 22.8;
+# T=256 (1024 rows) gather 343 / 276, pipe 179.
 IMPLS = ("gather", "pipe")
 DEFAULT_IMPL = None  # None: the rule above; "gather" / "pipe": always that kernel
 PIPE_HALF = 128
@@ -305,7 +304,7 @@ class _Plan(NamedTuple):
     """What one distinct call launches (built by _plan)."""
     shape: tuple[int, int, int]  # (B, Hkv, N) of the result
     span: bool  # idx is a range: the kernels read a view of k's span and no slots
-    launches: tuple[tuple[int, int, _Launch, tuple], ...]  # (t0, t1, launch, _RESIDENT key): question rows [t0, t1)
+    launches: tuple[tuple[int, int, Launch, tuple], ...]  # (t0, t1, launch, _RESIDENT key): question rows [t0, t1)
     provisional: bool  # its tiles assumed programs per SM that _RESIDENT learns at the first launch: not kept
 
 
@@ -319,7 +318,7 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
                        scale: float | None = None, out: torch.Tensor | None = None,
                        block_m: int | None = None, block_n: int | None = None, tiles: int | None = None,
                        num_warps: int | None = None, num_stages: int | None = None, key_rows: bool | None = None,
-                       impl: str | None = None, per_sm: int | None = None) -> torch.Tensor:
+                       impl: str | None = None, per_sm: int | None = None, *, direct: bool = True) -> torch.Tensor:
     """q (B, H, T, D), k (B, Hkv, S, D), idx (N,), lse (B, H, T) fp32 -> (B, Hkv, N) fp32 (added to `out`).
 
     idx may be a range (start, stop) of consecutive cache slots (an image's span): the keys are then read
@@ -335,7 +334,8 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
     tiles per program; default: whole waves of `per_sm` programs per SM, by default the programs of the
     compiled kernel that fit, at most PROGRAMS_PER_SM for gather), num_warps, num_stages (gather: 1, it
     pipelines its own loads; pipe: Triton's pipeline depth), key_rows (gather: the dot's orientation). The
-    gather tile (KEY_ROWS, KEY_BLOCK, KEY_WARPS) comes from the H200 sweep of run S5-C (docs/benchmarks.md)."""
+    gather tile (KEY_ROWS, KEY_BLOCK, KEY_WARPS) comes from the H200 sweep in KEY_ROWS' comment
+    (docs/benchmarks.md). direct: after a plan's first launch, skip Triton's dispatch (csrc_triton/launch.py)."""
     key = (tensor_key(q), tensor_key(k), (idx.start, idx.stop, idx.step) if isinstance(idx, range) else tensor_key(idx),
            tensor_key(lse), scale, tensor_key(out), block_m, block_n, tiles, num_warps, num_stages, key_rows, impl,
            per_sm, DEFAULT_IMPL, KEY_ROWS, KEY_BLOCK, KEY_WARPS, PIPE_HALF, PIPE_BLOCK, PIPE_WARPS, PIPE_STAGES,
@@ -356,7 +356,7 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
     whole = len(plan.launches) == 1
     for t0, t1, launch, rkey in plan.launches:
         qc, lc = (q, lse) if whole else (q[:, :, t0:t1], lse[:, :, t0:t1])
-        compiled = launch(qc, k, idx, lc, out)  # None once launches go direct: then nothing is left to learn
+        compiled = launch(qc, k, idx, lc, out, direct=direct)  # None once launches go direct: nothing left to learn
         if compiled is not None and rkey not in _RESIDENT and q.is_cuda and hasattr(compiled, "n_regs"):
             _RESIDENT[rkey] = _resident(compiled, launch.meta["num_warps"], q.device)
     return out
@@ -382,7 +382,7 @@ def _plan(q, k, idx, lse, scale, out, block_m, block_n, tiles, num_warps, num_st
     common = dict(D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), SPAN=span,
                   # fp32 caches (tests) get exact products; tf32 would blur the ranking for no gain here.
                   PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
-                  UPCAST=_INTERPRET and torch.bfloat16 in (q.dtype, k.dtype))
+                  UPCAST=INTERPRET and torch.bfloat16 in (q.dtype, k.dtype))
     # Every launch's scalars: strides of q (a chunk of q has q's), k (the span view has k's), lse, out.
     strides = (*q.stride()[:3], *k.stride()[:3], *lse.stride()[:3], *out_strides)
     if impl == "pipe":
@@ -401,8 +401,8 @@ def _plan(q, k, idx, lse, scale, out, block_m, block_n, tiles, num_warps, num_st
     provisional = q.is_cuda and not tiles and not per_sm and key not in _RESIDENT
     per_sm = per_sm or min(PROGRAMS_PER_SM, _RESIDENT.get(key, 2))
     tiles = min(tiles or wave_tiles(n_tiles, B * Hkv, q.device, per_sm), n_tiles)
-    launch = _Launch(_retrieval_salience_kernel, (B * Hkv, triton.cdiv(n_tiles, tiles)),
-                     (*strides, T, N, Hkv, scale * LOG2E, tiles), meta)
+    launch = Launch(_retrieval_salience_kernel, (B * Hkv, triton.cdiv(n_tiles, tiles)),
+                    (*strides, T, N, Hkv, scale * LOG2E, tiles), meta)
     return _Plan((B, Hkv, N), span, ((0, T, launch, key),), provisional)
 
 
@@ -442,8 +442,8 @@ def _pipe(q, k, N, scale, accumulate, common, strides, half_max, block_n, tiles,
         key = (q.device, q.dtype, k.dtype, *meta.values())  # meta is built in one fixed order
         provisional |= q.is_cuda and not tiles and not per_sm and key not in _RESIDENT
         n = min(tiles or wave_tiles(n_tiles, B * Hkv, q.device, per_sm or _RESIDENT.get(key, PIPE_PER_SM)), n_tiles)
-        launch = _Launch(_retrieval_salience_pipe_kernel, (B * Hkv, triton.cdiv(n_tiles, n)),
-                         (*strides, tc, N, Hkv, scale * LOG2E, n), meta)
+        launch = Launch(_retrieval_salience_pipe_kernel, (B * Hkv, triton.cdiv(n_tiles, n)),
+                        (*strides, tc, N, Hkv, scale * LOG2E, n), meta)
         launches.append((t0, t0 + tc, launch, key))
     return _Plan((B, Hkv, N), span, tuple(launches), provisional)
 

@@ -19,7 +19,6 @@ dtypes: fp16/bf16; D even, D <= 1024; cache last dim contiguous.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -27,7 +26,9 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .launch import Plans, _Launch, tensor_key
+from ._common import check_rope_qkv
+from .launch import Launch, Plans, tensor_key
+from .pdl import options as pdl_options
 from .rounding import round_to
 
 
@@ -39,7 +40,7 @@ def rope_halves(x1, x2, c1, c2, s1, s2, dtype: tl.constexpr):
     That is what runs under the interpreter. On the GPU the casts do not keep the products apart: LLVM narrows
     the fp32 ops on widened 16-bit values to 16-bit ops, and the backend contracts the first product of each
     sum into an FMA (sm_90a, triton 3.6): o1 = fma(x1, cos1, -rn(x2 sin1)), o2 = fma(x2, cos2, rn(x1 sin2)).
-    The qkv GEMV's RoPE epilogue (csrc_triton/w4a16_gemv.py, EPI 3) writes that form out explicitly."""
+    The qkv GEMV's RoPE epilogue (csrc_triton/_w4a16_gemv_epilogue.py, EPI 3) writes that form out explicitly."""
     o1 = round_to(round_to(x1 * c1, dtype) - round_to(x2 * s1, dtype), dtype)
     o2 = round_to(round_to(x2 * c2, dtype) + round_to(x1 * s2, dtype), dtype)
     return o1, o2
@@ -97,30 +98,6 @@ def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, k
                   stride_v2h, stride_v2s, o1, o2, v_lo, v_hi, is_k, HALF)
 
 
-def _check(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads) -> int:
-    """Validates shapes and dtypes (metadata only: no device sync); returns D."""
-    if qkv.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"rope_qkv: qkv must be fp16 or bf16, got {qkv.dtype}")
-    B, T, W = qkv.shape
-    D, rem = divmod(W, n_heads + 2 * n_kv_heads)
-    if rem or D % 2 or not 0 < D <= 1024:
-        raise ValueError(f"rope_qkv: last dim {W} is not (n_heads + 2 n_kv_heads) x an even head dim <= 1024")
-    if n_heads % n_kv_heads:
-        raise ValueError(f"rope_qkv: n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (T, D) or t.dtype != qkv.dtype or t.stride(-1) != 1:
-            raise ValueError(f"rope_qkv: {name} must be ({T}, {D}) {qkv.dtype} with a contiguous last dim, "
-                             f"got {tuple(t.shape)} {t.dtype}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4 or c.shape[:2] != (B, n_kv_heads) or c.shape[3] != D or c.dtype != qkv.dtype or c.stride(-1) != 1:
-            raise ValueError(f"rope_qkv: {name} must be ({B}, {n_kv_heads}, S, {D}) {qkv.dtype}, last dim "
-                             f"contiguous; got {tuple(c.shape)} {c.dtype}")
-    if slots.shape != (T,) or slots.dtype.is_floating_point or slots.device != qkv.device:
-        raise ValueError(f"rope_qkv: slots must be ({T},) integers on {qkv.device}, got {tuple(slots.shape)} "
-                         f"{slots.dtype} on {slots.device}")
-    return D
-
-
 def _heads_per_program(rows: int, n_heads: int, device: torch.device) -> int:
     """One head per program at decode (40 programs for Llama-3-8B: spread over the SMs, the latency
     is one head's); a few heads per program in prefill (fewer, fuller programs; cos/sin loaded once
@@ -133,19 +110,20 @@ def _heads_per_program(rows: int, n_heads: int, device: torch.device) -> int:
 class _Plan(NamedTuple):
     """What one distinct call launches (built by _plan): q's shape and the launch (None when B * T == 0)."""
     q_shape: tuple[int, int, int, int]
-    launch: _Launch | None
+    launch: Launch | None
 
 
 # Plans per distinct call (every tensor's shape, strides, dtype and device, the head counts, options, the
-# PDL switch): a prefill makes the same call every layer, so it pays Triton's dispatch only once
+# pdl flag): a prefill makes the same call every layer, so it pays Triton's dispatch only once
 # (csrc_triton/launch.py).
 _PLANS = Plans()
 
 
-def _plan(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads, second, heads_per_program, num_warps) -> _Plan:
-    D = _check(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads)
+def _plan(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads, second, heads_per_program, num_warps,
+          pdl) -> _Plan:
+    D = check_rope_qkv(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads)
     if second is not None:
-        _check(qkv, cos, sin, *second, n_heads, n_kv_heads)
+        check_rope_qkv(qkv, cos, sin, *second, n_heads, n_kv_heads)
     k2, v2, _ = second if second is not None else (k_cache, v_cache, slots)
     B, T, _ = qkv.shape
     if not B * T:
@@ -154,33 +132,36 @@ def _plan(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads, second, h
     n = n_heads + n_kv_heads
     hp = heads_per_program or _heads_per_program(B * T, n, qkv.device)
     block = triton.next_power_of_2(D // 2)
-    launch = _Launch(_rope_qkv_kernel, (B * T, triton.cdiv(n, hp)),
-                     (T, stride_xb, stride_xt, cos.stride(0), sin.stride(0), *k_cache.stride()[:3],
-                      *v_cache.stride()[:3], *k2.stride()[:3], *v2.stride()[:3]),
-                     dict(H=n_heads, HKV=n_kv_heads, HALF=D // 2, HEADS=hp, SECOND=second is not None, BLOCK=block,
-                          num_warps=num_warps or max(1, min(4, hp * block // 64)), **pdl.options(qkv.device)))
+    launch = Launch(_rope_qkv_kernel, (B * T, triton.cdiv(n, hp)),
+                    (T, stride_xb, stride_xt, cos.stride(0), sin.stride(0), *k_cache.stride()[:3],
+                     *v_cache.stride()[:3], *k2.stride()[:3], *v2.stride()[:3]),
+                    dict(H=n_heads, HKV=n_kv_heads, HALF=D // 2, HEADS=hp, SECOND=second is not None, BLOCK=block,
+                         num_warps=num_warps or max(1, min(4, hp * block // 64)), **pdl_options(qkv.device, pdl)))
     return _Plan((B, n_heads, T, D), launch)
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv_heads: int,
              second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-             heads_per_program: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+             heads_per_program: int | None = None, num_warps: int | None = None, *, pdl: bool = True,
+             direct: bool = True) -> torch.Tensor:
     """qkv (B, T, (H + 2 Hkv) D), cos/sin (T, D), caches (B, Hkv, S, D), slots (T,) -> q (B, H, T, D).
     Writes rotated k and v into the caches at `slots`, and also into `second` = (k2, v2, slots2)
     when given (another cache pair (B, Hkv, S2, D), e.g. the packed decode buffer, at slots2 (T,)).
-    `heads_per_program` (a power of 2) and `num_warps` override the launch (benchmarks)."""
+    `heads_per_program` (a power of 2) and `num_warps` override the launch (benchmarks). pdl: programmatic
+    dependent launch where the device has it (csrc_triton/pdl.py); direct: after the first launch, skip
+    Triton's dispatch (csrc_triton/launch.py)."""
     key = (tensor_key(qkv), tensor_key(cos), tensor_key(sin), tensor_key(k_cache), tensor_key(v_cache),
            tensor_key(slots), n_heads, n_kv_heads, None if second is None else tuple(map(tensor_key, second)),
-           heads_per_program, num_warps, os.environ.get("TINYVILA_PDL"))  # the switch pdl.options reads
+           heads_per_program, num_warps, pdl)
     plan = _PLANS.get_or_build(key, lambda: _plan(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads,
-                                                  second, heads_per_program, num_warps))
+                                                  second, heads_per_program, num_warps, pdl))
     k2, v2, slots2 = second if second is not None else (k_cache, v_cache, slots)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     q = torch.empty(plan.q_shape, dtype=qkv.dtype, device=qkv.device)
     if plan.launch is not None:
-        plan.launch(qkv, cos, sin, q, k_cache, v_cache, slots, k2, v2, slots2)
+        plan.launch(qkv, cos, sin, q, k_cache, v_cache, slots, k2, v2, slots2, direct=direct)
     return q
 
 

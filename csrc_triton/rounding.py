@@ -13,19 +13,17 @@ cast there and back, the behaviour `round_to` must reproduce bit for bit.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+from ._common import INTERPRET_JIT
 
 
 @triton.jit
 def round_to(v, dtype: tl.constexpr):
     """fp32 `v` rounded to `dtype` (tl.float16 / tl.bfloat16 / tl.float32), returned as fp32."""
-    if INTERPRET and dtype == tl.bfloat16:
+    if INTERPRET_JIT and dtype == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         return bits.to(tl.float32, bitcast=True)

@@ -13,7 +13,6 @@ over ~100 programs.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -23,15 +22,17 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import pdl
-from .launch import Plans, _Launch, tensor_key
-from .rounding import INTERPRET, round_to
+from ._common import INTERPRET_JIT
+from .launch import Launch, Plans, tensor_key
+from .pdl import options as pdl_options
+from .rounding import round_to
 
 
 @triton.jit
 def silu_mul_math(g, up, dtype: tl.constexpr):
     """silu(g) * up with PyTorch's roundings (module docstring): fp32 g, up (values of `dtype`) -> fp32 values
-    of `dtype`. Also the epilogue of the W4 GEMV's fused gate/up (csrc_triton/w4a16_gemv.py, EPI 2)."""
-    if INTERPRET:  # libdevice has no interpreter implementation
+    of `dtype`. Also the epilogue of the W4 GEMV's fused gate/up (csrc_triton/w4a16_gemv_silu.py, EPI 2)."""
+    if INTERPRET_JIT:  # libdevice has no interpreter implementation
         e = tl.exp(-g)
     else:
         e = libdevice.exp(-g)
@@ -68,15 +69,15 @@ class _Plan(NamedTuple):
     """What one distinct call launches (built by _plan): F and the launch, None when there are no rows."""
     F: int
     rows: bool  # gate_up needs _rows (not contiguous): otherwise it is passed itself, its (M, 2F) view's memory
-    launch: _Launch | None
+    launch: Launch | None
 
 
-# Plans per distinct call (shape, strides, dtype, device, options, the PDL switch): a prefill makes the
+# Plans per distinct call (shape, strides, dtype, device, options, the pdl flag): a prefill makes the
 # same call every layer, so it pays Triton's dispatch only once (csrc_triton/launch.py).
 _PLANS = Plans()
 
 
-def _plan(gate_up, block, num_warps) -> _Plan:
+def _plan(gate_up, block, num_warps, pdl) -> _Plan:
     if gate_up.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"silu_mul: gate_up must be fp16 or bf16, got {gate_up.dtype}")
     W = gate_up.shape[-1]
@@ -88,20 +89,23 @@ def _plan(gate_up, block, num_warps) -> _Plan:
     if not M:
         return _Plan(Fdim, False, None)
     block = block or _block(M, Fdim, gate_up.device)
-    launch = _Launch(_silu_mul_kernel, (M, triton.cdiv(Fdim, block)), (Fdim, x2.stride(0), Fdim),
-                     dict(BLOCK=block, num_warps=num_warps, **pdl.options(gate_up.device)))
+    launch = Launch(_silu_mul_kernel, (M, triton.cdiv(Fdim, block)), (Fdim, x2.stride(0), Fdim),
+                    dict(BLOCK=block, num_warps=num_warps, **pdl_options(gate_up.device, pdl)))
     return _Plan(Fdim, not gate_up.is_contiguous(), launch)
 
 
-def silu_mul(gate_up: torch.Tensor, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """gate_up (..., 2F) -> silu(gate) * up (..., F). `block`, `num_warps` override the launch (benchmarks)."""
-    key = (tensor_key(gate_up), block, num_warps, os.environ.get("TINYVILA_PDL"))  # the switch pdl.options reads
-    plan = _PLANS.get_or_build(key, lambda: _plan(gate_up, block, num_warps))
+def silu_mul(gate_up: torch.Tensor, block: int | None = None, num_warps: int = 4, *, pdl: bool = True,
+             direct: bool = True) -> torch.Tensor:
+    """gate_up (..., 2F) -> silu(gate) * up (..., F). `block`, `num_warps` override the launch (benchmarks).
+    pdl: programmatic dependent launch where the device has it (csrc_triton/pdl.py); direct: after the first
+    launch, skip Triton's dispatch (csrc_triton/launch.py)."""
+    key = (tensor_key(gate_up), block, num_warps, pdl)
+    plan = _PLANS.get_or_build(key, lambda: _plan(gate_up, block, num_warps, pdl))
     x2 = _rows(gate_up) if plan.rows else gate_up
     # (..., F) contiguous: the memory of an (M, F) tensor, without a view per call.
     y = torch.empty((*gate_up.shape[:-1], plan.F), dtype=gate_up.dtype, device=gate_up.device)
     if plan.launch is not None:
-        plan.launch(x2, y)
+        plan.launch(x2, y, direct=direct)
     return y
 
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.launch import Plans, _Launch, tensor_key
-from csrc_triton.w4a16_gemv import INTERPRET, unpack_k_order
+from ._common import INTERPRET, unpack_k_order
+from .launch import Launch, Plans, tensor_key
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def _w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, K8, NG, G: tl.const
 _PLANS = Plans()
 
 
-def _plan(qweight, scales, zeros, out) -> tuple[int, int, _Launch]:
+def _plan(qweight, scales, zeros, out) -> tuple[int, int, Launch]:
     if qweight.dtype != torch.int32 or qweight.dim() != 2 or not qweight.is_contiguous():
         raise ValueError(f"qweight must be a contiguous int32 (N, K/8) tensor, got {tuple(qweight.shape)} {qweight.dtype}")
     N, K = qweight.shape[0], qweight.shape[1] * 8
@@ -63,18 +63,19 @@ def _plan(qweight, scales, zeros, out) -> tuple[int, int, _Launch]:
     BLOCK_N, BLOCK_W = (16, 64) if on_gpu else (8, 16)
     BLOCK_W = max(BLOCK_W, G // 8)  # a tile holds whole groups
     grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(K // 8, BLOCK_W))
-    return N, K, _Launch(_w4a16_dequant_kernel, grid, (N, K, K // 8, K // G),
-                         dict(G=G, BLOCK_N=BLOCK_N, BLOCK_W=BLOCK_W, UNPACK=1 if on_gpu else 0, num_warps=4))
+    return N, K, Launch(_w4a16_dequant_kernel, grid, (N, K, K // 8, K // G),
+                        dict(G=G, BLOCK_N=BLOCK_N, BLOCK_W=BLOCK_W, UNPACK=1 if on_gpu else 0, num_warps=4))
 
 
 def w4a16_dequant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """Packed W4 -> dense (N, K) in the scales' dtype. `out` (N, K) contiguous may be a reused workspace."""
+                  out: torch.Tensor | None = None, direct: bool = True) -> torch.Tensor:
+    """Packed W4 -> dense (N, K) in the scales' dtype. `out` (N, K) contiguous may be a reused workspace.
+    direct: after the first launch, skip Triton's dispatch (csrc_triton/launch.py)."""
     key = (tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(out), INTERPRET)
     N, K, launch = _PLANS.get_or_build(key, lambda: _plan(qweight, scales, zeros, out))
     if out is None:
         out = torch.empty(N, K, dtype=scales.dtype, device=qweight.device)
-    launch(qweight, scales.contiguous(), zeros.contiguous(), out)
+    launch(qweight, scales.contiguous(), zeros.contiguous(), out, direct=direct)
     return out
 
 

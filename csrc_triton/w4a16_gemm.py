@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.launch import Plans, _Launch, tensor_key
-from csrc_triton.w4a16_dequant import w4a16_dequant
-from csrc_triton.w4a16_gemv import INTERPRET, check_w4_args, dequantize_ref
+from ._common import INTERPRET, check_w4_args, dequantize_ref
+from .launch import Launch, Plans, tensor_key
+from .w4a16_dequant import w4a16_dequant
 
 # From this many rows on (CUDA), W is dequantized once into an (N, K) workspace and cuBLAS runs the
 # GEMM (w4a16_dequant: ~2.5 bytes of traffic per weight, then the fp16 GEMM at full tensor-core rate).
@@ -339,7 +339,7 @@ def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device, zer
     `zero` buffers (the split-K counters) start at zero and are returned to zero by their users.
     Under CUDA-graph capture a buffer must already be large enough (run the call once eagerly first), and
     one handed to a capture is kept alive after it is outgrown (a later, larger eager call)."""
-    key = (name, dtype, device)  # the device itself: str(device) cost ~1 us per call (issue 7: host-bound prefill)
+    key = (name, dtype, device)  # the device itself: str(device) cost ~1 us per call, and eager prefill is host-bound
     buf = _SCRATCH.get(key)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if buf is None or buf.numel() < numel:
@@ -366,7 +366,7 @@ class _Plan(NamedTuple):
     path: str  # "fused" or "dequant"
     split_k: int  # the fused kernel's split (1: its workspace and counters are 1-element placeholders)
     counters: int  # split-K counters (one per output tile)
-    launch: _Launch | None  # the fused kernel's; None on the dequant path or when M == 0
+    launch: Launch | None  # the fused kernel's; None on the dequant path or when M == 0
 
 
 # Plans per distinct call (every tensor's shape, strides, dtype and device, out's, the options and the
@@ -397,20 +397,22 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack) -> _Plan:
     cfg = fit_config(config, K, G)
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), cfg.split_k)
     stride_ym = N if out is None else out.stride(0)
-    launch = _Launch(_w4a16_gemm_kernel, grid, (M, N, K, x.stride(0), stride_ym, K // 8, K // G, cfg.split_k),
-                     dict(G=G, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                          BLOCK_W=cfg.block_w, UNPACK=unpack, UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16,
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    launch = Launch(_w4a16_gemm_kernel, grid, (M, N, K, x.stride(0), stride_ym, K // 8, K // G, cfg.split_k),
+                    dict(G=G, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                         BLOCK_W=cfg.block_w, UNPACK=unpack, UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return _Plan(M, N, K, path, cfg.split_k, grid[0] * grid[1], launch)
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-               config: Config | None = None, path: str | None = None, unpack: int | None = None) -> torch.Tensor:
+               config: Config | None = None, path: str | None = None, unpack: int | None = None,
+               direct: bool = True) -> torch.Tensor:
     """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins the fused kernel's tiles (else
     CONFIG_TABLE / rule_config); `path` forces "fused" or "dequant" (dequantize to a workspace + a dense
     matmul); default: dequant from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0, fused otherwise.
-    `unpack` picks the nibble unpacking (1: inline PTX, the GPU default; 0: plain ops, same bits)."""
+    `unpack` picks the nibble unpacking (1: inline PTX, the GPU default; 0: plain ops, same bits).
+    direct: after the first launch, skip Triton's dispatch (csrc_triton/launch.py; both paths)."""
     key = (tensor_key(x), tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(bias), tensor_key(out),
            config, path, unpack, DEQUANT_MIN_M, INTERPRET)
     plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack))
@@ -420,7 +422,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if M == 0:
         return out
     if plan.path == "dequant":
-        w = w4a16_dequant(qweight, scales, zeros, out=scratch("w4_dequant", N * K, x.dtype, x.device).view(N, K))
+        w = w4a16_dequant(qweight, scales, zeros, out=scratch("w4_dequant", N * K, x.dtype, x.device).view(N, K),
+                          direct=direct)
         if bias is None:
             return torch.mm(x, w.T, out=out)
         return torch.addmm(bias, x, w.T, out=out)
@@ -429,7 +432,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     split = plan.split_k > 1
     ws = scratch("w4_splitk", plan.split_k * M * N if split else 1, torch.float32, x.device)
     cnt = scratch("w4_counters", plan.counters if split else 1, torch.int32, x.device, zero=True)
-    plan.launch(x, qweight, scales, zeros, bias if bias is not None else scales, out, ws, cnt)
+    plan.launch(x, qweight, scales, zeros, bias if bias is not None else scales, out, ws, cnt, direct=direct)
     return out
 
 

@@ -15,23 +15,19 @@ out-of-range tiles), else through pointers (clamped rows, a peeled K tail). K is
 constant: full K tiles run unmasked. Any M, N, K; contiguous inner dims.
 A persistent variant (`_w8a8_gemm_persistent_kernel`, config PERSISTENT) loops each program over tiles
 with a sub-tiled epilogue and TMA stores; the launcher runs it at 128 x 256 tiles (8 and 64 SigLIP images; see
-_LARGE_TILE_PERSISTENT), except on sm_90 under Triton 3.6, where those GEMMs go to the Gluon kernels of
-csrc_triton/w8a8_gemm_wgmma.py (wgmma kept in flight across K steps; warp-specialised ping-pong at short K; see
-USE_WGMMA and _wgmma_form).
+_LARGE_TILE_PERSISTENT; `persistent=False` keeps the plain kernel), except on sm_90 under Triton 3.6, where
+those GEMMs go to the Gluon kernels of csrc_triton/w8a8_gemm_wgmma.py (wgmma kept in flight across K steps;
+warp-specialised ping-pong at short K; see _wgmma_form; `wgmma=False` keeps the Triton kernels).
 """
 
 from __future__ import annotations
-
-import contextlib
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels run in Triton's interpreter
+from ._common import INTERPRET, device_caps, tma_aligned, w8a8_ref
 
 
 @triton.jit
@@ -201,13 +197,6 @@ def _w8a8_gemm_persistent_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_pt
                   HAS_BIAS, HAS_RES, TMA, BLOCK_M, BLOCK_N, EPI_SPLIT)
 
 
-@functools.lru_cache(maxsize=None)
-def _device_caps(index: int) -> tuple[int, int, int]:
-    """(SM count, opt-in shared memory per block in bytes, compute capability major) of a GPU."""
-    p = torch.cuda.get_device_properties(index)
-    return p.multi_processor_count, getattr(p, "shared_memory_per_block_optin", 101376), p.major
-
-
 # Tile shapes tried largest first: the first whose grid covers 3/4 of the SMs wins (small grids
 # leave SMs idle at one image, where 128x256 tiles give only 6 x 5 programs for the 1152-wide GEMMs).
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, max stages, EPI_SPLIT); int8 operands take (BM + BN) * BK
@@ -225,7 +214,7 @@ def _config(M: int, N: int, K: int, device: torch.device) -> dict:
     pipeline stages as many as shared memory holds, up to the tile's maximum."""
     if device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, EPI_SPLIT=1)
-    n_sm, smem, _ = _device_caps(device.index if device.index is not None else torch.cuda.current_device())
+    n_sm, smem, _ = device_caps(device.index if device.index is not None else torch.cuda.current_device())
     fits = [t for t in _TILES if 2 * (t[0] + t[1]) * t[2] + 8192 <= smem]  # 2 stages at least (~100 KB GPUs)
     bm, bn, bk, warps, max_stages, split = next(
         (t for t in fits if triton.cdiv(M, t[0]) * triton.cdiv(N, t[1]) >= 3 * n_sm // 4), fits[-1])
@@ -235,20 +224,24 @@ def _config(M: int, N: int, K: int, device: torch.device) -> dict:
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
     """TMA needs sm_90+, 16-byte aligned bases and 16-byte aligned row strides."""
-    if not ts[0].is_cuda or _device_caps(ts[0].device.index or 0)[2] < 9:
+    if not ts[0].is_cuda or device_caps(ts[0].device.index or 0)[2] < 9:
         return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts)
+    return tma_aligned(*ts)
 
 
 def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
-              residual: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+              residual: torch.Tensor | None = None, config: dict | None = None, *, persistent: bool = True,
+              wgmma: bool = True) -> torch.Tensor:
     """(M, K) int8 x (N, K) int8 -> (M, N) `out_dtype`, scaled per token and per channel (+ bias)
     (+ residual (M, N) in `out_dtype`).
 
     `config` overrides the tile choice (benchmarks sweep it): the keys of `_config` (EPI_SPLIT 1, 2 or 4,
     default 1: the epilogue in that many column sub-tiles), plus "TMA" (bool; default: on where
     `_tma_ok`); "PERSISTENT": True selects the persistent kernel (keys of `persistent_config`).
+    Without a config: persistent (the persistent kernel at the shapes it was tuned for, _auto_config; False:
+    the plain kernel everywhere) and wgmma (the Gluon kernels where the persistent kernel would run, on sm_90
+    under Triton 3.6, _wgmma_form; False: the Triton kernels only, their A/B).
     """
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"w8a8_gemm: a and b must be int8, got {a.dtype} and {b.dtype}")
@@ -274,10 +267,10 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
     if M == 0 or N == 0:
         return c
     tma_ab = _tma_ok(a, b)  # once per call: the dispatch and the launch both need it
-    cfg = dict(config or _auto_config(M, N, K, a.device, tma_ab and _aligned(c, residual)))
-    gluon_form = _wgmma_form(bool(cfg.get("PERSISTENT")), K, residual) if config is None else None
+    cfg = dict(config or _auto_config(M, N, K, a.device, tma_ab and tma_aligned(c, residual), persistent))
+    gluon_form = _wgmma_form(bool(cfg.get("PERSISTENT")), K, residual) if config is None and wgmma else None
     if gluon_form is not None and _wgmma_ok(a, b, c, residual):
-        from csrc_triton.w8a8_gemm_wgmma import w8a8_gemm_wgmma
+        from .w8a8_gemm_wgmma import w8a8_gemm_wgmma
 
         return w8a8_gemm_wgmma(a, b, a_scale, b_scale, bias, out_dtype, residual, out=c, **gluon_form)
     tma = cfg.pop("TMA", None)
@@ -301,11 +294,6 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
     return c
 
 
-def _aligned(*ts: torch.Tensor | None) -> bool:
-    """Every tensor's base and row stride 16-byte aligned (what a TMA descriptor needs)."""
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts if t is not None)
-
-
 def _launch_persistent(a, b, a_scale, b_scale, bias, residual, c, tma: bool, cfg: dict) -> None:
     """Launch `_w8a8_gemm_persistent_kernel` on min(tiles, programs) programs. TMA covers a, b, the
     residual and c together (c and the residual need N % 8 == 0 in fp16); otherwise all go through
@@ -313,7 +301,7 @@ def _launch_persistent(a, b, a_scale, b_scale, bias, residual, c, tma: bool, cfg
     PROGRAMS_PER_SM (CUDA: that many programs per SM) or NUM_PROGRAMS (an explicit count)."""
     (M, K), N = a.shape, b.shape[0]
     cfg = dict(cfg)
-    tma = tma and _aligned(a, b, c, residual)
+    tma = tma and tma_aligned(a, b, c, residual)
     bm, bn, bk, sub_n = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["BLOCK_N"] // cfg["EPI_SPLIT"]
     res = residual if residual is not None else c
     a_arg, b_arg, r_arg, c_arg = a, b, res, c
@@ -323,7 +311,7 @@ def _launch_persistent(a, b, a_scale, b_scale, bias, residual, c, tma: bool, cfg
         r_arg = TensorDescriptor.from_tensor(res, [bm, sub_n])
         c_arg = TensorDescriptor.from_tensor(c, [bm, sub_n])
     if "NUM_PROGRAMS" not in cfg:
-        n_sm = _device_caps(a.device.index if a.device.index is not None else torch.cuda.current_device())[0]
+        n_sm = device_caps(a.device.index if a.device.index is not None else torch.cuda.current_device())[0]
         cfg["NUM_PROGRAMS"] = n_sm * cfg.pop("PROGRAMS_PER_SM", 1)  # constexpr: one compile per GPU
     cfg.pop("PROGRAMS_PER_SM", None)
     grid = (min(cfg["NUM_PROGRAMS"], triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
@@ -356,42 +344,38 @@ def persistent_config(t: tuple, programs_per_sm: int = 1) -> dict:
                 EPI_SPLIT=split, FLATTEN=flatten, PROGRAMS_PER_SM=programs_per_sm)
 
 # What runs where _config picks the 128 x 256 tile (8 and 64 SigLIP images; fc1 at one): the persistent kernel,
-# loop nest flattened for short K, 4 stages and a 4-way epilogue split for long K (fc2). H200 run S6-C
-# (`TINYVILA_W8A8_VARIANTS=1`, graph-replayed): 1.04-1.11x the default kernel at every ViT GEMM at 8 and 64
-# images (qkv 885 / 941 TOPS, o 693 / 896, fc1 942 / 946, fc2 836 / 959), fc1 at one image 1.00x; the 26-layer
-# encoder at 8 images 10.14 -> 9.77 ms. At one image the 64 x 128 default tiles stay (persistent 0.55-0.95x).
+# loop nest flattened for short K, 4 stages and a 4-way epilogue split for long K (fc2). On the H200
+# (`TINYVILA_W8A8_VARIANTS=1` of scripts/benches/w8a8.py, graph-replayed; docs/perf_notes.md): 1.04-1.11x the
+# default kernel at every ViT GEMM at 8 and 64 images, fc1 at one image 1.00x; at one image the 64 x 128
+# default tiles stay (persistent 0.55-0.95x).
 _LARGE_TILE_PERSISTENT = {False: (128, 256, 128, 8, 3, 2, True), True: (128, 256, 128, 8, 4, 4, False)}  # K >= 2048
 
 
-def _auto_config(M: int, N: int, K: int, device: torch.device, tma: bool) -> dict:
-    """The config a call runs: _config's tile, on CUDA the persistent kernel instead where that is 128 x 256 and
-    every operand can go through TMA (its pointer form at these tiles needs more shared memory than an H200
-    has at some K: the 128 x 256 x 128 3-stage pointer build asked for 352 KiB at K = 160, run S6-F)."""
+def _auto_config(M: int, N: int, K: int, device: torch.device, tma: bool, persistent: bool = True) -> dict:
+    """The config a call runs: _config's tile, on CUDA (with `persistent`) the persistent kernel instead where that
+    is 128 x 256 and every operand can go through TMA (its pointer form at these tiles needs more shared memory
+    than an H200 has at some K: the 128 x 256 x 128 3-stage pointer build asked for 352 KiB at K = 160)."""
     cfg = _config(M, N, K, device)
-    if device.type == "cuda" and tma and (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 256) and USE_PERSISTENT:
+    if device.type == "cuda" and tma and (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 256) and persistent:
         return persistent_config(_LARGE_TILE_PERSISTENT[K >= 2048])
     return cfg
 
 
-USE_PERSISTENT = True  # False: the default kernel everywhere (A/B)
 # Where the launcher picks the persistent 128 x 256 kernel (8 and 64 SigLIP images), on sm_90 with TMA-aligned
 # operands and a 16-bit output, a Gluon kernel of csrc_triton/w8a8_gemm_wgmma.py runs instead (int8 wgmma kept in
 # flight across K steps, which Triton's pipeliner does not do for int32 accumulators), in the form _wgmma_form
-# picks. H200, run S15-A (scripts/diag/w8a8_wgmma.py, x the Triton kernel at 8 / 64 images): the warp-specialised
-# ping-pong form (each 128 x 128 tile's epilogue overlapped with the other warpgroup's K loop) qkv 1.34 / 1.25x, wo
-# 1.40 / 1.56x, fc1 1.29 / 1.19x, all at K = 1152, but fc2 (K = 4304, where the epilogue is a small share of a
-# tile) 0.91 / 0.95x; fc2 takes the 256 x 128 row-halves form (1.03 / 1.09x; grouped 4 row tiles at a time
-# 1.04 / 1.01x more, S15-C). Encoder (S15-E, graph): 64 images 64.6 -> 57.9 ms, 8 images 9.11 -> 8.02 against
-# Triton GEMMs only. Gluon is Triton's experimental dialect and its API moves between releases: the dispatch
-# needs the Triton it was written and measured with (3.6), else the Triton kernel runs. False: Triton only
-# (the A/B).
-USE_WGMMA = True
+# picks. On the H200 (docs/perf_notes.md) the warp-specialised ping-pong form (each 128 x 128 tile's epilogue
+# overlapped with the other warpgroup's K loop) is 1.2-1.6x the Triton kernel at K = 1152 (qkv, wo, fc1), but
+# slower at fc2's K = 4304, where the epilogue is a small share of a tile: fc2 with its residual takes the
+# 256 x 128 row-halves form (1.03-1.09x), without one the Triton kernel. Gluon is Triton's experimental
+# dialect and its API moves between releases: the dispatch needs the Triton it was written and measured with
+# (3.6), else the Triton kernel runs.
 PINGPONG_MAX_K = 2048  # ping-pong measured faster at K = 1152 and slower at 4304; between them, untested
 
 
 def _wgmma_form(persistent: bool, K: int, residual: torch.Tensor | None) -> dict | None:
-    """The Gluon form (keyword arguments of w8a8_gemm_wgmma) for a call, or None for the Triton kernel (see
-    USE_WGMMA): only where the launcher picked its persistent kernel, i.e. at the measured shapes."""
+    """The Gluon form (keyword arguments of w8a8_gemm_wgmma) for a call, or None for the Triton kernel: only
+    where the launcher picked its persistent kernel, i.e. at the measured shapes."""
     if not persistent:
         return None
     if K <= PINGPONG_MAX_K:
@@ -403,40 +387,21 @@ _GLUON_TRITON = triton.__version__.startswith("3.6.")
 
 
 def _wgmma_ok(a, b, c, residual) -> bool:
-    """Whether w8a8_gemm dispatches a persistent-config call to the Gluon kernel (see USE_WGMMA)."""
-    if not USE_WGMMA or not _GLUON_TRITON or _INTERPRET or not a.is_cuda:
+    """Whether the Gluon kernel can run a persistent-config call: Triton 3.6 with Gluon's Hopper API, sm_90,
+    the operands `w8a8_gemm_wgmma.ok` takes."""
+    if not _GLUON_TRITON or INTERPRET or not a.is_cuda:
         return False
     try:
-        from csrc_triton.w8a8_gemm_wgmma import ok
+        from .w8a8_gemm_wgmma import ok
     except ImportError:  # a Triton without Gluon's Hopper API: the Triton kernels serve
         return False
     return ok(a, b, c, residual)
-
-
-@contextlib.contextmanager
-def triton_kernels_only():
-    """Within it, w8a8_gemm runs only its Triton kernels (USE_WGMMA off): the A/B of the Gluon dispatch for
-    benches and tests."""
-    global USE_WGMMA
-    saved, USE_WGMMA = USE_WGMMA, False
-    try:
-        yield
-    finally:
-        USE_WGMMA = saved
 
 
 def w8a8_gemm_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """Plain PyTorch: exact int32 product (torch._int_mm on CPU, float64 elsewhere: both exact), then
-    the kernel's fp32 epilogue. The CPU path of ops.w8a8_linear."""
-    if a.device.type == "cpu":
-        acc = torch._int_mm(a, b.t())  # (M, N) int32; the CPU build has no shape limits
-    else:
-        acc = (a.double() @ b.double().t()).to(torch.int32)  # exact below 2**53
-    out = acc.float() * a_scale.float()[:, None] * b_scale.float()[None, :]
-    if bias is not None:
-        out = out + bias.float()[None, :]
-    if residual is not None:
-        out = out + residual.float()
-    return out.to(out_dtype)
+    the kernel's fp32 epilogue (csrc_triton/_common.py, shared with w8a8_gemm_wgmma). The CPU path of
+    ops.w8a8_linear."""
+    return w8a8_ref(a, b, a_scale, b_scale, bias, out_dtype, residual)

@@ -5,7 +5,7 @@
 The same operation, operands and epilogue as csrc_triton/w8a8_gemm.py (its docstring has the layouts), for
 sm_90 only. Why a second kernel: Triton 3.6's software pipeliner keeps a wgmma in flight across K steps only
 when its accumulator is fp32, so every K step of the Triton int8 GEMM waits for its own wgmma before the next
-is issued (docs/perf_notes.md, session 5). Here the pipeline is written out in Gluon (Triton's explicit-layout
+is issued (docs/perf_notes.md). Here the pipeline is written out in Gluon (Triton's explicit-layout
 dialect), in two forms, both persistent (one program per SM takes tiles pid, pid + P, ... in grouped order):
 
 - `_w8a8_wgmma_kernel`: all warps share each tile. Its tiles form ONE stream of K steps through a STAGES-deep
@@ -29,9 +29,9 @@ stores. Integer sums are exact, so every form gives the Triton kernel's bits.
 
 No interpreter form: Gluon kernels run on the GPU only. csrc_triton.w8a8_gemm.w8a8_gemm checks a call and
 dispatches here the GEMMs it would run on its persistent 128 x 256 kernel (8 and more SigLIP images), in the form
-`w8a8_gemm._wgmma_form` picks by K, on sm_90 under Triton 3.6 with TMA-suited operands (`ok`); everything else
-runs the Triton kernels (see w8a8_gemm.USE_WGMMA for the measurements). The plain PyTorch form is
-`w8a8_gemm_wgmma_ref` (= the Triton kernel's reference).
+`w8a8_gemm._wgmma_form` picks by K, on sm_90 under Triton 3.6 with TMA-suited operands (`ok`), unless called
+with wgmma=False; everything else runs the Triton kernels (w8a8_gemm.py's comment above PINGPONG_MAX_K has the
+measurements). The plain PyTorch form is `w8a8_gemm_wgmma_ref` (= the Triton kernel's reference).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from csrc_triton.w8a8_gemm import _aligned, _device_caps, w8a8_gemm_ref
+from ._common import device_caps, tma_aligned, w8a8_ref
 
 
 @gluon.jit
@@ -297,12 +297,12 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 
 def ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether this kernel can run the call: sm_90 (wgmma is Hopper's), a 16-bit output (an fp32 tile's staging
-    buffers would not fit beside the ring), every operand TMA-aligned (w8a8_gemm's own test, _aligned)."""
+    buffers would not fit beside the ring), every operand TMA-aligned (w8a8_gemm's own test, tma_aligned)."""
     if not a.is_cuda or c.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if _device_caps(a.device.index if a.device.index is not None else torch.cuda.current_device())[2] != 9:
+    if device_caps(a.device.index if a.device.index is not None else torch.cuda.current_device())[2] != 9:
         return False
-    return _aligned(a, b, c, residual)
+    return tma_aligned(a, b, c, residual)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES): what w8a8_gemm_wgmma runs unless told otherwise.
@@ -352,5 +352,5 @@ def w8a8_gemm_wgmma(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
 
 
 def w8a8_gemm_wgmma_ref(a, b, a_scale, b_scale, bias=None, out_dtype=torch.float16, residual=None):
-    """Plain PyTorch: csrc_triton.w8a8_gemm.w8a8_gemm_ref (exact int32 product, then the fp32 epilogue)."""
-    return w8a8_gemm_ref(a, b, a_scale, b_scale, bias, out_dtype, residual)
+    """Plain PyTorch: the reference of csrc_triton.w8a8_gemm (exact int32 product, then the fp32 epilogue)."""
+    return w8a8_ref(a, b, a_scale, b_scale, bias, out_dtype, residual)

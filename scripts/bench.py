@@ -2,15 +2,16 @@
 vision encode + LLM prefill + decode, greedy, with the first image prefill amortised over the rounds.
 
     # image conversation, 4 rounds x 50 tokens: HF fp16, tinyvila fp16, quantized, SparseVILA
-    PYTHONPATH=. python scripts/bench.py --images 1 --rounds 4 --new-tokens 50
+    python -m scripts.bench --images 1 --rounds 4 --new-tokens 50
     # decode tok/s at a 1K-token context against the bandwidth floor, and against HF fp16
-    PYTHONPATH=. python scripts/bench.py --decode-context 1024 --new-tokens 256
+    python -m scripts.bench --decode-context 1024 --new-tokens 256
     # video conversation, 3 rounds x 250 tokens: dense quantized vs SparseVILA
-    PYTHONPATH=. python scripts/bench.py --frames 64 --rounds 3 --new-tokens 250 --prefill-keep 0.3 --decode-keep 0.1
-    PYTHONPATH=. python scripts/bench.py --model checkpoints/vila-8b-awq ...   # a real checkpoint
+    python -m scripts.bench --frames 64 --rounds 3 --new-tokens 250 --prefill-keep 0.3 --decode-keep 0.1
+    python -m scripts.bench --model checkpoints/vila-8b-awq ...   # a real checkpoint
+    python -m scripts.bench --decode-context 1024 --pipelines quant --options pdl=0   # runtime options
 
 Pipelines (--pipelines; default hf,fp16,quant,sparse for images, quant,sparse for video, hf,quant
-for --decode-context):
+for --decode-context; without transformers installed, hf is skipped with a message):
   hf      HF transformers fp16 (SiglipVisionModel + tinyvila's projector + LlamaForCausalLM/Qwen2,
           SDPA), re-encoding and re-prefilling image and question every round, as HF users do
   fp16    tinyvila dense, fp16 weights
@@ -24,10 +25,11 @@ conversation once unmeasured (--warmup full: every shape, compilation, autotunin
 of the measured run happens there; the measured run counts any Triton kernel loads or autotunings it
 still hit), then runs it again on the same chat with peak memory reset (--repeats N times: the row is
 the median run by end-to-end time, its TTFT the median over the runs, every run's time in the JSON).
+tinyvila pipelines run under --options (tinyvila.options.Options fields, on top of Options.from_env()).
 
 Prints a table (tinyvila.benchmark's columns plus speed-ups over the first pipeline and the decode
 bandwidth floor), the sparse-vs-dense stage speed-ups beside what FLOPs (prefill) and bytes read
-(decode) predict, the issue-7 targets, then one JSON line (GPU, torch, triton, commit).
+(decode) predict, the speed targets this mode measures, then one JSON line (GPU, torch, triton, commit).
 """
 
 from __future__ import annotations
@@ -43,18 +45,17 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-import tinyvila  # noqa: E402
-from benches import common  # noqa: E402
-from tinyvila import benchmark as bm  # noqa: E402
-from tinyvila.api import Stats, from_config, resolve_model  # noqa: E402
-from tinyvila.config import QuantConfig, SparsityConfig, VLMConfig, preset  # noqa: E402
-from tinyvila.loader import synthetic_tokenizer  # noqa: E402
-from tinyvila.tokenizer import TEMPLATES, BPETokenizer, load_tokenizer, turn_ids  # noqa: E402
+import tinyvila
+from scripts.benches import common
+from scripts.benches import cost_model as cm
+from tinyvila import benchmark as bm
+from tinyvila.api import Stats, from_config, resolve_model
+from tinyvila.config import QuantConfig, SparsityConfig, VLMConfig, preset
+from tinyvila.loader import synthetic_tokenizer
+from tinyvila.options import Options
+from tinyvila.tokenizer import TEMPLATES, BPETokenizer, load_tokenizer, turn_ids
 
 QUESTIONS = ["Describe the image in detail.", "What objects are on the left?", "What colours dominate?",
              "Is there any text?", "What happens next?", "Summarise the scene."]
@@ -72,7 +73,8 @@ def parse_args(argv):
                    "many tokens; reports decode speed against the bandwidth floor")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=50)
-    p.add_argument("--pipelines", help="comma-separated, from hf,fp16,quant,sparse (default: by mode)")
+    p.add_argument("--pipelines", help="comma-separated, from hf,fp16,quant,sparse (default: by mode; leave hf "
+                   "out to skip the HF anchor, which takes 10-30 s per run of an 8B conversation)")
     p.add_argument("--prefill-keep", type=float, default=0.3)
     p.add_argument("--decode-keep", type=float, default=0.1)
     p.add_argument("--group-size", type=int, default=128)
@@ -84,7 +86,14 @@ def parse_args(argv):
                         "one host hiccup in a single-shot timing does not decide a target")
     p.add_argument("--warmup", choices=["full", "short"], default="full",
                    help="full: the whole conversation once before measuring; short: 2 tokens a round")
+    p.add_argument("--options", default="", metavar="NAME=VALUE,...",
+                   help="runtime options of the tinyvila pipelines (tinyvila.options.Options fields, e.g. "
+                        "cuda_graph=0,pdl=0), on top of Options.from_env()")
     args = p.parse_args(argv)
+    try:
+        args.opts = Options.parse(args.options, Options.from_env())
+    except ValueError as e:
+        p.error(str(e))
     if args.pipelines is None:
         args.pipelines = ("hf,quant" if args.decode_context else "quant,sparse" if args.frames
                           else "hf,fp16,quant,sparse")
@@ -160,11 +169,11 @@ class TinyvilaPipeline:
 
     def __init__(self, name: str, cfg: VLMConfig, args, max_seq_len: int):
         if args.model:
-            self.vlm = tinyvila.load(args.model, device=args.device)
+            self.vlm = tinyvila.load(args.model, device=args.device, options=args.opts)
             sparsity = SparsityConfig(prefill_keep=args.prefill_keep, decode_keep=args.decode_keep)
             self.cfg = dataclasses.replace(self.vlm.cfg, sparsity=sparsity if name == "sparse" else SparsityConfig())
         else:
-            self.vlm, self.cfg = from_config(cfg, device=args.device), cfg  # encoder graphs on, as load()
+            self.vlm, self.cfg = from_config(cfg, device=args.device, options=args.opts), cfg  # as load() builds it
         self.vlm.stop_ids = frozenset()  # exactly --new-tokens per round
         self.chat = self.vlm.chat(sparsity=self.cfg.sparsity, max_seq_len=max_seq_len)
 
@@ -335,20 +344,23 @@ def measure(name: str, args, base: VLMConfig, turns: list[Turn], max_seq_len: in
     del pipe
     gc.collect()
     if torch.device(args.device).type == "cuda":
+        # cuBLAS keeps a workspace per stream it ran on (HF's and eager warm-ups), in PyTorch's allocator: freed
+        # here so that the next pipeline's memory is its own.
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
     # Decode against its floor: bytes the steps must read over the copy bandwidth, per step time.
     steps = sum(max(t.decode_tokens - 1, 0) for t in stats)
     step_ms = sum(t.decode_ms - t.first_token_ms for t in stats)
-    floor_ms = bm.decode_bytes(cfg, stats) / (bw_gbs * 1e9) * 1000
+    floor_ms = cm.decode_bytes(cfg, stats) / (bw_gbs * 1e9) * 1000
     return {"pipeline": name, **bm.summary(stats, peak), "ttft_ms": ttfts[(len(ttfts) - 1) // 2],
             "ttft_runs_ms": ttfts, "e2e_runs_ms": [bm.summary(r)["e2e_ms"] for r in runs],
-            "weight_gb": bm.decode_weight_bytes(cfg) / 1e9,
+            "weight_gb": cm.decode_weight_bytes(cfg) / 1e9,
             "step_tok_s": 1000 * steps / step_ms if step_ms > 0 else None,
             "floor_tok_s": 1000 * steps / floor_ms if floor_ms > 0 else None,
             "of_floor": floor_ms / step_ms if step_ms > 0 else None,
             "first_use": first_use.loads + first_use.tunings, "resident_gb_before": resident,
-            "prefill_gflop": bm.conversation_flops(cfg, stats) / 1e9,
-            "decode_gb": bm.decode_bytes(cfg, stats) / 1e9,
+            "prefill_gflop": cm.conversation_flops(cfg, stats) / 1e9,
+            "decode_gb": cm.decode_bytes(cfg, stats) / 1e9,
             "turns": [dataclasses.asdict(t) for t in stats]}
 
 
@@ -367,7 +379,7 @@ def stage_speedups(dense: dict, sparse: dict) -> dict:
 
 
 def targets(args, rows: dict, speedups: dict | None) -> list[dict]:
-    """Issue 7's done-when items this run measures: (what, value, target, met)."""
+    """The speed targets this run measures (docs/benchmarks.md): (what, value, target, met)."""
     out = []
 
     def check(what, value, target, ok):
@@ -452,7 +464,7 @@ def report(args, rows: list[dict], speedups: dict | None, checks: list[dict], bw
                       "frames": args.frames, "decode_context": args.decode_context, "rounds": args.rounds,
                       "new_tokens": args.new_tokens, "prefill_keep": args.prefill_keep,
                       "decode_keep": args.decode_keep, "warmup": args.warmup, "repeats": args.repeats,
-                      "max_seq_len": max_seq_len,
+                      "max_seq_len": max_seq_len, "options": dataclasses.asdict(args.opts),
                       "copy_gbs": bw_gbs, **environment(args.device), "rows": rows, "sparse_vs_dense": speedups,
                       "targets": checks, "failed": failed}))
 
@@ -473,9 +485,10 @@ def main(argv=None) -> int:
     for name in args.pipelines.split(","):
         try:
             rows.append(measure(name, args, base, turns, max_seq_len, tok, template, bw_gbs))
-        except ImportError as e:  # transformers not installed: the HF anchor is skipped, said plainly
-            print(f"skipping {name}: {e}", file=sys.stderr)
-        except Exception:  # report it and measure the other pipelines: a GPU run is too dear to lose whole
+        except Exception as e:  # report it and measure the other pipelines: a GPU run is too dear to lose whole
+            if name == "hf" and isinstance(e, ImportError):  # transformers not installed: skipped, said plainly
+                print(f"skipping {name}: {e}", file=sys.stderr)
+                continue
             traceback.print_exc()
             print(f"FAILED: pipeline {name} (above); continuing with the others", file=sys.stderr)
             failed.append(name)

@@ -1,12 +1,12 @@
 """Needle in a long text: does decode-time retrieval find what dense decoding finds?
 
-    PYTHONPATH=. python scripts/eval_needle.py --model checkpoints/smollm2-135m [--needles 20 --tokens 600]
+    python -m scripts.eval_needle --model checkpoints/smollm2-135m [--needles 20 --tokens 600]
 
 A haystack of English text (Python's own pydoc_data.topics) holds one sentence "The secret number
 of NAME is NUMBER." at a depth cycling over 0.1..0.9; the question asks for it. The haystack is added
 with `Chat.add_document`, so it is a retrievable text span. Methods: dense decoding; SparseVILA
 retrieval at each `--keeps` (re-chosen per question, per layer and KV head, `--window` over text);
-FastV-style permanent pruning at prefill (`KVCache.begin_fastv`: layer K-1's last-row attention keeps
+FastV-style permanent pruning at prefill (`retrieval.FastV`: layer K-1's last-row attention keeps
 `--fastv-keep` of the haystack for layers >= K). Dense and the retrieval rounds share one document
 prefill: an eval-mode session (partial eviction) answers each round as a fresh session would.
 Prints counts of correct answers per method and depth, then one JSON line.
@@ -19,17 +19,14 @@ import json
 import random
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-import tinyvila  # noqa: E402
-from tinyvila.config import SparsityConfig  # noqa: E402
-from tinyvila.generate import Decoder, SamplingParams, generate  # noqa: E402
-from tinyvila.kv_cache import changed_range  # noqa: E402
-from tinyvila.tokenizer import turn_ids  # noqa: E402
+import tinyvila
+from tinyvila.config import SparsityConfig
+from tinyvila.generate import Decoder, SamplingParams, generate
+from tinyvila.kv_cache import changed_range
+from tinyvila.tokenizer import turn_ids
 
 NAMES = ["Alice", "Bruno", "Chen", "Dara", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kemal", "Lena"]
 
@@ -82,7 +79,7 @@ def answer_fastv(vlm, case, keep: float, max_new: int) -> str:
     a, b = changed_range(ids, turn_ids(tok, tmpl, "\n\n" + case["question"], 0, first=True))
     dec = Decoder(vlm.model.text)
     dec.cache.add_span("text", a, b, retrievable=True)
-    dec.cache.begin_fastv(len(ids) - 1, keep)
+    dec.fastv.begin(len(ids) - 1, keep)
     logits = dec.prefill(vlm.model.embed(ids))
     out = list(generate(dec, logits, SamplingParams(max_new_tokens=max_new), vlm.stop_ids, tok.vocab_size))
     return tok.decode([t for t in out if t not in vlm.stop_ids])

@@ -1,9 +1,9 @@
 """Perplexity of LLM checkpoints on held-out English text: fp16 against its W4A16 (RTN, AWQ) versions.
 
-    PYTHONPATH=. python scripts/eval_quality.py [--models smollm2-135m smollm2-135m-rtn smollm2-135m-awq]
+    python -m scripts.eval_quality [--models smollm2-135m smollm2-135m-rtn smollm2-135m-awq]
         [--n-blocks 16] [--seqlen 512] [--dequantize] [--device cpu]
 
-Text: the held-out split of `pydoc_data.topics` (every 4th topic; scripts/awq_quant.py never
+Text: the held-out split of `pydoc_data.topics` (every 4th topic; tinyvila/convert/awq.py never
 calibrates on it), tokenized per topic, concatenated, cut into n_blocks x seqlen tokens; each block is
 scored independently (next-token NLL). Prints a table, then one JSON line. `--dequantize` evaluates a
 W4A16 checkpoint as a dense model with the dequantized weights (no W4 kernels involved).
@@ -21,19 +21,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from awq_quant import pydoc_texts, token_blocks  # noqa: E402
-from tinyvila import quant  # noqa: E402
-from tinyvila.api import resolve_model  # noqa: E402
-from tinyvila.loader import _read_tensors, load_model, read_headers  # noqa: E402
-from tinyvila.text import KVCache  # noqa: E402
-from tinyvila.tokenizer import load_tokenizer  # noqa: E402
-from tinyvila.vlm import VLM  # noqa: E402
+from tinyvila import quant
+from tinyvila.api import resolve_model
+from tinyvila.convert.awq import pydoc_texts, token_blocks
+from tinyvila.loader import _read_tensors, load_model, read_headers
+from tinyvila.text import KVCache
+from tinyvila.tokenizer import load_tokenizer
+from tinyvila.vlm import VLM
 
 DEFAULT_MODELS = ("smollm2-135m", "smollm2-135m-rtn", "smollm2-135m-awq")
 

@@ -1,8 +1,8 @@
 """Vision W8A8 quality on a real ViT: cosine similarity of final CLS and patch features to fp32.
 
-    python scripts/eval_vision_quality.py checkpoints/dinov2-small [--alpha 0.5] [--alphas 0.3,0.5,0.7]
+    python -m scripts.eval_vision_quality checkpoints/dinov2-small [--alpha 0.5] [--alphas 0.3,0.5,0.7]
 
-Needs an fp32 vision checkpoint (scripts/import_dinov2.py). Calibrates SmoothQuant on the first
+Needs an fp32 vision checkpoint (`python scripts/quantize.py import-dinov2`). Calibrates SmoothQuant on the first
 --n-calib bundled scikit-image photos (or --calib DIR) and evaluates on the remaining photos, which
 calibration never saw, for: fp16, W8A8 without smoothing, W8A8 with SmoothQuant (each alpha). Runs the
 reference (CPU) or kernel (CUDA) path through ops. Prints a table, then one JSON line.
@@ -19,12 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from smoothquant import DEFAULT_ALPHA, bundled_photos, image_files, smoothquant  # noqa: E402
-
-from tinyvila.image import preprocess  # noqa: E402
-from tinyvila.vision import VisionEncoder  # noqa: E402
-from tinyvila.vision_checkpoint import load_vision  # noqa: E402
+from tinyvila.convert.smoothquant import DEFAULT_ALPHA, bundled_photos, image_files, smoothquant
+from tinyvila.image import preprocess
+from tinyvila.vision import VisionEncoder
+from tinyvila.convert.vision_checkpoint import load_vision
 
 
 def cosines(feats: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -60,7 +58,7 @@ def evaluate(folder: Path, calib: list[Path], evals: list[Path], alphas: list[fl
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", type=Path, help="fp32 vision checkpoint folder (scripts/import_dinov2.py)")
+    p.add_argument("checkpoint", type=Path, help="fp32 vision checkpoint folder (quantize.py import-dinov2)")
     p.add_argument("--alphas", default=str(DEFAULT_ALPHA), help="comma-separated SmoothQuant alphas")
     p.add_argument("--calib", type=Path, help="calibration image folder (default: the bundled photos)")
     p.add_argument("--n-calib", type=int, default=8, help="bundled photos used for calibration (rest: eval)")

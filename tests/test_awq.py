@@ -1,4 +1,4 @@
-"""AWQ and RTN W4 quantization (scripts/awq_quant.py) on tiny random LLaMA decoders.
+"""AWQ and RTN W4 quantization (tinyvila/convert/awq.py) on tiny random LLaMA decoders.
 
 Run: python -m pytest tests/test_awq.py -q (CPU, seconds). Checks: the search's quantizer is exactly
 quant.py's; folding scales leaves the fp model unchanged; AWQ lowers the output error against RTN on
@@ -6,21 +6,16 @@ activations with outlier channels (what AWQ exists for); the `awq` subcommand wr
 """
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from scripts.quantize import main as quantize_main
 from tinyvila import quant
 from tinyvila.config import TextConfig, preset
+from tinyvila.convert import awq
 from tinyvila.loader import build_synthetic
 from tinyvila.text import KVCache, TextModel, rope_cos_sin
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import awq_quant  # noqa: E402
 
 TINY = TextConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=256,
                   rope_theta=10000.0, max_seq_len=64)
@@ -66,7 +61,7 @@ def test_pseudo_quantize_is_quant_py(G, dtype):
     w[5, 7] = 1.5  # an outlier inside one group
     packed = quant.quantize_w4(w, G, dtype)
     expected = quant.dequantize_w4(packed["qweight"], packed["scales"], packed["zeros"], dtype).float()
-    assert torch.equal(awq_quant.pseudo_quantize(w, G, dtype), expected)
+    assert torch.equal(awq.pseudo_quantize(w, G, dtype), expected)
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2])
@@ -80,12 +75,12 @@ def test_scale_folding_keeps_the_fp_model(n_kv_heads):
     g = torch.Generator().manual_seed(2)
     cache = KVCache(cfg, batch=tokens.shape[0], max_seq_len=tokens.shape[1], dtype=torch.float32)
     for block in model.layers:
-        _, inputs = awq_quant._capture(block, h, cos, sin, cache)
-        groups = awq_quant._groups(block, inputs, cos, sin, cache)
+        _, inputs = awq._capture(block, h, cos, sin, cache)
+        groups = awq._groups(block, inputs, cos, sin, cache)
         assert len(groups) == (4 if n_kv_heads == cfg.n_heads else 3)  # v->wo only without GQA
         for grp in groups:
-            awq_quant.apply_scale(grp, 0.25 + 4 * torch.rand(grp.x.shape[-1], generator=g))
-        h, _ = awq_quant._capture(block, h, cos, sin, cache)
+            awq.apply_scale(grp, 0.25 + 4 * torch.rand(grp.x.shape[-1], generator=g))
+        h, _ = awq._capture(block, h, cos, sin, cache)
     after = logits(model, tokens)
     assert not torch.equal(model.layers[0].attn_norm.weight, tiny_model(cfg).layers[0].attn_norm.weight)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
@@ -100,7 +95,7 @@ def test_awq_beats_rtn_on_calibration_like_data():
     errors = {}
     for method in ("rtn", "awq"):
         model = tiny_model(cfg)
-        sd = awq_quant.quantize_text(model, method, G, torch.float16, calib if method == "awq" else None,
+        sd = awq.quantize_text(model, method, G, torch.float16, calib if method == "awq" else None,
                                      progress=False)
         fresh = tiny_model(cfg)
         set_quantized(fresh, sd)
@@ -112,32 +107,23 @@ def test_clip_search_never_worse_than_no_clip():
     g = torch.Generator().manual_seed(4)
     w, x = torch.randn(16, 128, generator=g) * 0.05, torch.randn(200, 128, generator=g)
     w[:, 3] *= 10
-    bound = awq_quant.search_clip(w, x, 32, torch.float16)  # (16, 4, 1)
+    bound = awq.search_clip(w, x, 32, torch.float16)  # (16, 4, 1)
     wg = w.view(16, 4, 32)
     clipped = torch.maximum(torch.minimum(wg, bound), -bound).view(16, 128)
-    err = lambda v: (x @ (awq_quant.pseudo_quantize(v, 32, torch.float16) - w).T).pow(2).mean()  # noqa: E731
+    err = lambda v: (x @ (awq.pseudo_quantize(v, 32, torch.float16) - w).T).pow(2).mean()  # noqa: E731
     assert (bound <= wg.abs().amax(-1, keepdim=True)).all()
     assert err(clipped) <= err(w) + 1e-9
 
 
 def test_pydoc_split_is_disjoint_and_deterministic():
-    calib, held = awq_quant.pydoc_texts("calib"), awq_quant.pydoc_texts("heldout")
+    calib, held = awq.pydoc_texts("calib"), awq.pydoc_texts("heldout")
     assert held and calib and not set(calib) & set(held)
-    assert held == awq_quant.pydoc_texts("heldout")
+    assert held == awq.pydoc_texts("heldout")
     assert 2.5 < len(calib) / len(held) < 3.5
-
-
-def _quantize_script():
-    spec = importlib.util.spec_from_file_location("quantize_cli", ROOT / "scripts" / "quantize.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("method", ["rtn", "awq"])
 def test_awq_subcommand_writes_a_loadable_w4_folder(tmp_path, method):
-    if not hasattr(quant, "W4A16Linear"):
-        pytest.skip("the W4A16 runtime (quant.W4A16Linear, loader support) has not landed yet")
     from tinyvila.loader import load_model
 
     cfg = preset("tiny-siglip-llama")
@@ -146,7 +132,7 @@ def test_awq_subcommand_writes_a_loadable_w4_folder(tmp_path, method):
     calib.write_text("\n\n".join(f"Paragraph {i}: " + "some words and more words " * 20 for i in range(20)))
     argv = ["awq", str(src), str(tmp_path / "q"), "--method", method, "--group-size", "32", "--calib", str(calib),
             "--n-samples", "4", "--seqlen", "64", "--device", "cpu"]
-    assert _quantize_script().main(argv) == 0
+    assert quantize_main(argv) == 0
     q = load_model(tmp_path / "q")
     dense = load_model(src)
     assert q.cfg.quant.llm == "w4a16" and q.cfg.quant.group_size == 32

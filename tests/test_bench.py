@@ -1,31 +1,22 @@
 """scripts/bench.py runs end to end on CPU on a tiny model (so the script never rots), in each of its
 modes: image conversation, decode at a given context, video with the KV cache sized to fit."""
 
+import dataclasses
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 
-from tinyvila import benchmark as bm
+from scripts import bench
+from scripts.benches import cost_model as cm
 from tinyvila.config import preset
+from tinyvila.options import Options
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 TINY = ["--preset", "tiny-siglip-llama", "--device", "cpu", "--group-size", "32"]
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_bench(argv, capsys) -> tuple[dict, str]:
-    rc = load_bench().main(TINY + argv)
+    rc = bench.main(TINY + argv)
     out = capsys.readouterr().out
     assert rc == 0
     return json.loads(out.strip().splitlines()[-1]), out
@@ -73,8 +64,8 @@ def test_decode_mode_counts_the_bytes_each_step_reads(capsys):
     assert row["pipeline"] == "quant" and row["prefill_tokens"] == 300  # the byte tokenizer hits it exactly
     assert row["visual"] == "-" and row["context_tokens"] == 306
     # 5 decode steps (the first token comes from the prefill); step j attends over 300 + j rows.
-    cfg = load_bench().pipeline_config(preset("tiny-siglip-llama"), "quant", load_bench().parse_args(TINY))
-    W, kv = bm.decode_weight_bytes(cfg), bm.kv_row_bytes(cfg)
+    cfg = bench.pipeline_config(preset("tiny-siglip-llama"), "quant", bench.parse_args(TINY))
+    W, kv = cm.decode_weight_bytes(cfg), cm.kv_row_bytes(cfg)
     assert row["decode_gb"] * 1e9 == pytest.approx(5 * W + kv * sum(300 + j for j in range(1, 6)))
     floor = row["floor_tok_s"]
     assert floor == pytest.approx(report["copy_gbs"] * 1e9 / (row["decode_gb"] * 1e9 / 5))
@@ -97,13 +88,23 @@ def test_video_conversation_sizes_the_cache_to_fit(capsys):
     assert s["prefill_pred_flops"] > 2 and s["decode_pred_bytes"] > 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_options_flag_reaches_the_models_and_the_report(capsys):
+    report, _ = run_bench(["--decode-context", "40", "--new-tokens", "3", "--pipelines", "quant", "--warmup", "short",
+                           "--options", "cuda_graph=0,fused_silu=off"], capsys)
+    assert report["options"] == dataclasses.asdict(Options.from_env().with_(cuda_graph=False, fused_silu=False))
+    assert report["rows"][0]["decode_tokens"] == 3
+    for bad in ("cuda_graph=maybe", "no_such_option=1", "pdl"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(TINY + ["--options", bad])
+
+
+@pytest.mark.gpu
 def test_on_cuda_the_warmup_leaves_nothing_to_compile_and_peaks_are_per_pipeline(capsys):
     pipelines = "hf,fp16,quant,sparse" if has_transformers() else "fp16,quant,sparse"
-    rc = load_bench().main(["--preset", "tiny-siglip-llama", "--dtype", "float16", "--device", "cuda",
-                            "--group-size", "32", "--rounds", "3",
-                            "--new-tokens", "20", "--pipelines", pipelines, "--prefill-keep", "0.5",
-                            "--decode-keep", "0.5"])
+    rc = bench.main(["--preset", "tiny-siglip-llama", "--dtype", "float16", "--device", "cuda",
+                     "--group-size", "32", "--rounds", "3",
+                     "--new-tokens", "20", "--pipelines", pipelines, "--prefill-keep", "0.5",
+                     "--decode-keep", "0.5"])
     out = capsys.readouterr().out
     assert rc == 0
     report = json.loads(out.strip().splitlines()[-1])

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from scripts.benches import cost_model as cm
 from tinyvila import benchmark as bm
 from tinyvila.api import Stats
 from tinyvila.config import QuantConfig, preset
@@ -60,7 +61,7 @@ def test_first_use_counts_kernel_loads_and_autotunings_only_while_active(monkeyp
     assert fu._on_load not in fire.calls  # the hook is removed again
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiles a Triton kernel)")
+@pytest.mark.gpu
 def test_first_use_sees_a_real_compilation():
     import triton
     import triton.language as tl
@@ -109,31 +110,31 @@ def test_decode_weight_bytes_match_the_models_tensors(name, quant):
     cfg = preset(name, dtype="float16")
     if quant == "w4a16":
         cfg = dataclasses.replace(cfg, quant=QuantConfig(llm="w4a16", vision="none", group_size=32))
-    assert bm.decode_weight_bytes(cfg) == text_bytes_per_step(random_model(cfg))
+    assert cm.decode_weight_bytes(cfg) == text_bytes_per_step(random_model(cfg))
     t = cfg.text
-    assert bm.kv_row_bytes(cfg) == 2 * t.n_layers * t.n_kv_heads * t.head_dim * 2
+    assert cm.kv_row_bytes(cfg) == 2 * t.n_layers * t.n_kv_heads * t.head_dim * 2
 
 
 def test_vila_8b_cost_model_matches_the_reference_arithmetic():
     cfg = preset("vila-8b")
     # reference/perf.md sec. 2: 15.01 GB of bf16 weights a step; 128 KiB of KV per token.
-    assert bm.decode_weight_bytes(cfg) / 1e9 == pytest.approx(15.01, abs=0.01)
-    assert bm.kv_row_bytes(cfg) == 128 * 1024
+    assert cm.decode_weight_bytes(cfg) / 1e9 == pytest.approx(15.01, abs=0.01)
+    assert cm.kv_row_bytes(cfg) == 128 * 1024
     # W4 g128 with fp16 scales and fp32 zeros (6 B a group) + fp16 lm_head: 3.490 + 0.327 + 1.051 GB.
     w4 = dataclasses.replace(cfg, quant=QuantConfig(llm="w4a16", vision="w8a8"))
-    assert bm.decode_weight_bytes(w4) / 1e9 == pytest.approx(4.868, abs=0.002)
+    assert cm.decode_weight_bytes(w4) / 1e9 == pytest.approx(4.868, abs=0.002)
     # sec. 2.3: 2048 tokens = 28.6 TFLOP of linears + 1.1 of attention.
-    assert bm.prefill_flops(cfg, 2048, 0) / 1e12 == pytest.approx(28.6 + 1.1, abs=0.1)
+    assert cm.prefill_flops(cfg, 2048, 0) / 1e12 == pytest.approx(28.6 + 1.1, abs=0.1)
 
 
 def test_prefill_flops_add_up_over_chunks_and_decode_bytes_over_steps():
     cfg = preset("tiny-siglip-llama")
     lm_head = 2 * cfg.text.dim * cfg.text.vocab_size  # the one last-row projection each call adds
-    whole = bm.prefill_flops(cfg, 300, 40)
-    assert bm.prefill_flops(cfg, 100, 40) + bm.prefill_flops(cfg, 200, 140) == pytest.approx(whole + lm_head)
-    W, kv = bm.decode_weight_bytes(cfg), bm.kv_row_bytes(cfg)
+    whole = cm.prefill_flops(cfg, 300, 40)
+    assert cm.prefill_flops(cfg, 100, 40) + cm.prefill_flops(cfg, 200, 140) == pytest.approx(whole + lm_head)
+    W, kv = cm.decode_weight_bytes(cfg), cm.kv_row_bytes(cfg)
     dense = turn(prefill_tokens=100, context_tokens=130, decode_tokens=10)  # the cache held 120 at decode
-    assert bm.decode_bytes(cfg, [dense]) == pytest.approx(9 * W + kv * sum(120 + j for j in range(1, 10)))
+    assert cm.decode_bytes(cfg, [dense]) == pytest.approx(9 * W + kv * sum(120 + j for j in range(1, 10)))
     sparse = dataclasses.replace(dense, decode_rows=30)  # packed rows replace the cache
-    assert bm.decode_bytes(cfg, [sparse]) == pytest.approx(9 * W + kv * sum(30 + j for j in range(1, 10)))
-    assert bm.conversation_flops(cfg, [dense]) == pytest.approx(bm.prefill_flops(cfg, 100, 20))
+    assert cm.decode_bytes(cfg, [sparse]) == pytest.approx(9 * W + kv * sum(30 + j for j in range(1, 10)))
+    assert cm.conversation_flops(cfg, [dense]) == pytest.approx(cm.prefill_flops(cfg, 100, 20))

@@ -5,7 +5,7 @@ materialised softmax.
 On CUDA, rows over a cache prefix take one call of PyTorch's flash kernel with its causal mask aligned
 bottom-right and the KV heads as they are (ops._attention_lse_flash); a square first turn of at least
 ops.SDPA_SQUARE_MIN_T rows takes SDPA with K/V expanded. The cases below are views of a larger cache, as
-kv_cache passes them, with GQA groups of 1, 4 and 7, fp16 and bf16.
+text.Attention passes them, with GQA groups of 1, 4 and 7, fp16 and bf16.
 """
 
 import pytest
@@ -13,7 +13,6 @@ import torch
 
 from tinyvila import ops
 
-CUDA = torch.cuda.is_available()
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # output atol vs fp32 (unit-variance V)
 
 
@@ -49,7 +48,7 @@ def test_cpu_reference_paths(T, q_start):
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not CUDA, reason="PyTorch's flash kernel: CUDA only")
+@pytest.mark.gpu  # PyTorch's flash kernel
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("H,Hkv", [(32, 8), (14, 2), (8, 8)])
 @pytest.mark.parametrize("T,q_start", [(1, 0), (1, 700), (17, 0), (17, 1000), (46, 515), (64, 8192), (130, 4000),
@@ -67,7 +66,7 @@ def test_cuda_matches_reference(dtype, H, Hkv, T, q_start):
         assert torch.equal(o_plain, o)
 
 
-@pytest.mark.skipif(not CUDA, reason="PyTorch's flash kernel: CUDA only")
+@pytest.mark.gpu  # PyTorch's flash kernel
 def test_cuda_flash_refuses_a_misaligned_cache():
     q, k, v = _cache(8, 2, 4, 10, 64, torch.float16, "cuda")
     with pytest.raises(ValueError, match="attention over a cache"):

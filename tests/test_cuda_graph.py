@@ -7,8 +7,6 @@ bit-identical to the eager prune), at tiny shapes and at vila-8b's real vision s
 """
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,15 +16,9 @@ from tinyvila import sparsity as sparse
 from tinyvila.config import ProjectorConfig, QuantConfig, SparsityConfig, preset
 from tinyvila.cuda_graph import GraphCache
 from tinyvila.image import preprocess, resize_uint8
+from tinyvila.convert.smoothquant import w8a8_state_dict
 from tinyvila.loader import random_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_w8a8 import as_w8a8, dense_encoder  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from smoothquant import w8a8_state_dict  # noqa: E402
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+from test_w8a8 import as_w8a8, dense_encoder
 
 
 def encoders(preset: str):
@@ -45,7 +37,7 @@ def test_cpu_input_runs_eager():
         GraphCache(enc._forward)(px)
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["none", "w8a8"])
 @pytest.mark.parametrize("preset", ["tiny-siglip-llama", "tiny-clip-qwen2"])
 def test_replay_matches_eager(preset, quant):
@@ -68,7 +60,7 @@ def test_replay_matches_eager(preset, quant):
     assert torch.equal(out1, enc(px))
 
 
-@gpu
+@pytest.mark.gpu
 def test_graphs_dropped_when_weights_move():
     dense, _ = encoders("tiny-siglip-llama")
     enc = dense.cuda().half().use_cuda_graphs()
@@ -107,23 +99,23 @@ def test_cpu_encode_images_is_eager():
     assert torch.equal(idx, want_idx) and torch.equal(out, want)
 
 
-def test_encode_images_takes_uint8_pixels():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_encode_images_takes_uint8_pixels(device):
     """Resized uint8 pixels (image.resize_uint8, what Chat.add_image passes) encode to exactly what the
     preprocessed float32 pixels do, dense and pruned; on the GPU too (graphs, upload of uint8)."""
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (50, 70, 3), dtype=np.uint8) for _ in range(2)]
-    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
-        model = random_model(preset("tiny-siglip-llama"), device=device)
-        model.vision.use_cuda_graphs()
-        vc = model.cfg.vision
-        for sp in (None, SparsityConfig(prefill_keep=0.5)):
-            with torch.inference_mode():
-                want = model.encode_images(preprocess(images, vc), sp, with_index=True)
-                got = model.encode_images(resize_uint8(images, vc), sp, with_index=True)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    model = random_model(preset("tiny-siglip-llama"), device=device)
+    model.vision.use_cuda_graphs()
+    vc = model.cfg.vision
+    for sp in (None, SparsityConfig(prefill_keep=0.5)):
+        with torch.inference_mode():
+            want = model.encode_images(preprocess(images, vc), sp, with_index=True)
+            got = model.encode_images(resize_uint8(images, vc), sp, with_index=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["none", "w8a8"])
 @pytest.mark.parametrize("name", ["tiny-siglip-llama", "tiny-clip-qwen2", "so400m"])
 def test_graph_prune_equals_eager_prune(name, quant):
@@ -144,7 +136,7 @@ def test_graph_prune_equals_eager_prune(name, quant):
     assert model._graphs.captures == 2  # one per (batch, k, layer); replays never recapture
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["none", "w8a8"])
 @pytest.mark.parametrize("name", ["tiny-siglip-llama", "so400m"])
 def test_graph_encode_equals_eager(name, quant):

@@ -12,10 +12,8 @@ import torch
 
 from tinyvila.api import from_config
 from tinyvila.config import QuantConfig, SparsityConfig, preset
-from tinyvila.errors import ContextLimitError
 from tinyvila.generate import Decoder, SamplingParams, generate
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+from tinyvila.retrieval import packed_slots
 
 
 def tiny(dtype="float64", device="cpu", **quant):
@@ -144,10 +142,10 @@ def test_step_index_after_a_run_of_steps(keep):
     if keep < 1:  # a scored question over 16 visual slots, then a packed buffer of half of them
         for kind, a, b in (("system", 0, 3), ("visual", 3, 19), ("question", 19, 23)):
             cache.add_span(kind, a, b)
-        cache.begin_scoring(19)
+        dec.retrieval.begin_scoring(19)
     dec.prefill(prompt(vlm))
     if keep < 1:
-        cache.pack(keep, dec.length)
+        dec.retrieval.pack(keep, dec.length)
     dropped = 8 if keep < 1 else 0
     out = dec.greedy(5, 9)
     st = cache.step_index()
@@ -157,33 +155,53 @@ def test_step_index_after_a_run_of_steps(keep):
     assert dec._count.tolist() == [9] and dec._token.tolist() == [[out[-1]]] and dec.length == 23 + 9
 
 
-def test_decode_steps_stop_at_the_packed_buffers_room():
-    """A packed buffer sized for fewer tokens than the steps would append: a ContextLimitError before any step
-    runs, nothing written (pack's room is the turn's token budget; the API passes max_new_tokens)."""
+def test_decode_steps_past_the_packed_buffers_room_grow_it():
+    """A packed buffer sized for fewer tokens than the steps append (the decoder's packed_room): steps that exactly
+    fill it keep it; the next step first grows it (Retrieval.ensure_room: a larger buffer, re-packed from the full
+    cache, the packed rows then the turn's tokens), and the steps go on as over a buffer big enough from the start:
+    the same step index, tokens and cache. (This replaces the ContextLimitError that a pack() given less room than
+    the turn decodes used to raise.)"""
     vlm = tiny()
-    dec = Decoder(vlm.model.text)
-    cache = dec.cache
-    for kind, a, b in (("system", 0, 3), ("visual", 3, 19), ("question", 19, 23)):
-        cache.add_span(kind, a, b)
-    cache.begin_scoring(19)
-    dec.prefill(prompt(vlm))
-    rows = cache.pack(0.5, dec.length, room=4)  # 15 rows + 4: a buffer of 32 rows
-    assert cache.packed.k[0].shape[2] == 32
-    dec.greedy(5, 32 - rows)  # exactly fills it
-    before = (dec.length, cache.packed.k_stack.clone())
-    with pytest.raises(ContextLimitError, match="packed decode buffer holds 32 rows"):
-        dec.greedy(5, 1)
-    assert dec.length == before[0] and torch.equal(cache.packed.k_stack, before[1])
+    runs = []
+    for room in (4, 1000):
+        dec = Decoder(vlm.model.text, packed_room=room)
+        cache = dec.cache
+        for kind, a, b in (("system", 0, 3), ("visual", 3, 19), ("question", 19, 23)):
+            cache.add_span(kind, a, b)
+        dec.retrieval.begin_scoring(19)
+        dec.prefill(prompt(vlm))
+        rows = dec.retrieval.pack(0.5, dec.length)  # 15 rows (+ 4 with room 4: a buffer of 32 rows)
+        small = dec.retrieval.packed
+        out = dec.greedy(5, 32 - rows)  # exactly fills the small one
+        assert dec.retrieval.packed is small
+        out += dec.greedy(out[-1], 3)
+        st = cache.step_index()
+        runs.append((rows, small, dec.retrieval.packed, out, dec.step(7), cache.k_stack.clone(),
+                     (st.slot.tolist(), st.row.tolist(), st.pos.tolist(), st.lengths.tolist())))
+    (rows, small, grown, out, logits, k, index), (rows0, big, same, out0, logits0, k0, index0) = runs
+    assert rows == rows0 == 15 and small.capacity == 32
+    assert big.capacity == rows + vlm.cfg.text.max_seq_len - 23  # room 1000: capped at the cache's room
+    assert grown is not small and grown.generation == small.generation + 1 and grown.capacity == packed_slots(33, 0)
+    assert same is big  # the big one never grew
+    assert (grown.rows, grown.dropped, grown.kept) == (small.rows, small.dropped, small.kept)
+    assert torch.equal(grown.idx, small.idx) and torch.equal(small.idx, big.idx)
+    n = 32 + 3 + 1  # rows in the buffer after every step: the packed ones, then the turn's tokens
+    assert torch.equal(grown.k_stack[:, :, :, :n], big.k_stack[:, :, :, :n])
+    assert torch.equal(grown.v_stack[:, :, :, :n], big.v_stack[:, :, :, :n])
+    assert out == out0 and torch.equal(logits, logits0) and torch.equal(k, k0) and index == index0
 
 
 # -- CUDA graphs -----------------------------------------------------------------------------------
-def graph_vs_eager(vlm, sparsity, rounds=2, n_new=24):
-    """The same two-turn chat with graph replay and with eager steps: identical tokens."""
+def graph_vs_eager(vlm, sparsity, rounds=2, n_new=24, room=None, max_seq_len=None):
+    """The same two-turn chat with graph replay and with eager steps: identical tokens. `room`: the decoder's
+    packed room (decode rows past the packed ones before the buffer grows), when not the default."""
     results = []
     for graph in (False, True):
         vlm.stop_ids = frozenset()
-        chat = vlm.chat(sampling=SamplingParams(max_new_tokens=n_new), sparsity=sparsity)
+        chat = vlm.chat(sampling=SamplingParams(max_new_tokens=n_new), sparsity=sparsity, max_seq_len=max_seq_len)
         chat.decoder.cuda_graph = graph
+        if room is not None:
+            chat.decoder.retrieval.room = room
         chat.decoder.pad_prefill = True  # the eager side runs the first prefill as the graph does
         chat.add_image(torch.randint(0, 256, (64, 64, 3), dtype=torch.uint8,
                                      generator=torch.Generator().manual_seed(0)).numpy())
@@ -195,18 +213,34 @@ def graph_vs_eager(vlm, sparsity, rounds=2, n_new=24):
     return results
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", [{}, {"llm": "w4a16", "group_size": 32}])
 @pytest.mark.parametrize("keep", [1.0, 0.3])
 def test_graph_replay_equals_eager_steps(quant, keep):
     vlm = tiny("float16", "cuda", **quant)
     (eager, _), (graph, chat) = graph_vs_eager(vlm, SparsityConfig(decode_keep=keep))
     assert graph == eager
-    assert chat.decoder._graphs  # really replayed
+    assert any(key[0] == "step" for key in chat.decoder.graphs.entries)  # really replayed
     assert chat.stats.decode_tokens == 24
 
 
-@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [{}, {"llm": "w4a16", "group_size": 32}])
+def test_graph_replay_over_a_growing_packed_buffer_equals_eager_steps(quant):
+    """A packed room of one row: each turn's buffer grows (a new allocation, Retrieval.ensure_room) as it decodes,
+    and the step graphs are captured anew over each buffer (keyed by its generation and capacity), never replayed
+    over a freed one: the same tokens as eager steps. 244 packed rows: the first batch grows the buffer to 512
+    rows before any capture, and the turn grows it again past 512 after graphs were captured over it."""
+    vlm = tiny("float16", "cuda", **quant)
+    (eager, _), (graph, chat) = graph_vs_eager(vlm, SparsityConfig(decode_keep=0.3), rounds=1, n_new=300, room=1,
+                                               max_seq_len=2048)
+    assert graph == eager
+    buffers = {key[2] for key in chat.decoder.graphs.entries if key[0] == "step"}
+    assert len(buffers) >= 2 and None not in buffers  # graphs over two packed buffers at least
+    assert chat.decoder.retrieval._storage.generation >= 3 and chat.stats.decode_tokens == 300
+
+
+@pytest.mark.gpu
 def test_graph_step_logits_match_eager():
     vlm = tiny("float16", "cuda")
     h = prompt(vlm)
@@ -219,7 +253,7 @@ def test_graph_step_logits_match_eager():
     assert decs[1].length == decs[0].length == 27
 
 
-@gpu
+@pytest.mark.gpu
 def test_graph_replay_with_gapped_positions_equals_eager():
     """Explicit positions past max_seq_len: the step graphs read a RoPE table that grows between batches
     (and are captured again then); tokens and the next step's logits equal eager steps'."""
@@ -233,5 +267,6 @@ def test_graph_replay_with_gapped_positions_equals_eager():
         toks = list(generate(dec, logits, SamplingParams(max_new_tokens=30), batch=8))
         runs.append((toks, dec.step(7), dec))
     (eager, le, _), (replayed, lg, dec) = runs
-    assert replayed == eager and dec._graphs and dec.cache.step_index().rope.shape[1] == 2 * (116 + 8)
+    assert replayed == eager and any(key[0] == "step" for key in dec.graphs.entries)
+    assert dec.cache.step_index().rope.shape[1] == 2 * (116 + 8)
     torch.testing.assert_close(lg, le, rtol=1e-3, atol=1e-3)

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import tinyvila
-from tinyvila import ops
+from tinyvila import ops, text
 from tinyvila.config import SparsityConfig
-from tinyvila.generate import Decoder, SamplingParams
-from tinyvila.kv_cache import KVCache, StepIndex
+from tinyvila.generate import Decoder, SamplingParams, generate
+from tinyvila.kv_cache import KVCache
 from tinyvila.loader import build_synthetic
+from tinyvila.retrieval import PACKED_ROOM, packed_slots
 from tinyvila.tokenizer import conversation_ids
 
 DEMO_IMAGE = Path(tinyvila.__file__).parent / "assets" / "demo.png"
@@ -45,7 +46,7 @@ def test_keep_one_is_the_dense_path_bit_for_bit(vlm):
     for k, q in enumerate(QUESTIONS[:2]):
         assert ask(keep1, q, image=k == 0) == ask(dense, q, image=k == 0)
         assert torch.equal(keep1.last_logits, dense.last_logits)
-        assert keep1.stats.decode_rows == 0 and keep1.decoder.cache.packed is None
+        assert keep1.stats.decode_rows == 0 and keep1.decoder.retrieval.packed is None
 
 
 def test_packing_everything_matches_dense_decoding(vlm):
@@ -58,30 +59,30 @@ def test_packing_everything_matches_dense_decoding(vlm):
     assert ask(packed, QUESTIONS[1]) == ask(dense, QUESTIONS[1])
 
 
-class MaskedCache(KVCache):
-    """Dense decode that hides, per layer and KV head, every slot the sparse run did not pack."""
+def masked_attend(keep_idx, dropped_after):
+    """text.Attention.attend for a dense decode that hides, per layer and KV head, every slot the sparse run did
+    not pack (decode steps over the full cache; prefill rows attend as usual)."""
+    plain = text.Attention.attend
 
-    def __init__(self, *a, keep_idx, dropped_after, **kw):
-        super().__init__(*a, **kw)
-        self.keep_idx, self.dropped_after = keep_idx, dropped_after
-
-    def attend(self, layer, start, q):
-        if isinstance(start, StepIndex):  # a decode step: its slot as a host int (this cache is eager)
-            start = int(start.slot)
-        k_all, v_all = self.k[layer][:, :, :start + q.shape[2]], self.v[layer][:, :, :start + q.shape[2]]
-        if q.shape[2] > 1:
-            return ops.attention(q, k_all, v_all, causal=True, q_start=start)
+    def attend(self, q, p):
+        if not p.step:
+            return plain(self, q, p)
+        start = int(p.start.slot)  # a decode step: its slot as a host int (this decoder is eager)
+        k_all, v_all = p.cache.view(self.layer, start + 1)
         S, (B, Hkv) = start + 1, k_all.shape[:2]
         visible = torch.zeros(B, Hkv, S, dtype=torch.bool)
-        visible.scatter_(2, self.keep_idx[layer].long(), True)
-        visible[:, :, self.dropped_after:] = True  # tokens generated this turn
+        visible.scatter_(2, keep_idx[self.layer].long(), True)
+        visible[:, :, dropped_after:] = True  # tokens generated this turn
         n_rep = q.shape[1] // Hkv
         mask = visible.repeat_interleave(n_rep, dim=1)[:, :, None]  # (B, H, 1, S)
         kr, vr = (t.repeat_interleave(n_rep, dim=1) for t in (k_all, v_all))
-        return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+        o = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)  # (B, H, 1, D)
+        return o.transpose(1, 2).reshape(B, 1, self.n_heads * self.head_dim)
+
+    return attend
 
 
-def test_sparse_decode_equals_dense_attention_over_the_selected_slots(vlm):
+def test_sparse_decode_equals_dense_attention_over_the_selected_slots(vlm, monkeypatch):
     """Logical RoPE positions, both buffers written, the per-head selection: decoding over the packed
     buffer equals dense decoding that masks exactly the unselected retrievable slots."""
     chat = vlm.chat(sampling=greedy(6), sparsity=SparsityConfig(decode_keep=0.25))
@@ -93,21 +94,23 @@ def test_sparse_decode_equals_dense_attention_over_the_selected_slots(vlm):
     assert n_visual == vlm.cfg.image_tokens
     prompt = chat.stats.prefill_tokens
     assert chat.stats.decode_rows == prompt - n_visual + round(0.25 * n_visual)
-    keep_idx = cache._storage.idx
+    keep_idx = chat.decoder.retrieval._storage.idx
     assert all((i >= 0).all() and (i < prompt).all() for i in keep_idx)
     # Heads may select differently: the selection is per layer and KV head.
-    ref_cache = MaskedCache(vlm.cfg.text, dtype=torch.float64, keep_idx=keep_idx, dropped_after=prompt)
     dec = Decoder(vlm.model.text)
-    dec.cache = ref_cache
+    ref_cache = dec.cache
+    assert ref_cache.dtype == torch.float64
     ids = conversation_ids(vlm.tokenizer, vlm.template, [(QUESTIONS[0], 1, None)])
+    monkeypatch.setattr(text.Attention, "attend", masked_attend(keep_idx, prompt))
     logits = dec.prefill(vlm.model.embed(ids, ids_images))
     ref_tokens = []
     for _ in range(6):
         ref_tokens.append(int(logits[:vlm.tokenizer.vocab_size].argmax()))  # as generate() does
         logits = dec.step(ref_tokens[-1])
+    monkeypatch.undo()
     assert tokens == ref_tokens
     # The full cache got the answer's K/V at its logical slots too.
-    assert chat.decoder.length == prompt + 5 and cache.packed is None
+    assert chat.decoder.length == prompt + 5 and chat.decoder.retrieval.packed is None
     torch.testing.assert_close(cache.k[1][:, :, :prompt + 5], ref_cache.k[1][:, :, :prompt + 5], rtol=0, atol=1e-12)
 
 
@@ -136,23 +139,70 @@ def test_chat_mode_keeps_history_and_the_visual_cache(vlm):
     assert chat.decoder.cache.retrievable_slots().numel() == vlm.cfg.image_tokens
 
 
-def test_a_turns_packed_buffer_holds_its_rows_plus_the_answer_budget(vlm):
-    """The API packs with room = max_new_tokens: the buffer is that many rows past the packed ones, rounded up
-    to a power of two, not the whole remaining context (the decoding attention picks its tiles by it)."""
+def test_a_turns_packed_buffer_holds_its_rows_plus_the_packed_room(vlm):
+    """The buffer is the decoder's packed room (PACKED_ROOM) rows past the packed ones, rounded up to a power of
+    two, not the whole remaining context (the decoding attention picks its tiles by it)."""
     chat = vlm.chat(sampling=greedy(5), sparsity=SparsityConfig(decode_keep=0.5), max_seq_len=2048)
+    assert chat.decoder.retrieval.room == PACKED_ROOM
     seen = []
-    pack = chat.decoder.cache.pack
+    ret = chat.decoder.retrieval
+    pack = ret.pack
 
     def spy(*args, **kwargs):
         rows = pack(*args, **kwargs)
-        seen.append((rows, chat.decoder.cache.packed.k[0].shape[2], chat.decoder.max_len - chat.decoder.length))
+        seen.append((rows, ret.packed.layer(0)[0].shape[2], chat.decoder.max_len - chat.decoder.length))
         return rows
 
-    chat.decoder.cache.pack = spy
+    ret.pack = spy
     ask(chat, QUESTIONS[0], image=True)
     ((rows, cap, left),) = seen
-    assert cap == min(rows + left, 1 << (rows + 5 - 1).bit_length()) and cap < rows + left
+    assert cap == min(rows + left, 1 << (rows + PACKED_ROOM - 1).bit_length()) and cap < rows + left
     assert len(chat.turns[-1][2]) == 5  # the whole budget decoded inside it
+    assert ret._storage.capacity == cap  # without growing
+
+
+def test_a_turn_decoding_past_the_packed_room_grows_the_buffer_with_the_same_tokens(vlm):
+    """A packed buffer with room for one decode row (rounded up) grows (Retrieval.ensure_room: a re-pack from the
+    full cache) as the turn decodes past it, twice, through greedy batches and single steps: the same tokens and
+    logits (bit for bit) as a buffer big enough from the start, over the same selection. (Replaces the old
+    ContextLimitError when pack() was given less room than the turn decodes.)"""
+    ids = vlm.tokenizer.encode("one two three four five six seven eight nine ten eleven twelve thirteen "
+                               "fourteen fifteen sixteen seventeen eighteen nineteen twenty what comes next")
+    h, q_from = vlm.model.embed(ids), len(ids) - 4
+    runs = []
+    for room in (1, 4096):
+        dec = Decoder(vlm.model.text, packed_room=room)
+        dec.cache.add_span("system", 0, 2)
+        dec.cache.add_span("text", 2, q_from, retrievable=True)
+        dec.cache.add_span("question", q_from, len(ids))
+        assert dec.retrieval.begin_scoring(q_from) == q_from - 2
+        logits = dec.prefill(h)
+        rows = dec.retrieval.pack(0.3, dec.length)
+        first = dec.retrieval.packed.capacity
+        toks = list(generate(dec, logits, SamplingParams(max_new_tokens=90), batch=16))
+        steps = [dec.step(t) for t in (5, 9, 11)]
+        p = dec.retrieval.packed
+        runs.append((toks, steps, rows, first, p.capacity, p.generation, p.idx.clone()))
+    (toks1, steps1, rows1, first1, cap1, gen1, idx1), (toks, steps, rows, first, cap, gen, idx) = runs
+    assert rows1 == rows and first1 == packed_slots(rows, 1) < rows + 89 + 3  # room for one row, rounded up
+    assert gen1 >= 3 and cap1 >= rows + 89 + 3  # grown at least twice, to hold every row the turn decoded
+    assert first == cap == rows + vlm.cfg.text.max_seq_len - len(ids)  # the big room: capped at the cache
+    assert gen == 1  # and never grown
+    assert toks1 == toks and torch.equal(idx1, idx)
+    assert all(torch.equal(a, b) for a, b in zip(steps1, steps))
+
+
+@pytest.mark.parametrize("mode", ["chat", "eval"])
+def test_later_questions_after_a_grown_packed_buffer_answer_as_with_a_big_one(vlm, mode):
+    """A packed room of one row: the first answer grows the buffer (ensure_room), and later questions pack into the
+    grown buffer it keeps: every answer as with the default room (PACKED_ROOM, never grown here)."""
+    runs = []
+    for room in (PACKED_ROOM, 1):
+        chat = vlm.chat(sampling=greedy(24), sparsity=SparsityConfig(decode_keep=0.3), mode=mode)
+        chat.decoder.retrieval.room = room
+        runs.append([ask(chat, q, image=k == 0) for k, q in enumerate(QUESTIONS[:3])])
+        assert (chat.decoder.retrieval._storage.generation > 1) == (room == 1)
+    assert runs[0] == runs[1]
 
 
 def test_fifty_eval_rounds_leave_no_stale_state(vlm):
@@ -165,7 +215,7 @@ def test_fifty_eval_rounds_leave_no_stale_state(vlm):
         q = QUESTIONS[r % len(QUESTIONS)] + " " * (r % 3)
         ask(chat, q)
         cache = chat.decoder.cache
-        assert cache.packed is None and cache.scoring is None
+        assert chat.decoder.retrieval.packed is None and chat.decoder.retrieval.scoring is None
         assert len(chat.turns) == 1 and chat.turns[0][0] == q
         # anchor + this question's prefill + its answer, nothing of earlier rounds
         assert chat.decoder.length == anchor + chat.stats.prefill_tokens + chat.stats.decode_tokens - 1
@@ -209,7 +259,7 @@ def test_cli_flags_reach_the_session(vlm, capsys):
 
 
 def test_decode_select_window_brings_the_tokens_after_an_anchor():
-    from tinyvila.sparsity import decode_select
+    from tinyvila.retrieval import decode_select
 
     slots = torch.tensor([3, 4, 5, 6, 7, 8, 20, 21, 22, 23])  # two spans: 3..8 and 20..23
     scores = torch.rand(1, 2, 10) * 0.1
@@ -238,7 +288,7 @@ def test_document_window_selects_runs_and_visual_spans_stay_token_level(vlm):
         chat.add_document(doc)
         ask(chat, "What is the code word?")
         span = next(s for s in chat.decoder.cache.spans if s.retrievable)
-        idx = chat.decoder.cache._storage.idx[-1][0, 0]
+        idx = chat.decoder.retrieval._storage.idx[-1][0, 0]
         picked = idx[(idx >= span.start) & (idx < span.end)]
         rows[w] = int((picked.diff() == 1).sum())  # adjacent pairs among the selected slots
         assert picked.numel() == round(0.25 * (span.end - span.start))
@@ -246,30 +296,34 @@ def test_document_window_selects_runs_and_visual_spans_stay_token_level(vlm):
     image = [vlm.chat(sampling=greedy(3), sparsity=SparsityConfig(decode_keep=0.3, decode_window=w))
              for w in (0, 8)]
     assert ask(image[0], QUESTIONS[0], image=True) == ask(image[1], QUESTIONS[0], image=True)
-    assert all(torch.equal(a, b) for a, b in zip(image[0].decoder.cache._storage.idx, image[1].decoder.cache._storage.idx))
+    assert all(torch.equal(a, b) for a, b in zip(image[0].decoder.retrieval._storage.idx,
+                                                 image[1].decoder.retrieval._storage.idx))
 
 
 def test_fastv_one_pass_prunes_after_layer_k_minus_one(vlm):
-    """begin_fastv: scores the last row at layer K-1 in the same prefill, then hides the unkept
+    """FastV.begin: scores the last row at layer K-1 in the same prefill, then hides the unkept
     retrievable slots from layers >= K; equal to scoring first and prefilling again with the mask."""
-    from tinyvila.sparsity import FASTV_LAYER, fastv_keep_mask
+    from tinyvila.retrieval import FASTV_LAYER, fastv_keep_mask
 
     ids = vlm.tokenizer.encode("one two three four five six seven eight nine ten eleven twelve what")
     h = vlm.model.embed(ids)
     one = Decoder(vlm.model.text)
     one.cache.add_span("text", 2, 11, retrievable=True)
-    assert one.cache.begin_fastv(len(ids) - 1, 0.3) == 9
+    assert one.fastv.begin(len(ids) - 1, 0.3) == 9
+    assert one.fastv.deciding
     logits = one.prefill(h)
-    K, mask = one.cache.key_mask
+    assert not one.fastv.deciding and one.fastv.scoring is None  # decided at layer K-1
+    K, mask = one.fastv.key_mask
     assert K == FASTV_LAYER and int(mask[2:11].sum()) == round(0.3 * 9) and bool(mask[:2].all() and mask[11:].all())
     two = Decoder(vlm.model.text)
     two.cache.add_span("text", 2, 11, retrievable=True)
-    two.cache.begin_scoring(len(ids) - 1)
+    two.retrieval.begin_scoring(len(ids) - 1)
     two.prefill(h)
-    expect = fastv_keep_mask(two.cache.scoring.scores, two.cache.scoring.idx, two.max_len, 0.3)
+    expect = fastv_keep_mask(two.retrieval.scoring.scores, two.retrieval.scoring.idx, two.max_len, 0.3)
     assert torch.equal(expect[1], mask)
     two.truncate(0)
-    two.cache.key_mask = expect
+    assert two.fastv.key_mask is None and two.retrieval.scoring is None  # truncate(0) resets both
+    two.fastv.key_mask = expect
     torch.testing.assert_close(logits, two.prefill(h), rtol=0, atol=1e-10)
 
 
@@ -282,9 +336,9 @@ def spy_salience(monkeypatch):
     """Record the idx argument of every retrieval-salience call (a range: the contiguous-span form)."""
     calls, real = [], ops.retrieval_salience
 
-    def salience(q, k, idx, lse, out=None):
+    def salience(q, k, idx, lse, out=None, **kw):
         calls.append(idx)
-        return real(q, k, idx, lse, out=out)
+        return real(q, k, idx, lse, out=out, **kw)
 
     monkeypatch.setattr(ops, "retrieval_salience", salience)
     return calls
@@ -297,12 +351,12 @@ def test_one_image_scores_as_a_range_with_the_slot_tensor_answers(vlm, monkeypat
     runs = []
     for tensor in (False, True):
         if tensor:
-            monkeypatch.setattr(KVCache, "retrievable_span", staticmethod(lambda runs: None))
+            monkeypatch.setattr(KVCache, "one_run", staticmethod(lambda runs: None))
         calls = spy_salience(monkeypatch)
         chat = vlm.chat(sampling=greedy(5), sparsity=SparsityConfig(decode_keep=0.3), mode=mode)
         out = []
         for k, q in enumerate(QUESTIONS[:3]):
-            out.append((ask(chat, q, image=k == 0), chat.last_logits, chat.decoder.cache._storage.idx.clone()))
+            out.append((ask(chat, q, image=k == 0), chat.last_logits, chat.decoder.retrieval._storage.idx.clone()))
         n_layers = vlm.cfg.text.n_layers
         assert len(calls) == 3 * n_layers and all(isinstance(c, range) != tensor for c in calls)
         assert not tensor or all(c.numel() == vlm.cfg.image_tokens for c in calls)

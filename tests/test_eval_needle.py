@@ -5,37 +5,31 @@ into a temporary folder (CI installs the wheel); skipped only when neither exist
 comparison with counts is the script's job (docs/benchmarks.md); this runs its first case.
 """
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-CKPT = ROOT / "checkpoints" / "smollm2-135m"
-sys.path.insert(0, str(ROOT / "scripts"))
-
+CKPT = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m"
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     if (CKPT / "config.json").is_file():
         return CKPT
-    import importers
-
+    from tinyvila.convert.gguf import import_gguf, smollm2_gguf
     from tinyvila.errors import CheckpointError
 
     try:
-        gguf = importers.smollm2_gguf()
+        gguf = smollm2_gguf()
     except CheckpointError as e:
         pytest.skip(f"no SmolLM2 checkpoint and {e}")
-    return importers.import_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "smollm2-135m")
+    return import_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "smollm2-135m")
 
 
 def test_retrieval_at_keep_one_tenth_finds_the_needle_dense_finds(checkpoint):
-    import eval_needle
-
     import tinyvila
+    from scripts import eval_needle
 
     vlm = tinyvila.load(checkpoint, dtype=torch.float32)
     cases = eval_needle.make_cases(eval_needle.haystack(vlm.tokenizer, 600), 1, seed=0)

@@ -1,7 +1,7 @@
-"""The fused norm/GEMV decode chain (ops.NormedRows, Block.forward_fused) against the plain decoder.
+"""The fused norm/GEMV decode chain (tinyvila/decode_step.py: NormedRows, block_fused) against the plain decoder.
 
 On CPU the chain runs through the PyTorch forms of ops.w4a16_linear(norm=) and ops.w4a16_linear_norm
-(ops.FUSED_NORM_GEMV = "on"): this checks the wiring (which norm feeds which GEMV, the first layer's plain
+(Options(fused_norm_gemv="on")): this checks the wiring (which norm feeds which GEMV, the first layer's plain
 norm, the last layer's hand-over to the final norm) and that it replaces the per-layer norms. The
 kernels themselves are tested in tests/kernels/test_w4a16_gemv.py; on a GPU the chain is the default
 ("auto") and the decode-graph tests run it.
@@ -14,8 +14,10 @@ import torch
 
 from tinyvila import ops
 from tinyvila.config import QuantConfig, preset
+from tinyvila.decode_step import use_fused
 from tinyvila.generate import Decoder
 from tinyvila.loader import build_synthetic, load_model
+from tinyvila.options import Options, set_options
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,6 @@ def w4_model(tmp_path_factory):
 
 def _decode(model, mode: str, monkeypatch, dtype=torch.float32, steps: int = 4):
     """Prefill 12 tokens, then `steps` greedy decode steps -> (per-step logits, tokens, norm-launch counts)."""
-    monkeypatch.setattr(ops, "FUSED_NORM_GEMV", mode)
     counts = {"add_rms_norm": 0, "w4a16_linear_norm": 0}
     for name in counts:
         fn = getattr(ops, name)
@@ -37,6 +38,7 @@ def _decode(model, mode: str, monkeypatch, dtype=torch.float32, steps: int = 4):
             return _fn(*a, **k)
         monkeypatch.setattr(ops, name, counted)
     text = model.text.to(dtype)
+    set_options(text, Options(fused_norm_gemv=mode))
     dec = Decoder(text, cuda_graph=False)
     logits = dec.prefill(text.embed(torch.arange(5, 17)[None]))
     before = dict(counts)
@@ -73,11 +75,16 @@ def test_fused_chain_close_to_plain_decode_bf16(w4_model, monkeypatch):
         assert torch.corrcoef(torch.stack([a, b]))[0, 1] > 0.999
 
 
-def test_fused_chain_only_at_decode_row_counts(w4_model, monkeypatch):
-    monkeypatch.setattr(ops, "FUSED_NORM_GEMV", "on")
-    assert ops.fused_norm_gemv(torch.zeros(1, 1, 64)) and ops.fused_norm_gemv(torch.zeros(2, 4, 64))
-    assert not ops.fused_norm_gemv(torch.zeros(1, 9, 64))
-    monkeypatch.setattr(ops, "FUSED_NORM_GEMV", "auto")
-    assert not ops.fused_norm_gemv(torch.zeros(1, 1, 64))  # CPU tensors keep the plain path by default
+def test_fused_chain_only_at_decode_row_counts(w4_model):
+    text = w4_model.text.to(torch.float32)
+    d = text.cfg.dim
+    set_options(text, Options(fused_norm_gemv="on"))
+    assert use_fused(text, torch.zeros(1, 1, d)) and use_fused(text, torch.zeros(2, 4, d))
+    assert not use_fused(text, torch.zeros(1, 9, d))
+    assert not use_fused(text, torch.zeros(1, 1, d, dtype=torch.float64))  # norm weights in another dtype
+    set_options(text, Options(fused_norm_gemv="auto"))
+    assert not use_fused(text, torch.zeros(1, 1, d))  # CPU tensors keep the plain path by default
+    set_options(text, Options(fused_norm_gemv="off"))
+    assert not use_fused(text, torch.zeros(1, 1, d))
     with pytest.raises(ValueError, match="at most 8 rows"):
         ops.w4a16_linear(torch.zeros(9, 64), *(torch.zeros(1),) * 3, norm=(torch.zeros(1, 8), 1e-5))

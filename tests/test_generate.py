@@ -11,12 +11,15 @@ from tinyvila.config import TextConfig
 from tinyvila.errors import ContextLimitError
 from tinyvila.generate import Decoder, SamplingParams, generate, sample
 from tinyvila.kv_cache import StepIndex
+from tinyvila.options import Options
 
 V = 32
 
 
 class MockText(torch.nn.Module):
     """Embeds token t as a one-hot row; logits favour (t + 1) % V for each input row."""
+
+    options = Options()  # what a Decoder reads of a text model's runtime options (its CUDA-graph default, argmax)
 
     def __init__(self, max_seq_len=64):
         super().__init__()
@@ -26,7 +29,7 @@ class MockText(torch.nn.Module):
         self.embed.weight.data = torch.eye(V)
         self.fed = []  # (start, T) of every call
 
-    def forward(self, h, cache, start, last_only=False):
+    def forward(self, h, cache, start, last_only=False, retrieval=None, fastv=None):
         # A decode step passes its cache slot as a device tensor (StepIndex).
         self.fed.append((int(start.slot) if isinstance(start, StepIndex) else start, h.shape[1]))
         tokens = h[0].argmax(-1)

@@ -1,11 +1,10 @@
-"""scripts/quantize.py import-vila on a fake VILA folder made of tiny random HF models.
+"""import-vila (tinyvila/convert/vila.py, scripts/quantize.py) on a fake VILA folder of tiny random HF models.
 
 Run: pytest tests/test_import.py (skips without transformers). The folder has VILA's layout: a
 sharded Llama `llm/` with a byte-level tokenizer.json, a SigLIP `vision_tower/` with its
 preprocessor_config.json, an `mm_projector/` with VILA's `layers.{1,2,4}` names, and a top config.
 """
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -15,16 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from scripts.quantize import main as quantize_main
+from tinyvila.convert.hf import projector_weights_from_hf
+from tinyvila.convert.vila import HFTensors, account, import_vila
+from tinyvila.errors import CheckpointError
 from tinyvila.image import preprocess
 from tinyvila.loader import load_model
 from tinyvila.tokenizer import TEMPLATES, byte_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
-
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("quantize", ROOT / "scripts" / "quantize.py")
-quantize = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(quantize)
 
 V_DIM, T_DIM, V_LAYERS, T_LAYERS = 48, 64, 3, 2
 
@@ -86,7 +84,7 @@ def vila(tmp_path_factory):
     hf_vision = _vision(src / "vision_tower")
     _projector(src / "mm_projector")
     _top(src)
-    dst = quantize.import_vila(src, src.parent / "imported", dtype="float32")
+    dst = import_vila(src, src.parent / "imported", dtype="float32")
     return src, hf_vision, dst
 
 
@@ -179,19 +177,19 @@ def test_unused_hf_tensor_is_an_error(vila, tmp_path):
         sd["layers.7.weight"] = torch.zeros(2)
         save_file(sd, folder / "mm_projector" / "model.safetensors")
     bad = _copy_with(vila[0], tmp_path, add_tensor)
-    with pytest.raises(quantize.CheckpointError, match=r"mm_projector: layers.7.weight: never used"):
-        quantize.import_vila(bad, tmp_path / "out")
+    with pytest.raises(CheckpointError, match=r"mm_projector: layers.7.weight: never used"):
+        import_vila(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_hf_tensor_read_twice_is_an_error(vila, tmp_path):
     def twice(hf, cfg):
-        out, used = quantize.projector_weights_from_hf(hf, cfg)
+        out, used = projector_weights_from_hf(hf, cfg)
         _ = hf["layers.2.weight"]
         return out, used
-    hf = quantize.HFTensors(vila[0] / "mm_projector")
+    hf = HFTensors(vila[0] / "mm_projector")
     out, used = twice(hf, load_model(vila[2]).cfg.projector)
-    assert quantize.account("mm_projector", hf, used) == ["mm_projector: layers.2.weight: read 2 times"]
+    assert account("mm_projector", hf, used) == ["mm_projector: layers.2.weight: read 2 times"]
 
 
 def test_pickle_weights_are_read_safely(vila, tmp_path):
@@ -201,7 +199,7 @@ def test_pickle_weights_are_read_safely(vila, tmp_path):
         torch.save(load_file(proj / "model.safetensors"), proj / "pytorch_model.bin")
         (proj / "model.safetensors").unlink()
     bad = _copy_with(vila[0], tmp_path, to_bin)
-    ours = load_model(quantize.import_vila(bad, tmp_path / "out", dtype="float32")).state_dict()
+    ours = load_model(import_vila(bad, tmp_path / "out", dtype="float32")).state_dict()
     ref = load_model(vila[2]).state_dict()
     assert torch.equal(ours["projector.fc1.weight"], ref["projector.fc1.weight"])
 
@@ -211,19 +209,19 @@ def test_unsupported_vila_options(vila, tmp_path):
         top = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(top | {"image_aspect_ratio": "pad"}))
     bad = _copy_with(vila[0], tmp_path, pad)
-    with pytest.raises(quantize.CheckpointError, match="image_aspect_ratio 'pad'"):
-        quantize.import_vila(bad, tmp_path / "out")
+    with pytest.raises(CheckpointError, match="image_aspect_ratio 'pad'"):
+        import_vila(bad, tmp_path / "out")
 
 
 def test_cli(vila, tmp_path, capsys):
     src = vila[0]
-    assert quantize.main(["import-vila", str(src), str(tmp_path / "a"), "--dtype", "bfloat16",
+    assert quantize_main(["import-vila", str(src), str(tmp_path / "a"), "--dtype", "bfloat16",
                           "--max-seq-len", "64", "--template", "llama_3"]) == 0
     cfg = load_model(tmp_path / "a").cfg
     assert cfg.dtype == "bfloat16" and cfg.text.max_seq_len == 64
-    assert quantize.main(["import-vila", str(src), str(tmp_path / "a")]) == 1  # exists: refuses
+    assert quantize_main(["import-vila", str(src), str(tmp_path / "a")]) == 1  # exists: refuses
     assert "overwrite" in capsys.readouterr().err
-    assert quantize.main(["import-vila", str(tmp_path / "missing"), str(tmp_path / "b")]) == 1
+    assert quantize_main(["import-vila", str(tmp_path / "missing"), str(tmp_path / "b")]) == 1
     assert "missing: VILA folder not found" in capsys.readouterr().err
-    assert quantize.main(["synthetic", "--preset", "tiny-clip-qwen2", str(tmp_path / "s"), "--seed", "3"]) == 0
+    assert quantize_main(["synthetic", "--preset", "tiny-clip-qwen2", str(tmp_path / "s"), "--seed", "3"]) == 0
     assert load_model(tmp_path / "s").cfg.synthetic

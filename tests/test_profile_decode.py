@@ -1,54 +1,39 @@
-"""scripts/profile_decode.py's settings parser (the script itself times CUDA graphs; only its CPU-side parts here)."""
+"""scripts/profile_decode.py: its options flags, and a CPU run on a tiny model (eager and "graph" tok/s, one
+variant, the JSON line). The GPU-only part, the per-kernel profile, runs on the H200."""
 
-import sys
-from pathlib import Path
+import dataclasses
+import json
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from scripts import profile_decode
+from tinyvila.options import Options
 
-import profile_decode  # noqa: E402
-
-from csrc_triton import w4a16_gemv  # noqa: E402
-
-
-def test_gemvcfg_changes_only_the_named_fields_of_the_named_shapes():
-    table = w4a16_gemv.GEMV_TABLE
-    every = profile_decode.gemv_cfg_entries("all:s4")
-    assert set(every) == set(profile_decode.GEMV_SHAPES.values()) <= set(table)
-    for key, cfg in every.items():
-        assert cfg == {**table[key], "STAGES": 4}
-    one = profile_decode.gemv_cfg_entries("gate_up:n64g2s8k2w2")
-    key = profile_decode.GEMV_SHAPES["gate_up"]
-    assert one == {key: {**table[key], "BLOCK_N": 64, "GPS": 2, "STAGES": 8, "SPLIT_K": 2, "num_warps": 2}}
+TINY = ["--preset", "tiny-siglip-llama", "--device", "cpu", "--group-size", "32", "--context", "24",
+        "--new-tokens", "4"]
 
 
-def test_gemvcfg_patch_is_undone_after_the_variant():
-    key = profile_decode.GEMV_SHAPES["o"]
-    before = dict(w4a16_gemv.GEMV_TABLE[key])
-    with profile_decode._patch("gemvcfg=o:g4s5"):
-        assert w4a16_gemv.GEMV_TABLE[key] == {**before, "GPS": 4, "STAGES": 5}
-    assert w4a16_gemv.GEMV_TABLE[key] == before
+def test_options_and_variants_parse_on_top_of_each_other():
+    args = profile_decode.parse_args(TINY + ["--options", "pdl=0", "--variant", "fused_silu=0,dense_gemv=off",
+                                             "--variant", "fused_norm_gemv=off"])
+    assert args.opts == Options.from_env().with_(pdl=False)
+    assert list(args.variant_opts) == ["fused_silu=0,dense_gemv=off", "fused_norm_gemv=off"]
+    assert args.variant_opts["fused_silu=0,dense_gemv=off"] == args.opts.with_(fused_silu=False, dense_gemv=False)
+    assert args.variant_opts["fused_norm_gemv=off"] == args.opts.with_(fused_norm_gemv="off")
 
 
-@pytest.mark.parametrize("value", ["o", "o:", "x:s4", "o:q4", "o:s", "o:s4x", "all:4"])
-def test_gemvcfg_rejects_malformed_settings(value):
-    with pytest.raises(SystemExit, match="bad gemvcfg"):
-        profile_decode.gemv_cfg_entries(value)
+@pytest.mark.parametrize("flag,value", [("--options", "pdl=maybe"), ("--variant", "no_such=1"),
+                                        ("--variant", "w4_gemv_kernel=tiles"), ("--options", "pdl")])
+def test_bad_options_are_rejected(flag, value):
+    with pytest.raises(SystemExit):
+        profile_decode.parse_args(TINY + [flag, value])
 
 
-def test_attncfg_sets_the_named_fields_for_every_length_and_is_undone():
-    from csrc_triton import decode_attention
-
-    first = decode_attention.CONFIG_BY_LENGTH[0][1:]  # (block_n, warps, stages, programs per SM, prefetch)
-    before = decode_attention.default_config
-    with profile_decode._patch("attncfg=n64s2p0"):
-        for max_len in (100, 8192, 200_000):
-            assert decode_attention.default_config(max_len) == (64, first[1], 2, first[3], 0)
-    assert decode_attention.default_config is before
-
-
-@pytest.mark.parametrize("value", ["", "n", "n64x", "q4", "64"])
-def test_attncfg_rejects_malformed_settings(value):
-    with pytest.raises(SystemExit, match="bad attncfg"):
-        profile_decode.attn_cfg(value)
+def test_cpu_run_prints_a_json_line_with_each_variant(capsys):
+    assert profile_decode.main(TINY + ["--quant", "w4a16", "--variant", "fused_silu=0"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(out[-1])
+    assert report["bench"] == "profile_decode" and report["gpu"] == "cpu" and report["commit"]
+    assert report["eager_tok_s"] > 0 and report["graph_tok_s"] > 0
+    assert list(report["variants"]) == ["fused_silu=0"] and report["variants"]["fused_silu=0"] > 0
+    assert report["options"] == dataclasses.asdict(Options.from_env())

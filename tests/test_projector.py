@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from tinyvila.config import ProjectorConfig, VisionConfig
-from tinyvila.projector import Projector, projector_config_from_hf, projector_weights_from_hf
+from tinyvila.convert.hf import projector_config_from_hf, projector_weights_from_hf
+from tinyvila.projector import Projector
 from _counting import CountingReads  # noqa: E402
 
 D, d = 8, 16

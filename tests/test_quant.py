@@ -229,7 +229,7 @@ def test_quantize_cli_synthetic_w4(tmp_path):
     assert m.text.layers[0].attn.wqkv.group_size == 64 and m.text.layers[0].attn.wqkv.bias is not None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton dispatch runs on CUDA only")
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 9])
 def test_ops_dispatch_on_cuda(M):
     lin, sd = _w4_linear(N=200, K=256, G=64, dtype=torch.float16)

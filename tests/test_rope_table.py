@@ -8,7 +8,7 @@ import torch
 from tinyvila.config import RopeScaling, TextConfig
 from tinyvila.text import rope_cos_sin, rope_table
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 CONFIGS = {
     "default": TextConfig(vocab_size=8, dim=512, n_layers=1, n_heads=4, n_kv_heads=1, ffn_dim=8, rope_theta=10000.0),
     "head_dim16": TextConfig(vocab_size=8, dim=64, n_layers=1, n_heads=4, n_kv_heads=1, ffn_dim=8),  # the tiny presets'

@@ -12,8 +12,6 @@ from tinyvila import ops
 from tinyvila.config import SparsityConfig
 from tinyvila.loader import build_synthetic
 
-CUDA = torch.cuda.is_available()
-
 
 def _qkv(B, H, T, D, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -27,7 +25,7 @@ def test_cpu_attention_is_the_plain_path_and_gives_no_lse():
     assert torch.equal(o, ops.attention(q, k, v, causal=False))
 
 
-@pytest.mark.skipif(not CUDA, reason="the flash kernel that returns the LSE is CUDA only")
+@pytest.mark.gpu  # the flash kernel that returns the LSE is CUDA only
 @pytest.mark.parametrize("shape", [(2, 16, 729, 72), (1, 4, 577, 64), (1, 16, 4096, 80)])
 def test_flash_lse_feeds_the_kernel(shape):
     q, k, v = _qkv(*shape, torch.float16, "cuda", seed=shape[2])

@@ -133,11 +133,11 @@ def test_original_positions_are_used_and_text_continues_after_the_full_image(sig
     seen = []
     forward = type(siglip.model.text).forward
 
-    def spy(self, h, cache, start, *, last_only=False, positions=None):
+    def spy(self, h, cache, start, *, last_only=False, positions=None, **sparse):
         if isinstance(start, StepIndex):  # decode steps carry their RoPE position on the device
             positions = start.pos
         seen.append(None if positions is None else positions.tolist())
-        return forward(self, h, cache, start, last_only=last_only, positions=positions)
+        return forward(self, h, cache, start, last_only=last_only, positions=positions, **sparse)
 
     monkeypatch.setattr(type(siglip.model.text), "forward", spy)
     sp = SparsityConfig(prefill_keep=0.25, prefill_positions="original")

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tinyvila.config import RopeScaling
-from tinyvila.text import KVCache, TextModel, rope_inv_freq, text_config_from_hf, text_weights_from_hf
+from tinyvila.convert.hf import text_config_from_hf, text_weights_from_hf
+from tinyvila.text import KVCache, TextModel, rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tinyvila.vision import VisionEncoder, vision_config_from_hf, vision_weights_from_hf  # noqa: E402
+from tinyvila.convert.hf import vision_config_from_hf, vision_weights_from_hf  # noqa: E402
+from tinyvila.vision import VisionEncoder  # noqa: E402
 from _counting import CountingReads  # noqa: E402
 
 TINY = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, patch_size=8)

@@ -6,20 +6,16 @@ encoder on the kernels against that path.
 """
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from tinyvila import ops
 from tinyvila.config import PRESETS
+from tinyvila.convert.smoothquant import collect_act_scales, smooth, w8a8_state_dict
 from tinyvila.quant import QTensor, W8A8Linear, dequantize_w8, quantize_w8
 from tinyvila.vision import VisionEncoder
-from tinyvila.vision_checkpoint import load_vision, save_vision
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from smoothquant import collect_act_scales, smooth, w8a8_state_dict  # noqa: E402
+from tinyvila.convert.vision_checkpoint import load_vision, save_vision
 
 
 def dense_encoder(preset: str, seed: int = 0) -> VisionEncoder:
@@ -121,7 +117,7 @@ def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     return (d.norm(dim=-1) / w.norm(dim=-1)).max().item()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tiny-siglip-llama", "tiny-clip-qwen2"])
 def test_w8a8_encoder_kernels_match_reference_path(preset):
     """The fp16 W8A8 encoder on the GPU kernels is as accurate as the fp16 CPU reference path.

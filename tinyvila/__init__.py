@@ -14,10 +14,11 @@ from .api import Chat, Model, Stats, load
 from .config import PRESETS, SparsityConfig, VLMConfig
 from .errors import CheckpointError, ContextLimitError, ImageError, ModelNotFoundError, TinyVilaError
 from .generate import SamplingParams
+from .options import Options
 
 Sparsity = SparsityConfig
 
 __all__ = [
-    "load", "Model", "Chat", "Stats", "SamplingParams", "Sparsity", "SparsityConfig", "VLMConfig", "PRESETS",
+    "load", "Model", "Chat", "Stats", "SamplingParams", "Options", "Sparsity", "SparsityConfig", "VLMConfig", "PRESETS",
     "TinyVilaError", "CheckpointError", "ModelNotFoundError", "ImageError", "ContextLimitError",
 ]

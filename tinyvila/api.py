@@ -29,6 +29,7 @@ from .generate import Decoder, SamplingParams, generate
 from .kv_cache import changed_range, turn_spans
 from .image import resize_uint8
 from .loader import build_synthetic, load_model, random_model, synthetic_tokenizer
+from .options import Options
 from .tokenizer import IMAGE_TOKEN, TEMPLATES, BPETokenizer, StreamDecoder, load_tokenizer, stop_ids, turn_ids
 from .vlm import VLM
 
@@ -90,29 +91,25 @@ class Model:
 
 
 def load(name_or_path: str | os.PathLike, *, device: str | torch.device = "cpu",
-         dtype: torch.dtype | None = None) -> Model:
-    """Load a checkpoint folder or a named model (see `resolve_model`)."""
+         dtype: torch.dtype | None = None, options: Options | None = None) -> Model:
+    """Load a checkpoint folder or a named model (see `resolve_model`). `options`: the runtime switches
+    (tinyvila.Options; default: Options.from_env(), i.e. the defaults unless TINYVILA_CUDA_GRAPH / TINYVILA_PDL
+    turn something off)."""
     folder = resolve_model(name_or_path)
     model = load_model(folder, device=device, dtype=dtype)
-    _use_cuda_graphs(model, device)
+    model.set_options(Options.from_env() if options is None else options)
     return Model(folder, model, load_tokenizer(folder / model.cfg.tokenizer))
 
 
-def from_config(cfg: VLMConfig | str, *, device: str | torch.device = "cpu", seed: int = 0) -> Model:
+def from_config(cfg: VLMConfig | str, *, device: str | torch.device = "cpu", seed: int = 0,
+                options: Options | None = None) -> Model:
     """A random-weight model of any config or preset, made in memory on `device`, with a byte-level
     tokenizer holding its template's special tokens: for benchmarks at real shapes and tests."""
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     cfg = dataclasses.replace(cfg, synthetic=True, eos_ids=())
     model = random_model(cfg, device=device, seed=seed)
-    _use_cuda_graphs(model, device)
+    model.set_options(Options.from_env() if options is None else options)
     return Model(None, model, BPETokenizer(synthetic_tokenizer(cfg), source="<synthetic>"))
-
-
-def _use_cuda_graphs(model: VLM, device) -> None:
-    """The encoder is launch-bound at one image: replay it from CUDA graphs (tinyvila/cuda_graph.py).
-    (LLM decode steps are captured by each chat's Decoder.)"""
-    if model.vision is not None and torch.device(device).type == "cuda":
-        model.vision.use_cuda_graphs()
 
 
 @dataclass
@@ -189,7 +186,7 @@ class Chat:
         model = self.vlm.model
         # Resized uint8 pixels: encode_images uploads a quarter of preprocess's float32 bytes and normalises them
         # on the device to the same values (on some H200 hosts the CPU-side copy of the float32 pixels took
-        # ~10 ms: docs/perf_notes.md, session 7).
+        # ~10 ms: docs/perf_notes.md, "Slow encodes").
         pixels = resize_uint8(image, model.cfg.vision) if model.vision is not None else None
         if pixels is None:
             raise ValueError(f"{self.vlm.folder}: this model is text-only and cannot take images")
@@ -288,7 +285,7 @@ class Chat:
             self._anchor = (slots, ids[:layout["anchor"]], list(self.documents), images.shape[0] if images is not None else 0)
         self.documents = []
         retr_end = max([b for kind, a, b in spans if kind in ("visual", "text")], default=start)
-        return self.sparsity.decode_keep < 1.0 and decoder.cache.begin_scoring(retr_end) > 0
+        return self.sparsity.decode_keep < 1.0 and decoder.retrieval.begin_scoring(retr_end) > 0
 
     def _answer(self, question, ids, images, n_images, sampling, positions=None, layout=None) -> Iterator[str]:
         model, decoder = self.vlm.model, self.decoder
@@ -301,8 +298,8 @@ class Chat:
         t0 = time.perf_counter()
         logits = decoder.prefill(model.embed(ids, images), positions)
         if sparse:  # this turn decodes over the top decode_keep of the scored retrievable tokens
-            stats.decode_rows = decoder.cache.pack(self.sparsity.decode_keep, decoder.length,
-                                                   self.sparsity.decode_window, room=sampling.max_new_tokens)
+            stats.decode_rows = decoder.retrieval.pack(self.sparsity.decode_keep, decoder.length,
+                                                       self.sparsity.decode_window)
         _sync(model.device)
         t1 = time.perf_counter()
         stats.prefill_ms, stats.prefill_tokens = 1000 * (t1 - t0), decoder.length - start
@@ -319,7 +316,7 @@ class Chat:
                     yield stream.push(token)
             yield stream.flush()
         finally:  # also when the caller stops reading early: the history stays consistent
-            decoder.cache.unpack()  # the full cache keeps every token for the next question
+            decoder.retrieval.unpack()  # the full cache keeps every token for the next question
             if decoder.length > start + stats.prefill_tokens:
                 decoder.cache.add_span("answer", start + stats.prefill_tokens, decoder.length)
             _sync(model.device)

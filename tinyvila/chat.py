@@ -23,6 +23,7 @@ from . import benchmark
 from .api import Chat, load
 from .errors import TinyVilaError
 from .generate import SamplingParams
+from .options import Options
 
 HELP = "commands: /image PATH  /clear  /stats  /quit   (Ctrl-D quits, Ctrl-C stops an answer)"
 # C0 control characters other than tab and newline (and DEL) are not printed: a model's output must
@@ -60,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "over, chosen per question (SparseVILA retrieval; default: the checkpoint's, 1.0 = dense)")
     p.add_argument("--eval-multiturn", action="store_true", help="evaluation mode: each question is answered "
                    "against system + image only (the previous question and answer are evicted)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="run eagerly, without CUDA graphs (debugging)")
+    p.add_argument("--options", default="", metavar="NAME=VALUE,...",
+                   help="runtime switches (tinyvila.Options, e.g. 'pdl=0,fused_norm_gemv=off'); for A/B runs")
     return p.parse_args(argv)
 
 
@@ -128,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --warmup needs -p (the REPL's questions are not known in advance)", file=sys.stderr)
         return 1
     try:
+        options = Options.parse(args.options, Options.from_env())
+        if args.no_cuda_graph:
+            options = options.with_(cuda_graph=False)
         vlm = load(args.model, device=args.device,
-                   dtype=getattr(torch, args.dtype) if args.dtype else None)
+                   dtype=getattr(torch, args.dtype) if args.dtype else None, options=options)
         if vlm.cfg.synthetic:
             print(f"note: {vlm.folder} is a synthetic checkpoint with RANDOM weights; "
                   "its answers are meaningless text.", file=sys.stderr)

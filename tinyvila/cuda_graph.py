@@ -1,10 +1,11 @@
 """CUDA-graph replay of a fixed-shape forward: one captured graph per input signature.
 
-A ViT forward at one image is launch-bound (26 layers x ~10 kernels, each a few microseconds of GPU
-work behind tens of microseconds of Python and launch overhead; a W8A8 layer's Triton launches cost
-more still); replaying a captured graph removes the host side entirely. Used by `VisionEncoder`
-(tinyvila/vision.py) and by `VLM.encode_images` (encoder + projector, and SparseVILA's prune with its
-fixed-k top-k, tinyvila/vlm.py); CUDA only.
+A ViT forward at one image, an LLM decode step and a short prefill are launch-bound (tens of layers x
+~10 kernels, each a few microseconds of GPU work behind tens of microseconds of Python and launch
+overhead); replaying a captured graph removes the host side entirely. `capture` records one callable;
+`GraphLRU` keeps captured graphs by key, least recently used dropped first (generate.Decoder's decode and
+prefill graphs); `GraphCache` is the input-copying form used by `VisionEncoder` (tinyvila/vision.py) and
+`VLM.encode_images` (encoder + projector, and SparseVILA's prune with its fixed-k top-k). CUDA only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,17 @@ import torch
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: int) -> torch.cuda.Stream:
+    """One warm-up stream per device for every capture: cuBLAS keeps a workspace per stream it runs on, so a
+    new stream per capture would hold one more workspace per graph for the life of the process."""
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
 def capture(fn: Callable[[], object], pool, warmups: int = 1, restore: tuple[torch.Tensor, ...] = ()):
     """Capture `fn()` into a CUDA graph in memory pool `pool` -> (graph, fn's output in the pool).
 
@@ -24,7 +36,7 @@ def capture(fn: Callable[[], object], pool, warmups: int = 1, restore: tuple[tor
     (which must not synchronize or allocate outside the pool). Tensors in `restore` (device state the
     warm-up advances, e.g. a decode step's slot) are put back before the capture."""
     saved = [t.clone() for t in restore]
-    side = torch.cuda.Stream()
+    side = _side_stream(torch.cuda.current_device())
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmups):
@@ -36,6 +48,44 @@ def capture(fn: Callable[[], object], pool, warmups: int = 1, restore: tuple[tor
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+class GraphLRU:
+    """Captured graphs by hashable key, at most `max_graphs`, the least recently used dropped first. Entries
+    are whatever the caller captured (e.g. (graph, outputs, buffers)); all share one memory pool, which is
+    safe because replays are serial on one stream and every state that outlives a replay lives outside it."""
+
+    def __init__(self, max_graphs: int = 8):
+        self.max_graphs = max_graphs
+        self.entries: dict[Hashable, tuple] = {}  # insertion order is the LRU order
+        self._pool = None
+        self.captures = 0
+
+    @property
+    def pool(self):
+        """The graphs' shared memory pool, made on first use (CUDA only)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def get(self, key: Hashable, make: Callable[[], tuple]) -> tuple:
+        """The entry of `key`, made by `make()` (which captures, in `self.pool`) when absent."""
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            if len(self.entries) >= self.max_graphs:
+                del self.entries[next(iter(self.entries))]
+            entry = make()
+            self.captures += 1
+        self.entries[key] = entry
+        return entry
+
+    def clear(self, which: Callable[[Hashable], bool] | None = None) -> None:
+        """Drop every graph, or those whose key `which(key)` accepts."""
+        for key in [k for k in self.entries if which is None or which(k)]:
+            del self.entries[key]
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 class GraphCache:

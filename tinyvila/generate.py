@@ -9,7 +9,6 @@ The loop follows gpt-fast/nanochat: prefill once, then one cached decode step pe
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -17,14 +16,16 @@ from typing import NamedTuple
 import torch
 
 from . import ops
-from .cuda_graph import capture
+from .cuda_graph import GraphLRU, capture
 from .errors import ContextLimitError
-from .text import KVCache, StepIndex, rope_table
+from .kv_cache import KVCache, StepIndex
+from .retrieval import PACKED_ROOM, FastV, Retrieval
+from .text import rope_table
 
 PREFILL_CHUNK = 4096  # prompt tokens per prefill pass: bounds activation memory for long videos
 MAX_BATCH = 64        # greedy tokens per host synchronisation, at most
 PREFILL_GRAPH_MAX = 2048  # longest padded first-turn prefill replayed from a CUDA graph (longer: eager)
-PREFILL_GRAPHS = 8        # prefill graphs a decoder keeps (least recently used dropped first)
+MAX_GRAPHS = 16           # decode-step and prefill graphs a decoder keeps (least recently used dropped first)
 
 
 def prefill_bucket(T: int) -> int:
@@ -99,7 +100,10 @@ class Decoder:
     batch (`greedy`). Besides the layers, the lm_head and the logits' fp32 cast, a step launches only
     the embedding gather, one gather of its cos/sin from a RoPE table built once (`_cover_rope`), and the
     argmax, whose final program also records the token and advances every counter (ops.argmax_step).
-    `cuda_graph=False` (or TINYVILA_CUDA_GRAPH=0, or an fp32 model) runs the same step eagerly.
+    `cuda_graph=False` (default: the model's Options.cuda_graph; an fp32 model never) runs the same step eagerly.
+    The decoder owns the conversation's sparsity state beside its cache: `retrieval` (SparseVILA's scoring
+    and packed decode buffer; `packed_room` decode rows past the packed ones before the buffer grows) and
+    `fastv` (the permanent-pruning peer); the model's attention reads them (text.Attention).
 
     The first turn's prefill (empty cache: system + image + question in one pass) is host-bound too
     (~25 launches per layer), so with `cuda_graph` it replays a CUDA graph as well: the T rows padded at
@@ -112,40 +116,37 @@ class Decoder:
     the last bits, because the GEMMs' M changes and cuBLAS / the W4 kernel may pick other tiles or
     split-K.
 
-    SparseVILA's scored first turn (retrieval scoring on, `KVCache.begin_scoring`) replays a graph
-    too, one per (bucket, first question row q_from, retrievable count N, span start): the span start is
-    the first slot when the retrievable slots are one run (the kernel reads them as one block from that
-    slot, baked into the graph), -1 when they are scored through the slot tensor. Its padding rows score
-    nothing (their LSE is +inf, from the device index `last`) and the scores / retrievable slots live
-    in buffers the graph keeps (`KVCache.use_scoring_buffers`); `pack` then runs eagerly after it.
+    SparseVILA's scored first turn (`Retrieval.begin_scoring`) replays a graph too, one per (bucket,
+    `Retrieval.graph_key()`: first question row, retrievable count, span start). Its padding rows score
+    nothing (their LSE is +inf, from the device index `last`) and the scores / retrievable slots live in
+    buffers the graph keeps (`Retrieval.use_buffers`); `pack` then runs eagerly after it.
     Other prefills (later turns, FastV, scoring whose question rows are not all in this prefill, a
     packed buffer, more than PREFILL_GRAPH_MAX or `prefill_chunk` padded rows, or past the cache)
     run eagerly. `pad_prefill` (tests) runs the padded forward eagerly where no graph is used.
     """
 
     def __init__(self, text_model, max_seq_len: int | None = None, cuda_graph: bool | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, packed_room: int = PACKED_ROOM):
         self.model = text_model
         w = text_model.embed.weight
         self.cache = KVCache(text_model.cfg, max_seq_len=max_seq_len, dtype=w.dtype, device=w.device)
+        self.retrieval = Retrieval(self.cache, packed_room, text_model.options)
+        self.fastv = FastV(self.cache)
         self.length = 0
         self.position = 0
         self._explicit: list[tuple[int, torch.Tensor]] = []  # (first slot, positions) of such prefills
         if cuda_graph is None:  # fp32/fp64 models decode through PyTorch references that sync the host
-            cuda_graph = (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16)
-                          and os.environ.get("TINYVILA_CUDA_GRAPH", "1") != "0")
+            cuda_graph = text_model.options.cuda_graph and w.is_cuda and w.dtype in (torch.float16, torch.bfloat16)
         self.cuda_graph, self.prefill_chunk = cuda_graph, prefill_chunk
         # The decode step's device state: input token, greedy outputs of a batch, and their count.
         self._token = torch.zeros(1, 1, dtype=torch.long, device=w.device)
         self._out = torch.zeros(MAX_BATCH, dtype=torch.long, device=w.device)
         self._count = torch.zeros(1, dtype=torch.long, device=w.device)
-        self._graphs: dict[tuple, tuple] = {}
-        self._pool = None
-        # First-turn prefill graphs: (padded bucket, q_from, N, span start; 0, 0, -1 unscored) -> (graph,
-        # logits, scoring buffers or None); their static inputs (made on first use).
+        # Captured graphs: ("step", vocabulary limit, packed buffer) -> (graph, logits) and ("prefill", padded
+        # bucket, *Retrieval.graph_key()) -> (graph, logits, scoring buffers or None).
+        self.graphs = GraphLRU(MAX_GRAPHS)
         self.pad_prefill = False
-        self._prefill_graphs: dict[tuple[int, int, int, int], tuple] = {}
-        self._pf: _PrefillInputs | None = None
+        self._pf: _PrefillInputs | None = None  # the prefill graphs' static inputs (made on first use)
 
     @property
     def max_len(self) -> int:
@@ -158,12 +159,6 @@ class Decoder:
                 f"the conversation would need {self.length + n_new} tokens ({self.length} cached + "
                 f"{n_new} new) but the model's context is {self.max_len}; shorten the prompt, "
                 "start a new conversation (/clear), or load with a larger max_seq_len")
-        p = self.cache.packed
-        if p is not None and self.length - p.dropped + n_new > p.k[0].shape[2]:
-            raise ContextLimitError(
-                f"this turn's packed decode buffer holds {p.k[0].shape[2]} rows but the step would need "
-                f"{self.length - p.dropped + n_new}: pack() was given less room than the turn decodes; "
-                "pass the turn's max_new_tokens as its room")
 
     @torch.inference_mode()
     def prefill(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,20 +193,20 @@ class Decoder:
             b = min(T, a + self.prefill_chunk)
             # Only pass positions when they differ from the slots, as models without the argument expect.
             extra = {} if positions is None else {"positions": positions[a:b]}
-            logits = self.model(h[:, a:b], self.cache, self.length + a, last_only=True, **extra)
+            logits = self.model(h[:, a:b], self.cache, self.length + a, last_only=True, retrieval=self.retrieval,
+                                fastv=self.fastv, **extra)
         return logits[0, -1]
 
     # -- first-turn prefill at a padded length (CUDA graph) -------------------------------------
     def _prefill_bucket(self, T: int) -> int | None:
         """The padded length of a graph (or `pad_prefill`) prefill of T tokens, None for eager."""
-        c = self.cache
         if not (self.cuda_graph or self.pad_prefill) or self.length != 0:
             return None
-        if c.key_mask is not None or c.packed is not None:
-            return None  # FastV's key mask is host state per prefill; packed: rope_write refuses
-        sc = c.scoring
-        if sc is not None and (sc.fastv is not None or sc.q_from >= T):
-            return None  # FastV prunes mid-pass; question rows outside this pass are scored eagerly
+        if self.fastv.key_mask is not None or self.fastv.deciding or self.retrieval.packed is not None:
+            return None  # FastV decides and masks on the host, mid-pass; a packed buffer refuses prefills
+        sc = self.retrieval.scoring
+        if sc is not None and sc.q_from >= T:
+            return None  # question rows outside this pass are scored eagerly
         Tp = prefill_bucket(T)
         return Tp if Tp <= min(PREFILL_GRAPH_MAX, self.prefill_chunk, self.max_len) else None
 
@@ -235,36 +230,35 @@ class Decoder:
         if self.cuda_graph:
             logits = self._replay_prefill(Tp)
         else:
-            if self.cache.scoring is not None:  # as a graph would, into other buffers than begin_scoring's
-                self.cache.use_scoring_buffers(*self._scoring_buffers())
+            if self.retrieval.scoring is not None:  # as a graph would, into other buffers than begin_scoring's
+                self.retrieval.use_buffers(*self._scoring_buffers())
             logits = self._padded_forward(Tp)[0, -1]
-        self.cache.end_padded()
+        self.retrieval.end_padded()
         return logits
 
     def _replay_prefill(self, Tp: int) -> torch.Tensor:
         """The padded prefill (static inputs filled) replayed from its graph, captured on first use;
         with scoring on, the graph's scoring buffers take the question's slots first."""
-        sc = self.cache.scoring
-        # A span's first slot is baked into the captured kernel (its key view's offset): never replay a
-        # span graph for another span, or for slots that are not one run (-1), nor the reverse.
-        key = (Tp, 0, 0, -1) if sc is None else (Tp, sc.q_from, sc.idx.numel(), -1 if sc.span is None else sc.span.start)
-        entry = self._prefill_graphs.pop(key, None)  # re-inserted last: the dict's order is the LRU order
-        if entry is None and len(self._prefill_graphs) >= PREFILL_GRAPHS:
-            del self._prefill_graphs[next(iter(self._prefill_graphs))]
-        bufs = self._scoring_buffers() if entry is None else entry[2]
-        if bufs is not None:
-            self.cache.use_scoring_buffers(*bufs)
-        if entry is None:
-            entry = (*self._capture_prefill(Tp), bufs)
-        self._prefill_graphs[key] = entry
-        graph, logits, _ = entry
+        # What the graph bakes in of the scoring (a span's first slot is its key view's offset) is in the key.
+        made = []
+
+        def make():
+            bufs = self._scoring_buffers()
+            if bufs is not None:
+                self.retrieval.use_buffers(*bufs)
+            made.append(True)
+            return (*self._capture_prefill(Tp), bufs)
+
+        graph, logits, bufs = self.graphs.get(("prefill", Tp, *self.retrieval.graph_key()), make)
+        if bufs is not None and not made:
+            self.retrieval.use_buffers(*bufs)
         graph.replay()
         return logits[0, -1].clone()  # the graph's output buffer is overwritten by the next replay
 
     def _scoring_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """New (idx, scores) buffers shaped as the current scoring's (None without scoring), poisoned:
-        the padded pass must fill idx and zero the scores itself (`KVCache.use_scoring_buffers`)."""
-        sc = self.cache.scoring
+        the padded pass must fill idx and zero the scores itself (`Retrieval.use_buffers`)."""
+        sc = self.retrieval.scoring
         if sc is None:
             return None
         return torch.full_like(sc.idx, -1), torch.full_like(sc.scores, float("nan"))
@@ -287,8 +281,9 @@ class Decoder:
         cache's slot tensor is the static `slots` (its address is baked in)."""
         pf = self._pf
         self.cache.use_slots(0, pf.slots[:Tp])
-        self.cache.pad_rows(pf.slots[:Tp], pf.last)  # scoring on: rows past `last` score nothing
-        return self.model(pf.h[:, :Tp], self.cache, 0, positions=pf.pos[:Tp], rows=pf.last)
+        self.retrieval.pad_rows(pf.slots[:Tp], pf.last)  # scoring on: rows past `last` score nothing
+        return self.model(pf.h[:, :Tp], self.cache, 0, positions=pf.pos[:Tp], rows=pf.last,
+                          retrieval=self.retrieval, fastv=self.fastv)
 
     def _capture_prefill(self, Tp: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The eager warm-up writes K/V at slots 0..Tp-1 of the empty cache, which the replay then rewrites
@@ -322,7 +317,11 @@ class Decoder:
         """Before n decode steps (eager, host values): the step index at the cache's end, a RoPE table that
         covers their positions, the input token, and an empty record."""
         self.check_room(n)
-        st = self.cache.begin_steps(self.length, self.position)
+        self.retrieval.ensure_room(self.length, n)  # a packed buffer grows (re-packs) when the steps would not fit
+        p = self.retrieval.packed
+        row = self.length - (p.dropped if p is not None else 0)  # the step's row in the buffer it attends over
+        st = self.cache.step_index()
+        st.set(self.length, row, self.position, row + 1)
         self._cover_rope(st, self.position + n)
         self._token.fill_(token)
         self._count.zero_()
@@ -336,7 +335,7 @@ class Decoder:
             return
         w = self.model.embed.weight
         st.rope = rope_table(self.model.cfg, max(end, self.max_len, 2 * have), w.dtype, w.device)
-        self._graphs.clear()
+        self.graphs.clear(lambda key: key[0] == "step")  # prefill graphs compute their own cos/sin
 
     def _set_length(self, length: int) -> None:
         """Move the end of the cache within the current decode run (positions are contiguous there)."""
@@ -347,26 +346,23 @@ class Decoder:
         """One decode step from the device state: logits (V,) of `_token` at the step index; the argmax
         becomes the next `_token` and is recorded in `_out[_count]`; `_count` and the index advance.
         Device ops only; on CUDA that tail is the argmax's two launches (ops.argmax_step)."""
-        cache, st = self.cache, self.cache.step_index()
-        if cache.key_mask is not None:  # permanent-pruning baselines decode through the masked prefill path
+        cache, st, sparse = self.cache, self.cache.step_index(), {"retrieval": self.retrieval, "fastv": self.fastv}
+        if self.fastv.key_mask is not None:  # permanent-pruning baselines decode through the masked prefill path
             logits = self.model(self.model.embed(self._token), cache, self.length + int(self._count),
-                                last_only=True, positions=st.pos)[0, -1]
+                                last_only=True, positions=st.pos, **sparse)[0, -1]
         else:
-            logits = self.model(self.model.embed(self._token), cache, st)[0, -1]  # (V,)
-        ops.argmax_step(logits[:vocab_size], self._token, self._out, self._count, st.index, st.lengths)
+            logits = self.model(self.model.embed(self._token), cache, st, **sparse)[0, -1]  # (V,)
+        ops.argmax_step(logits[:vocab_size], self._token, self._out, self._count, st.index, st.lengths,
+                        opts=self.model.options)
         return logits
 
     def _run(self, vocab_size: int | None) -> torch.Tensor:
         """`_step`, replayed from a CUDA graph captured for this decode buffer and vocabulary limit."""
-        if not self.cuda_graph or self.cache.key_mask is not None:
+        if not self.cuda_graph or self.fastv.key_mask is not None:
             return self._step(vocab_size)
-        p = self.cache.packed
-        key = (vocab_size, None if p is None else (p.k[0].data_ptr(), tuple(p.k[0].shape)))
-        if key not in self._graphs:
-            if len(self._graphs) >= 8:  # buffers replaced many times: start over rather than grow
-                self._graphs.clear()
-            self._graphs[key] = self._capture(vocab_size)
-        graph, logits = self._graphs[key]
+        p = self.retrieval.packed  # a graph reads the buffer it was captured over: its allocation is in the key
+        key = ("step", vocab_size, None if p is None else (p.generation, p.capacity))
+        graph, logits = self.graphs.get(key, lambda: self._capture(vocab_size))
         graph.replay()
         return logits
 
@@ -378,17 +374,18 @@ class Decoder:
 
     def _capture_graph(self, fn, restore: tuple = ()) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """fn() captured in the decoder's graph pool after one eager warm-up (tinyvila/cuda_graph.capture)."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.device(self._token.device):
-            return capture(fn, self._pool, restore=restore)
+            return capture(fn, self.graphs.pool, restore=restore)
 
     def truncate(self, length: int) -> None:
         """Forget everything past `length` (the entries are overwritten by later writes)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self._explicit = [(s, p[:length - s]) for s, p in self._explicit if s < length]
-        self.cache.truncate(length)  # spans past it go; a packed decode buffer is dropped
+        self.cache.truncate(length)  # spans past it go
+        self.retrieval.reset()  # and any scoring or packed decode buffer
+        if length == 0:
+            self.fastv.reset()  # a new conversation has no permanent pruning
         self.length = self.position = length
         if self._explicit:  # positions run on contiguously after the last explicit one
             start, pos = self._explicit[-1]

@@ -1,8 +1,9 @@
 """The single seam between the model code and the kernels.
 
-Every attention, norm and activation of the models goes through a function here. On CUDA these
-dispatch to `csrc_triton` kernels as they land (later issues); everywhere else, and until then, the
-plain PyTorch references below run. Only this module may import `csrc_triton`.
+Every attention, norm, activation and quantized linear of the models goes through a function here. On CUDA
+these dispatch to `csrc_triton` kernels; everywhere else the kernels' plain PyTorch references run. Only this
+module imports `csrc_triton`. Functions with a choice of form take the runtime `Options` (`opts=`, from the
+calling module) and pass the kernel forms on to the launchers as arguments: no module state.
 
 Numerics follow the HuggingFace reference models the checkpoints were trained with: RMSNorm in fp32
 with the weight applied after casting back, attention softmax by SDPA.
@@ -11,10 +12,10 @@ with the weight applied after casting back, attention softmax by SDPA.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
+
+from .options import DEFAULT, Options
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,15 +30,20 @@ def _fused_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _pdl(opts: Options) -> dict:
+    """Launch arguments of a decode-step kernel: PDL and the direct launch, as the options say."""
+    return {"pdl": opts.pdl, "direct": opts.direct_launch}
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                 opts: Options = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add fused with the next RMSNorm: x, residual (..., D) -> (rms_norm(residual + x),
     residual + x); residual None -> (rms_norm(x), x). The sum is PyTorch's add bit for bit. One Triton
     launch on CUDA fp16/bf16 (weight in x's dtype); elsewhere exactly `residual + x`, then `rms_norm`."""
     if _fused_kernels(x) and weight.dtype == x.dtype:
         from csrc_triton.add_rms_norm import add_rms_norm as kernel
 
-        return kernel(x, residual, weight, eps)
+        return kernel(x, residual, weight, eps, **_pdl(opts))
     from csrc_triton.add_rms_norm import add_rms_norm_ref
 
     return add_rms_norm_ref(x, residual, weight, eps)
@@ -56,13 +62,13 @@ def gelu(x: torch.Tensor, kind: str) -> torch.Tensor:
     return gelu_ref(x, kind)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, *, opts: Options = DEFAULT) -> torch.Tensor:
     """SwiGLU on the fused gate/up projection: (..., 2F) -> (..., F) = silu(gate) * up, PyTorch's
     rounding (silu, then the product, each rounded to the dtype). Kernel on CUDA fp16/bf16."""
     if _fused_kernels(gate_up):
         from csrc_triton.silu_mul import silu_mul as kernel
 
-        return kernel(gate_up)
+        return kernel(gate_up, **_pdl(opts))
     from csrc_triton.silu_mul import silu_mul_ref
 
     return silu_mul_ref(gate_up)
@@ -79,7 +85,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor, n_heads: int, n_kv_heads: int,
-             second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+             opts: Options = DEFAULT) -> torch.Tensor:
     """The fused q/k/v projection's output qkv (B, T, (H + 2 Hkv) D) -> rotated q (B, H, T, D); rotated k
     and raw v are written into k_cache, v_cache (B, Hkv, S, D) at sequence slots `slots` (T,) (a device
     tensor: graph-capturable; the caller checks the bounds), and into `second` = (k2, v2, slots2), e.g.
@@ -89,7 +96,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: t
     if _fused_kernels(qkv):
         from csrc_triton.rope_qkv import rope_qkv as kernel
 
-        return kernel(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads, second=second)
+        return kernel(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads, second=second, **_pdl(opts))
     from csrc_triton.rope_qkv import rope_qkv_ref
 
     return rope_qkv_ref(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads, second=second)
@@ -121,10 +128,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 # Square causal attention (a first turn over an empty cache) from this many rows on goes to SDPA with K/V expanded
-# per query head, where PyTorch picks cuDNN, which beat the one flash call there. H200 run S9-G
-# (scripts/diag/cache_attention.py; 32 / 8 heads, D 128, fp16, graph-replayed), SDPA vs the flash call: 450 rows
-# 24.1 vs 21.7 us, 1024 rows 53.7 vs 55.1, 2048 rows 125.4 vs 162, 4096 rows 342.9 vs 506. Rows over a cache prefix
-# always take the flash call.
+# per query head, where PyTorch picks cuDNN, which beats the one flash call there from about 1K rows on (measured
+# on the H200, docs/perf_notes.md). Rows over a cache prefix always take the flash call.
 SDPA_SQUARE_MIN_T = 1024
 
 
@@ -133,14 +138,14 @@ def attention_scale(head_dim: int) -> float:
 
 
 def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = None,
-                     lse: torch.Tensor | None = None) -> torch.Tensor:
+                     lse: torch.Tensor | None = None, opts: Options = DEFAULT) -> torch.Tensor:
     """Mean attention each key receives over the first n_query rows (default all) and all heads:
     q (B, H, T, Dh), k (B, H, N, Dh) -> (B, N) fp32. `lse` (B, H, n_query) fp32, the attention's own
     natural-log row normaliser, saves the kernel one QK^T pass. Kernel on CUDA, reference elsewhere."""
     if q.is_cuda:
         from csrc_triton.prefill_salience import prefill_salience as kernel
 
-        return kernel(q, k, n_query=n_query, lse=lse)
+        return kernel(q, k, n_query=n_query, lse=lse, direct=opts.direct_launch)
     from csrc_triton.prefill_salience import prefill_salience_ref
 
     return prefill_salience_ref(q, k, n_query=n_query)
@@ -157,21 +162,21 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
     return attention(q, k, v, causal=False), None
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, *, opts: Options = DEFAULT) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T without bias, for the output layer: (..., K) -> (..., N) in x's dtype.
     On CUDA fp16/bf16 with at most GEMV_MAX_M rows (decode) the Triton GEMV of csrc_triton/dense_gemv
     (graph-capturable, fp32 accumulation; measured against cuBLAS in docs/benchmarks.md), else F.linear."""
     x2 = x.reshape(-1, x.shape[-1])
-    if (DENSE_GEMV and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+    if (opts.dense_gemv and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and x2.shape[0] <= GEMV_MAX_M and weight.stride(-1) == 1):
         from csrc_triton.dense_gemv import dense_gemv
 
-        return dense_gemv(x2.contiguous(), weight).reshape(*x.shape[:-1], weight.shape[0])
+        return dense_gemv(x2.contiguous(), weight, pdl=opts.pdl).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
 
 def argmax_step(logits: torch.Tensor, token: torch.Tensor, out: torch.Tensor, count: torch.Tensor,
-                steps: torch.Tensor, lengths: torch.Tensor) -> None:
+                steps: torch.Tensor, lengths: torch.Tensor, *, opts: Options = DEFAULT) -> None:
     """The tail of a greedy decode step, in place: i = argmax(logits) (torch.argmax's first maximal index, NaN
     counting as maximal) becomes the next input token (one int64) and out[count] (out (R,) int64, count one int64
     in 0..R-1); then count, steps (S,) int64 and lengths (B,) int32 each += 1. On CUDA:
@@ -181,26 +186,26 @@ def argmax_step(logits: torch.Tensor, token: torch.Tensor, out: torch.Tensor, co
     if logits.is_cuda and logits.dim() == 1 and logits.is_floating_point() and logits.stride(0) == 1:
         from csrc_triton.argmax import argmax_step as kernel
 
-        return kernel(logits, token, out, count, steps, lengths)
+        return kernel(logits, token, out, count, steps, lengths, pdl=opts.pdl)
     from csrc_triton.argmax import argmax_step_ref
 
     return argmax_step_ref(logits, token, out, count, steps, lengths)
 
 
-DENSE_GEMV = True  # the lm_head GEMV on CUDA (False: cuBLAS everywhere)
 GEMV_MAX_M = 8  # rows up to which the decode GEMVs (W4 and dense) take over from the GEMMs (they stream W once)
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
+                 opts: Options = DEFAULT) -> torch.Tensor:
     """Linear with packed W4 weights (tinyvila/quant.py layout): (..., K) -> (..., N) in x's dtype.
 
     On CUDA: the Triton GEMV for at most GEMV_MAX_M rows (decode), the GEMM otherwise (prefill), which
     itself dispatches: the fused dequantizing kernel (fixed tiles per M bucket, no autotuning) below
     w4a16_gemm.DEQUANT_MIN_M rows, dequantize into a reused workspace + cuBLAS from there on.
     Elsewhere: the reference, w = q * s + b in fp32 rounded to x's dtype, then an fp32 matmul.
-    norm (part, eps): x is an RMSNorm's weight * h, not yet normalised (NormedRows.xg); each row's product
-    is scaled by rsqrt(mean(h^2) + eps) from the partial sums `part` (see NormedRows). Rows <= GEMV_MAX_M.
+    norm (part, eps): x is an RMSNorm's weight * h, not yet normalised (decode_step.NormedRows.xg); each row's
+    product is scaled by rsqrt(mean(h^2) + eps) from the partial sums `part`. Rows <= GEMV_MAX_M.
     """
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
     if norm is not None and x2.shape[0] > GEMV_MAX_M:
@@ -210,14 +215,16 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         from csrc_triton.w4a16_gemv import w4a16_gemv
 
         if x2.shape[0] <= GEMV_MAX_M:
-            y = w4a16_gemv(x2.contiguous(), qweight, scales, zeros, bias, prenorm=norm)
+            y = w4a16_gemv(x2.contiguous(), qweight, scales, zeros, bias, prenorm=norm, kernel=opts.w4_gemv_kernel,
+                           pdl=opts.pdl)
         else:
-            y = w4a16_gemm(x2.contiguous(), qweight, scales, zeros, bias)
+            y = w4a16_gemm(x2.contiguous(), qweight, scales, zeros, bias, direct=opts.direct_launch)
     else:
-        from .quant import dequantize_w4
+        from csrc_triton._common import dequantize_ref
 
         ct = torch.promote_types(x.dtype, torch.float32)  # fp32 math, or fp64 for a float64 model
-        y = x2.to(ct) @ dequantize_w4(qweight, scales, zeros, x.dtype).to(ct).T
+        w = dequantize_ref(qweight, scales, zeros).to(x.dtype)  # rounded as a dense checkpoint would hold it
+        y = x2.to(ct) @ w.to(ct).T
         if norm is not None:
             part, eps = norm
             y = y * torch.rsqrt(part.to(ct).sum(0)[: x2.shape[0]] / x2.shape[1] + eps)[:, None]
@@ -225,31 +232,14 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return y.reshape(*x.shape[:-1], qweight.shape[0])
 
 
-class NormedRows(NamedTuple):
-    """The residual stream h (..., D) at an RMSNorm whose work is fused into the W4 GEMVs around it (decode).
-
-    part None: xg is the norm's output itself (norm(h) * weight), a plain input. Otherwise xg = weight * h
-    (rounded once) and part (NP, 8) fp32 holds, in column m, row m's sum of h^2 over NP blocks of columns:
-    the producing GEMV (w4a16_linear_norm) wrote them in its epilogue, and the consuming GEMV scales its
-    product by rsqrt(mean(h^2) + eps) (w4a16_linear's norm=). So the norm costs no launch of its own; the
-    result differs from norm(h) * weight @ W^T by where the roundings fall (one fewer on x)."""
-    h: torch.Tensor
-    xg: torch.Tensor
-    part: torch.Tensor | None
-    eps: float
-
-    def norm(self) -> tuple[torch.Tensor, float] | None:
-        """w4a16_linear's norm= argument for xg."""
-        return None if self.part is None else (self.part, self.eps)
-
-
 def w4a16_linear_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                      norm: tuple[torch.Tensor, float] | None = None) -> NormedRows:
+                      norm: tuple[torch.Tensor, float] | None = None, opts: Options = DEFAULT
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A W4 linear whose output joins the residual stream, fused with the next RMSNorm's first half:
-    y = w4a16_linear(x, ...), h = residual + y (PyTorch's add, bit for bit) -> NormedRows(h, weight * h, sums
-    of h^2, eps), at most GEMV_MAX_M rows. One GEMV launch on CUDA fp16/bf16 (csrc_triton.w4a16_gemv_norm);
-    elsewhere the same expressions in PyTorch."""
+    y = w4a16_linear(x, ...), h = residual + y (PyTorch's add, bit for bit) -> (h, weight * h, part: the row
+    sums of h^2 per block of columns, (NP, 8) fp32; decode_step.NormedRows), at most GEMV_MAX_M rows. One GEMV
+    launch on CUDA fp16/bf16 (csrc_triton.w4a16_gemv_norm); elsewhere the same expressions in PyTorch."""
     x2 = x.reshape(-1, x.shape[-1])
     M, N = x2.shape[0], qweight.shape[0]
     if M > GEMV_MAX_M:
@@ -257,20 +247,21 @@ def w4a16_linear_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     shape = (*x.shape[:-1], N)
     r2 = residual.reshape(M, N)
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
-        from csrc_triton.w4a16_gemv import w4a16_gemv_norm
+        from csrc_triton.w4a16_gemv_norm import w4a16_gemv_norm
 
         h, xg, part = w4a16_gemv_norm(x2.contiguous(), qweight, scales, zeros, bias, r2.contiguous(), weight,
-                                      prenorm=norm)
+                                      prenorm=norm, kernel=opts.w4_gemv_kernel, pdl=opts.pdl)
     else:
-        y = w4a16_linear(x2, qweight, scales, zeros, bias, norm=norm)
+        y = w4a16_linear(x2, qweight, scales, zeros, bias, norm=norm, opts=opts)
         h = (r2.float() + y.float()).to(x.dtype)
         xg = (weight.float() * h.float()).to(x.dtype)
         part = torch.zeros(1, 8, dtype=torch.float32, device=x.device)
         part[0, :M] = h.float().pow(2).sum(-1)
-    return NormedRows(h.view(shape), xg.view(shape), part, float(eps))
+    return h.view(shape), xg.view(shape), part
 
 
-def _epilogue_gemv_config(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> tuple[dict, int] | None:
+def _epilogue_gemv_config(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, opts: Options
+                          ) -> tuple[dict, int] | None:
     """(the W4 GEMV's launch config, group size) for x2 (M, K) when a fused-epilogue GEMV may run (CUDA
     fp16/bf16, at most GEMV_MAX_M rows, a valid group), else None: computed once and passed to the launcher."""
     M, K = x2.shape
@@ -280,72 +271,52 @@ def _epilogue_gemv_config(x2: torch.Tensor, qweight: torch.Tensor, scales: torch
     from csrc_triton.w4a16_gemv import gemv_config
 
     G = K // scales.shape[1]
-    return gemv_config(M, qweight.shape[0], K, G), G
+    return gemv_config(M, qweight.shape[0], K, G, kernel=opts.w4_gemv_kernel), G
 
 
 def w4a16_linear_silu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                      bias: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None
-                      ) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
+                      opts: Options = DEFAULT) -> torch.Tensor:
     """silu_mul(w4a16_linear(x, ...)) for the fused gate/up projection [gate; up] (2F, K): (..., K) -> (..., F),
     the same bits. At decode row counts on CUDA one launch where the GEMV can end in SwiGLU
-    (csrc_triton.w4a16_gemv.silu_ok: the mma kernel, no bias; FUSED_SILU), else the two ops."""
+    (the mma kernel, no bias, Options.fused_silu), else the two ops."""
     x2 = x.reshape(-1, x.shape[-1])
     N, K = qweight.shape[0], x2.shape[1]
-    fit = _epilogue_gemv_config(x2, qweight, scales) if FUSED_SILU and bias is None else None
+    fit = _epilogue_gemv_config(x2, qweight, scales, opts) if opts.fused_silu and bias is None else None
     if fit is not None:
-        from csrc_triton.w4a16_gemv import silu_ok, w4a16_gemv_silu
+        from csrc_triton.w4a16_gemv_silu import silu_ok, w4a16_gemv_silu
 
         cfg, G = fit
         if silu_ok(N, K, G, cfg):
-            y = w4a16_gemv_silu(x2.contiguous(), qweight, scales, zeros, prenorm=norm, config=cfg)
+            y = w4a16_gemv_silu(x2.contiguous(), qweight, scales, zeros, prenorm=norm, config=cfg, pdl=opts.pdl)
             return y.reshape(*x.shape[:-1], N // 2)
-    return silu_mul(w4a16_linear(x, qweight, scales, zeros, bias, norm=norm))
-
-
-FUSED_SILU = True  # SwiGLU in the gate/up GEMV's epilogue where it can be (False: a separate launch)
+    return silu_mul(w4a16_linear(x, qweight, scales, zeros, bias, norm=norm, opts=opts), opts=opts)
 
 
 def w4a16_linear_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv_heads: int, *,
                       second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                      norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                      norm: tuple[torch.Tensor, float] | None = None, opts: Options = DEFAULT) -> torch.Tensor:
     """rope_qkv(w4a16_linear(x, ...), ...) for the fused qkv projection: x (B, T, K) -> rotated q (B, H, T, D), k and
     v stored as rope_qkv stores them; the same bits. On CUDA fp16/bf16 at decode row counts one launch where
-    FUSED_ROPE_GEMV is on and the kernel allows (csrc_triton.w4a16_gemv.rope_ok: the mma kernel, half its row
-    tile dividing D / 2), else the two ops."""
+    Options.fused_rope_gemv is on and the kernel allows (the mma kernel, half its row tile dividing D / 2),
+    else the two ops."""
     B, T, K = x.shape
     N = qweight.shape[0]
-    fit = (_epilogue_gemv_config(x.reshape(B * T, K), qweight, scales)
-           if FUSED_ROPE_GEMV and N % (n_heads + 2 * n_kv_heads) == 0 else None)
+    fit = (_epilogue_gemv_config(x.reshape(B * T, K), qweight, scales, opts)
+           if opts.fused_rope_gemv and N % (n_heads + 2 * n_kv_heads) == 0 else None)
     if fit is not None:
-        from csrc_triton.w4a16_gemv import rope_ok, w4a16_gemv_rope
+        from csrc_triton.w4a16_gemv_rope import rope_ok, w4a16_gemv_rope
 
         cfg, G = fit
         D = N // (n_heads + 2 * n_kv_heads)
         if rope_ok(N, K, G, cfg, D):
             return w4a16_gemv_rope(x.reshape(B * T, K).contiguous(), qweight, scales, zeros, bias, cos, sin, k_cache,
-                                   v_cache, slots, n_heads, n_kv_heads, second=second, prenorm=norm, config=cfg)
-    return rope_qkv(w4a16_linear(x, qweight, scales, zeros, bias, norm=norm), cos, sin, k_cache, v_cache, slots,
-                    n_heads, n_kv_heads, second=second)
-
-
-# RoPE and the KV-cache write in the qkv GEMV's epilogue (Block.forward_fused, w4a16_linear_rope; False: the
-# rope_qkv launch after the GEMV). H200, session 7 (profile_decode.py --variants rope=kernel,rope=gemv, twice):
-# graph step 416.1 / 416.7 tok/s with the rope_qkv launch, 420.5 / 422.7 with it in the GEMV's epilogue.
-FUSED_ROPE_GEMV = True
-
-# The fused norm/GEMV decode chain (NormedRows): "auto" on CUDA fp16/bf16 at decode row counts, "on" also
-# elsewhere (the PyTorch forms above: tests of the wiring on CPU), "off" never (A/B measurements).
-FUSED_NORM_GEMV = "auto"
-
-
-def fused_norm_gemv(h: torch.Tensor) -> bool:
-    """Whether a decoder running hidden states h (..., D) takes the fused norm/GEMV chain."""
-    rows = h.numel() // h.shape[-1] if h.dim() else 0
-    if FUSED_NORM_GEMV == "off" or not 0 < rows <= GEMV_MAX_M:
-        return False
-    return FUSED_NORM_GEMV == "on" or (h.is_cuda and h.dtype in (torch.float16, torch.bfloat16))
+                                   v_cache, slots, n_heads, n_kv_heads, second=second, prenorm=norm, config=cfg,
+                                   pdl=opts.pdl)
+    return rope_qkv(w4a16_linear(x, qweight, scales, zeros, bias, norm=norm, opts=opts), cos, sin, k_cache, v_cache,
+                    slots, n_heads, n_kv_heads, second=second, opts=opts)
 
 
 # -- SparseVILA decode: prefill attention with LSE, retrieval salience, packing, decode attention --
@@ -383,9 +354,8 @@ def _attention_lse_flash(q, k, v, q_start):
     sees keys <= t + S - T = q_start + t), which is this function's contract; F.scaled_dot_product_attention
     aligns is_causal top-left and refuses T != S on this backend, hence the direct call. GQA is native (the
     Hkv cached heads are read as they are, never expanded; checked against the fp32 reference on an H200 with
-    torch 2.11 and by tests/test_cache_attention.py on any GPU). Until session 9 this was two calls (cached
-    prefix, then the new rows) merged by their LSEs with ~10 more small ops a layer: a follow-up question's
-    prefill was host-bound on them (docs/perf_notes.md)."""
+    torch 2.11 and by tests/test_cache_attention.py on any GPU). One call rather than two (cached prefix, then the
+    new rows) merged by their LSEs: a follow-up question's prefill is host-bound on small ops."""
     if k.shape[2] != q_start + q.shape[2]:
         raise ValueError(f"attention over a cache: k/v hold {k.shape[2]} keys for {q.shape[2]} new rows at position "
                          f"{q_start}; pass the cache up to the last new row ({q_start + q.shape[2]} keys)")
@@ -394,38 +364,39 @@ def _attention_lse_flash(q, k, v, q_start):
 
 
 def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | range, lse: torch.Tensor,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, *, opts: Options = DEFAULT) -> torch.Tensor:
     """Attention mass each retrievable cached slot idx (N,) (or a range of consecutive slots) receives from the question rows q
     (B, H, T, D) (post-RoPE) with their lse (B, H, T), summed per KV group -> (B, Hkv, N) fp32,
     accumulated into `out` when given. Kernel on CUDA, reference elsewhere."""
     if q.is_cuda:
         from csrc_triton.retrieval_salience import retrieval_salience as kernel
 
-        return kernel(q, k, idx, lse, out=out)
+        return kernel(q, k, idx, lse, out=out, direct=opts.direct_launch)
     from csrc_triton.retrieval_salience import retrieval_salience_ref
 
     return retrieval_salience_ref(q, k, idx, lse, out=out)
 
 
-def kv_pack(src, idx: torch.Tensor, dst):
+def kv_pack(src, idx: torch.Tensor, dst, *, opts: Options = DEFAULT):
     """dst[..., :L, :] = src gathered at slots idx (..., Hkv, L) along the sequence dim; src, dst are
     (..., Hkv, S, D) tensors (e.g. every layer stacked) or (K, V) pairs packed together. Returns dst."""
     if (src[0] if isinstance(src, (tuple, list)) else src).is_cuda:
         from csrc_triton.kv_pack import kv_pack as kernel
 
-        return kernel(src, idx, dst)
+        return kernel(src, idx, dst, direct=opts.direct_launch)
     from csrc_triton.kv_pack import kv_pack_ref
 
     return kv_pack_ref(src, idx, dst)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *,
+                     opts: Options = DEFAULT) -> torch.Tensor:
     """One query per sequence: q (B, H, D) over slots 0..lengths[b]-1 of k, v (B, Hkv, L, D) -> (B, H, D).
     `lengths` (B,) int32 lives on the device (graph-capturable). Split-K kernel on CUDA fp16/bf16."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         from csrc_triton.decode_attention import decode_attention as kernel
 
-        return kernel(q, k, v, lengths)
+        return kernel(q, k, v, lengths, pdl=opts.pdl)
     from csrc_triton.decode_attention import decode_attention_ref
 
     return decode_attention_ref(q, k, v, lengths)
@@ -472,7 +443,7 @@ def gelu_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor, residual: torch.Tensor | None = None, *, opts: Options = DEFAULT) -> torch.Tensor:
     """int8 x (..., K) with scales (...,) times int8 weight (N, K) with fp32 scales (N,), + bias (N,)
     [+ residual (..., N)] -> (..., N) in bias's dtype. int32 accumulation, fp32 epilogue with the
     residual added before the one rounding (csrc_triton/w8a8_gemm.py)."""
@@ -480,10 +451,14 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
     s2 = x_scale.reshape(-1)  # (M,)
     r2 = None if residual is None else residual.reshape(-1, weight.shape[0]).to(bias.dtype)  # (M, N)
     if _w8a8_kernels(xq):
-        from csrc_triton.w8a8_gemm import w8a8_gemm as kernel
+        from csrc_triton.w8a8_gemm import w8a8_gemm
+
+        y = w8a8_gemm(x2, weight, s2, weight_scale, bias, out_dtype=bias.dtype, residual=r2,
+                      persistent=opts.w8a8_persistent, wgmma=opts.w8a8_wgmma)
     else:
-        from csrc_triton.w8a8_gemm import w8a8_gemm_ref as kernel
-    y = kernel(x2, weight, s2, weight_scale, bias, out_dtype=bias.dtype, residual=r2)
+        from csrc_triton.w8a8_gemm import w8a8_gemm_ref
+
+        y = w8a8_gemm_ref(x2, weight, s2, weight_scale, bias, out_dtype=bias.dtype, residual=r2)
     return y.reshape(*xq.shape[:-1], weight.shape[0])
 
 

@@ -10,7 +10,6 @@ tests/test_projector.py checks it against VILA's own reshape sequence.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -66,39 +65,3 @@ class Projector(nn.Module):
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.merge(feats))
-
-
-# -- HF (VILA mm_projector/) import ----------------------------------------------------------------
-
-# VILA's MultimodalProjector holds one `layers` module: an nn.Sequential (index 0 of mlp_downsample
-# is the parameter-free DownSampleBlock, GELUs have no parameters) or, for "linear", a bare Linear.
-_NAMES = {
-    "mlp_downsample": {"layers.1": "norm", "layers.2": "fc1", "layers.4": "fc2"},
-    "mlp2x_gelu": {"layers.0": "fc1", "layers.2": "fc2"},
-    "linear": {"layers": "fc1"},
-}
-
-
-def projector_config_from_hf(hf: dict, in_dim: int, out_dim: int) -> ProjectorConfig:
-    """ProjectorConfig from VILA's mm_projector/config.json; in_dim = vision width, out_dim = LLM width."""
-    kind = hf.get("mm_projector_type")
-    if kind not in KINDS:
-        raise ValueError(f"unsupported mm_projector_type {kind!r}; supported: {', '.join(KINDS)}")
-    return ProjectorConfig(kind=kind, in_dim=in_dim, out_dim=out_dim)
-
-
-def projector_weights_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: ProjectorConfig
-                              ) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """VILA projector state dict -> (tinyvila `projector.*` tensors, HF keys used).
-
-    Raises KeyError naming a missing HF tensor."""
-    out, used = {}, set()
-    for src, dst in _NAMES[cfg.kind].items():
-        for p in ("weight", "bias"):
-            key = f"{src}.{p}"
-            try:  # one read per key: `in` on a lazy Mapping may read the tensor too
-                out[f"projector.{dst}.{p}"] = hf_sd[key]
-            except KeyError:
-                raise KeyError(f"HF projector tensor {key!r} is missing from the checkpoint") from None
-            used.add(key)
-    return out, used

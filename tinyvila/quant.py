@@ -27,6 +27,7 @@ from torch import nn
 
 from . import ops
 from .config import QuantConfig
+from .options import DEFAULT, Options
 
 W4_GROUP_SIZES = (32, 64, 128)
 
@@ -96,6 +97,7 @@ class W4A16Linear(nn.Module):
     """
 
     KEEP_DTYPE = ("zeros",)  # tensors a checkpoint stores in their own dtype, not config.dtype (loader)
+    options: Options = DEFAULT  # runtime switches (options.set_options); the decode step's fused forms: decode_step.py
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = 128,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
@@ -113,30 +115,7 @@ class W4A16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N)."""
-        return ops.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias)
-
-    def forward_normed(self, rows: ops.NormedRows) -> torch.Tensor:
-        """This linear applied to RMSNorm(rows.h) * weight, the norm fused in (ops.NormedRows)."""
-        return ops.w4a16_linear(rows.xg, self.qweight, self.scales, self.zeros, self.bias, norm=rows.norm())
-
-    def forward_normed_silu(self, rows: ops.NormedRows) -> torch.Tensor:
-        """silu(gate) * up of this fused gate/up linear applied to RMSNorm(rows.h) * weight (the SwiGLU in the
-        same launch where the kernel allows: ops.w4a16_linear_silu)."""
-        return ops.w4a16_linear_silu(rows.xg, self.qweight, self.scales, self.zeros, self.bias, norm=rows.norm())
-
-    def forward_normed_rope(self, rows: ops.NormedRows, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv_heads: int,
-                            second: tuple | None = None) -> torch.Tensor:
-        """This fused qkv linear applied to RMSNorm(rows.h) * weight, then RoPE and the KV-cache write
-        (ops.w4a16_linear_rope: one launch where the kernel allows) -> rotated q (B, H, T, D)."""
-        return ops.w4a16_linear_rope(rows.xg, self.qweight, self.scales, self.zeros, self.bias, cos, sin, k_cache,
-                                     v_cache, slots, n_heads, n_kv_heads, second=second, norm=rows.norm())
-
-    def forward_norm_out(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                         eps: float) -> ops.NormedRows:
-        """residual + this linear(x), with the next RMSNorm (norm_weight, eps) prepared in the same launch
-        (ops.w4a16_linear_norm)."""
-        return ops.w4a16_linear_norm(x, self.qweight, self.scales, self.zeros, self.bias, residual, norm_weight, eps)
+        return ops.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias, opts=self.options)
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype=...) / .half() would round the fp32 zeros; move them by device only.
@@ -231,6 +210,7 @@ class W8A8Linear(nn.Module):
     """
 
     KEEP_DTYPE = ("weight_scale",)  # tensors a checkpoint stores in their own dtype (loader)
+    options: Options = DEFAULT  # runtime switches (options.set_options)
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
@@ -255,7 +235,7 @@ class W8A8Linear(nn.Module):
         added in the GEMM's epilogue (a fused skip connection)."""
         if not isinstance(x, QTensor):
             x = QTensor(*ops.quant_per_token(x))
-        return ops.w8a8_linear(x.q, x.scale, self.weight, self.weight_scale, self.bias, residual)
+        return ops.w8a8_linear(x.q, x.scale, self.weight, self.weight_scale, self.bias, residual, opts=self.options)
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype=...) / .half() would round the fp32 scales; move them by device only.

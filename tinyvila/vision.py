@@ -1,4 +1,4 @@
-"""Vision encoder: one pre-LN ViT for the SigLIP form and the CLIP form, plus the HF importers.
+"""Vision encoder: one pre-LN ViT for the SigLIP form and the CLIP form (HF import: convert/hf.py).
 
 SigLIP: patch conv with bias, no CLS token, tanh-GELU. CLIP: CLS token, LayerNorm on the
 embeddings (`pre_norm`), quick-GELU, conv without bias. Only the layers up to the selected one
@@ -9,9 +9,6 @@ Tested against transformers' SiglipVisionModel / CLIPVisionModel in tests/test_v
 """
 
 from __future__ import annotations
-
-import re
-from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -146,7 +143,7 @@ class VisionEncoder(GraphOwner, nn.Module):
     def _patch_weight(self) -> torch.Tensor:
         """The patch embedding's (D, C, P, P) weight as a (D, Kp) GEMM operand, its C P P columns zero-padded to
         Kp, a multiple of 8 (16-byte rows: 588 -> 592 at P = 14, where cuBLAS's unaligned kernel took 0.375 ms at
-        64 images, run S13-E). Built once per weight: kept while the weight's storage and version are the same
+        64 images on the H200). Built once per weight: kept while the weight's storage and version are the same
         (loading, moving, casting or editing it in place rebuilds it), not cached while a CUDA graph is being
         captured (a tensor from the graph's pool must not outlive it; the capture's warm-up has built it)."""
         w = self.patch_embed.weight
@@ -169,7 +166,7 @@ class VisionEncoder(GraphOwner, nn.Module):
         last whole patch are dropped, as the convolution drops them; rows zero-padded to a multiple of 8)
         against the weight as a (D, C P P) matrix padded alike (_patch_weight, built once).
         cuDNN's convolution of 3 input channels runs an implicit GEMM at ~45 TFLOP/s plus NCHW <-> NHWC
-        conversions and a transposing copy (H200, run S13-D in docs/benchmarks.md: with the position add,
+        conversions and a transposing copy (H200, docs/perf_notes.md "Patch embedding and attention": with the position add,
         ~3.2 ms of a 65 ms W8A8 SigLIP-so400m encode of 64 images)."""
         w = self.patch_embed.weight  # (D, C, P, P)
         D, C, P = w.shape[0], w.shape[1], w.shape[2]
@@ -233,108 +230,3 @@ class VisionEncoder(GraphOwner, nn.Module):
         if self.graphs is not None and pixels.is_cuda:
             return self.graphs(pixels)
         return self._forward(pixels)
-
-
-# -- HF import -------------------------------------------------------------------------------------
-
-_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
-# transformers' defaults, for config.json files that omit fields equal to them.
-_HF_DEFAULTS = {
-    "siglip": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                   num_channels=3, image_size=224, patch_size=16, hidden_act="gelu_pytorch_tanh",
-                   layer_norm_eps=1e-6),
-    "clip": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                 num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5),
-}
-
-
-def _square(v, name: str) -> int:
-    if isinstance(v, (list, tuple)):
-        if len(set(v)) != 1:
-            raise ValueError(f"non-square {name} {v} is not supported")
-        v = v[0]
-    return int(v)
-
-
-def vision_config_from_hf(hf: dict, *, select_layer: int = -2, select_feature: str = "cls_patch",
-                          preprocessor: dict | None = None) -> VisionConfig:
-    """VisionConfig from an HF SiglipVisionConfig / CLIPVisionConfig dict (or a full siglip / clip
-    config holding one under "vision_config"); normalisation from preprocessor_config.json if given."""
-    model_type = hf.get("model_type", "")
-    if "vision_config" in hf and model_type in ("siglip", "clip"):
-        hf = hf["vision_config"] or {}
-    elif model_type not in ("siglip_vision_model", "clip_vision_model"):
-        raise ValueError(f"unsupported vision model_type {model_type!r} (want siglip/clip vision models)")
-    kind = "siglip" if model_type.startswith("siglip") else "clip"
-    h = {**_HF_DEFAULTS[kind], **hf}
-    if h["hidden_act"] not in _ACTS:
-        raise ValueError(f"unsupported hidden_act {h['hidden_act']!r}; known: {', '.join(_ACTS)}")
-    clip = kind == "clip"
-    fields = dict(
-        kind=kind, image_size=_square(h["image_size"], "image_size"),
-        patch_size=_square(h["patch_size"], "patch_size"), n_channels=h["num_channels"],
-        dim=h["hidden_size"], n_layers=h["num_hidden_layers"], n_heads=h["num_attention_heads"],
-        mlp_dim=h["intermediate_size"], act=_ACTS[h["hidden_act"]], norm_eps=h["layer_norm_eps"],
-        cls_token=clip, pre_norm=clip, patch_bias=not clip,
-        select_layer=select_layer, select_feature=select_feature,
-    )
-    if preprocessor is not None:
-        # A processor that skips a step is the identity for it.
-        normalize = preprocessor.get("do_normalize", True)
-        fields["image_mean"] = tuple(preprocessor.get("image_mean", (0.5,) * 3)) if normalize else (0.0,) * 3
-        fields["image_std"] = tuple(preprocessor.get("image_std", (0.5,) * 3)) if normalize else (1.0,) * 3
-        rescale = preprocessor.get("do_rescale", True)
-        fields["rescale_factor"] = preprocessor.get("rescale_factor", 1 / 255) if rescale else 1.0
-    cfg = VisionConfig(**fields)
-    _ = cfg.n_run_layers  # raises on an out-of-range select_layer now, not at build time
-    return cfg
-
-
-def _hf_prefix(hf_sd: Mapping[str, torch.Tensor]) -> str:
-    """Checkpoints saved by transformers 4.x (VILA's) prefix every key with "vision_model.";
-    transformers 5 saves a bare SiglipVisionModel / CLIPVisionModel without it."""
-    return "vision_model." if any(k.startswith("vision_model.") for k in hf_sd) else ""
-
-
-def vision_weights_from_hf(hf_sd: Mapping[str, torch.Tensor], cfg: VisionConfig
-                           ) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """HF vision state dict -> (tinyvila `vision.*` tensors with q/k/v fused, HF keys accounted for).
-
-    Accounted = mapped, or deliberately dropped: layers past the selected one, post_layernorm,
-    SigLIP's pooling `head`, position_ids buffers. Raises KeyError naming a missing HF tensor.
-    """
-    pre = _hf_prefix(hf_sd)
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        key = pre + name
-        try:  # one read per key: `in` on a lazy Mapping may read the tensor too
-            t = hf_sd[key]
-        except KeyError:
-            raise KeyError(f"HF vision tensor {key!r} is missing from the checkpoint") from None
-        used.add(key)
-        return t
-
-    out = {"vision.patch_embed.weight": take("embeddings.patch_embedding.weight"),
-           "vision.pos_embed": take("embeddings.position_embedding.weight")}
-    if cfg.patch_bias:
-        out["vision.patch_embed.bias"] = take("embeddings.patch_embedding.bias")
-    if cfg.cls_token:
-        out["vision.cls_token"] = take("embeddings.class_embedding")
-    if cfg.pre_norm:
-        for p in ("weight", "bias"):
-            out[f"vision.pre_norm.{p}"] = take(f"pre_layrnorm.{p}")
-    for i in range(cfg.n_run_layers):
-        src, dst = f"encoder.layers.{i}.", f"vision.layers.{i}."
-        for p in ("weight", "bias"):
-            # q, k, v stacked in that order along the output dim: one GEMM instead of three.
-            out[dst + f"attn.wqkv.{p}"] = torch.cat([take(src + f"self_attn.{n}_proj.{p}") for n in "qkv"])
-            for hf_name, name in (("layer_norm1", "norm1"), ("self_attn.out_proj", "attn.wo"),
-                                  ("layer_norm2", "norm2"), ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2")):
-                out[dst + f"{name}.{p}"] = take(src + f"{hf_name}.{p}")
-    dropped = re.compile(re.escape(pre) + r"(post_layernorm\.|head\.|embeddings\.position_ids$|encoder\.layers\.(\d+)\.)")
-    for key in hf_sd:
-        m = dropped.match(key)
-        if m and (m.group(2) is None or int(m.group(2)) >= cfg.n_run_layers):
-            used.add(key)
-    return out, used

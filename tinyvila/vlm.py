@@ -19,6 +19,7 @@ from torch import nn
 from . import sparsity as sparse
 from .config import SparsityConfig, VLMConfig
 from .cuda_graph import GraphCache, GraphOwner
+from .options import Options, set_options
 from .image import normalise_pixels
 from .projector import Projector
 from .quant import swap_linears
@@ -41,6 +42,20 @@ class VLM(GraphOwner, nn.Module):
         if cfg.quant.llm == "w4a16":  # packed W4 LLM linears, stored as such in the checkpoint
             swap_linears(self.text, cfg.quant)
         self._graphs: GraphCache | None = None  # encode graphs, made on first CUDA use (_encode_graphs)
+
+    def set_options(self, options: Options) -> VLM:
+        """Run with these runtime options from now on (every submodule that reads them; tinyvila/options.py).
+        The encoder's CUDA graphs follow `options.cuda_graph` on CUDA; captured graphs are dropped, since they
+        baked in the old forms."""
+        set_options(self, options)
+        self._drop_graphs()
+        if self.vision is not None:
+            self.vision.use_cuda_graphs(options.cuda_graph and self.device.type == "cuda")
+        return self
+
+    @property
+    def options(self) -> Options:
+        return self.text.options
 
     @property
     def device(self) -> torch.device:

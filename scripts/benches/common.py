@@ -116,20 +116,6 @@ def matmul_tflops(dtype=torch.float16) -> float:
     return _CEILINGS[key]
 
 
-def profiled_calls(calls: list, warmups: int = 1) -> None:
-    """Run each call `warmups` times (compiling, tuning), then each once more inside cudaProfilerStart/Stop: what
-    `ncu --profile-from-start off` profiles (the ncu scripts of scripts/ and scripts/diag/)."""
-    for _ in range(warmups):
-        for f in calls:
-            f()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for f in calls:
-        f()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
-
-
 def environment() -> dict:
     """GPU, versions and commit, for the JSON line."""
     import triton
@@ -140,6 +126,11 @@ def environment() -> dict:
         commit = ""
     return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "commit": commit or "unknown"}
+
+
+def ints(text: str) -> list[int]:
+    """'1,8,64' -> [1, 8, 64] (an argparse type for the benches' list flags)."""
+    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def print_table(rows: list[dict]) -> None:

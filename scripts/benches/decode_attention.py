@@ -1,9 +1,9 @@
 """SparseVILA decode kernels at Llama-3-8B attention shapes (32 query heads, 8 KV heads, D=128, fp16).
 
-    PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention [--quick]
-    DECODE_SWEEP=1|decode,retrieval,pack PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention
-    DECODE_SWEEP=prefetch PYTHONPATH=. python scripts/bench_kernels.py --only decode_attention
-    DECODE_SWEEP=decode DECODE_SWEEP_CASES=4096:3277,16384:13107 PYTHONPATH=. python scripts/bench_kernels.py ...
+    python -m scripts.bench_kernels --only decode_attention [--quick]
+    python -m scripts.bench_kernels --only decode_attention --decode-sweep decode,retrieval,pack
+    python -m scripts.bench_kernels --only decode_attention --decode-sweep prefetch
+    python -m scripts.bench_kernels --only decode_attention --decode-sweep decode --decode-sweep-cases 4096:3277,16384:13107
 
 Rows: decoding attention over a packed buffer of L rows (graph-replayed, GB/s against the measured
 copy bandwidth; the fused split merge and the older two-kernel merge side by side); keep 0.25 / 0.1
@@ -12,9 +12,9 @@ of a 32K and 128K cache against SDPA (enable_gqa) over the full cache, next to t
 two) and in a cache-long buffer; the retrieval-salience kernel (64-token question, 32K cache) against naive recomputation of
 the attention matrix, flash-colreduce (causal, GQA keys expanded) if installed, and the question's
 prefill attention (share, eager and graph); per question over 32 layers at 8K, keep 0.1: retrieval
-(per layer, as the prefill launches it) + the layer-batched selection and pack of KVCache.pack,
-against a 50-token turn's decode. DECODE_SWEEP runs the named tile sweeps instead (1: all three);
-DECODE_SWEEP=prefetch times the decode kernel with 0, 2 and 4 K/V tiles per split prefetched into L2 before
+(per layer, as the prefill launches it) + the layer-batched selection and pack of Retrieval.pack,
+against a 50-token turn's decode. --decode-sweep runs the named tile sweeps instead (all: all four);
+its prefetch sweep times the decode kernel with 0, 2 and 4 K/V tiles per split prefetched into L2 before
 the PDL wait (the launch parameter CONFIG_BY_LENGTH picks by buffer length) at 1K, 1K keys in a 4K buffer (the
 decode step's shape), 4K, 8K, 12K, 16K, 32K, 128K and keep 0.1 / 0.25 of a 32K cache.
 """
@@ -23,21 +23,21 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
-from benches import common
+from scripts.benches import common
 from tinyvila import ops
 from tinyvila.config import TextConfig
-from tinyvila.kv_cache import KVCache, packed_slots
+from tinyvila.kv_cache import KVCache
+from tinyvila.retrieval import Retrieval, packed_slots
 
 H, HKV, D, LAYERS = 32, 8, 128, 32
 DT = torch.float16
 # W4A16 Llama-3-8B decode step at 8K context at 4.3 TB/s (reference/perf.md sec. 2.1): what a
 # 50-token turn costs at best; retrieval + packing are compared against 50 of these, and against
-# 50 steps of graph decode at ~400 tok/s (the brief's estimate of the real turn).
+# 50 steps of graph decode at ~400 tok/s (an estimate of the real turn).
 STEP_MS_8K_FLOOR = 1.356
 STEP_MS_400TPS = 2.5
 
@@ -67,17 +67,17 @@ def decode_rows(lengths) -> list[dict]:
     return rows
 
 
-# The answer budget of an image turn in issue 7's conversations (50 new tokens): the room a packed buffer keeps.
+# The answer budget of an image turn in the end-to-end bench's conversations (50 new tokens): the room a packed
+# buffer keeps.
 TURN_ROOM = 50
 
 
 def sparse_vs_sdpa(caches, keeps, room=TURN_ROOM) -> list[dict]:
     """Both sides timed the same two ways: replayed from a CUDA graph (us, sdpa_us) and eager. Each keep runs
-    twice: in the buffer KVCache.pack allocates for it (kv_cache.packed_slots: the kept rows plus a turn's room,
+    twice: in the buffer Retrieval.pack allocates for it (retrieval.packed_slots: the kept rows plus a turn's room,
     rounded up to a power of two; its length picks the kernel's tile and split count), and with the kept rows at
     the head of a buffer as long as the whole cache. Each rotates through enough input sets that the bytes it
-    READS exceed L2 (until session 12 the keep rows rotated two cache-sized sets, so keep 0.1 of 32K, 13 MB a
-    call, was read from L2)."""
+    READS exceed L2 (two cache-sized sets are not enough: keep 0.1 of 32K reads 13 MB a call, which L2 holds)."""
     rows = []
     q = torch.randn(1, H, D, device="cuda", dtype=DT)
     for S in caches:
@@ -112,22 +112,21 @@ SWEEP = [  # (block_n, num_warps, num_stages, ctas_per_sm, fused merge)
 ]
 
 
-def _sweep_cases() -> list[tuple[int, int]]:
-    """(buffer slots, keys) of the decode sweep: DECODE_SWEEP_CASES "SLOTS:KEYS,..." (e.g. the packed buffers of
+def _sweep_cases(spec: str = "") -> list[tuple[int, int]]:
+    """(buffer slots, keys) of the decode sweep: --decode-sweep-cases "SLOTS:KEYS,..." (e.g. the packed buffers of
     keep 0.1 of 32K and 128K, "4096:3277,16384:13107"), else full buffers of 1K, 8K, 32K and 128K."""
-    spec = os.environ.get("DECODE_SWEEP_CASES", "")
     if not spec:
         return [(L, L) for L in (1024, 8192, 32768, 131072)]
     return [tuple(int(x) for x in c.split(":")) for c in spec.split(",") if c.strip()]
 
 
-def sweep_rows() -> list[dict]:
+def sweep_rows(cases: str = "") -> list[dict]:
     """Tile configurations and split counts of the decode kernel, graph-timed, at the _sweep_cases."""
     from csrc_triton.decode_attention import decode_attention, default_config, default_splits
 
     rows, bw = [], common.copy_bandwidth_gbs()
     q = torch.randn(1, H, D, device="cuda", dtype=DT)
-    for L, n in _sweep_cases():
+    for L, n in _sweep_cases(cases):
         kv = _kv(L, common.n_copies(4 * HKV * n * D))
         lens = torch.tensor([n], dtype=torch.int32, device="cuda")
         for pf in sorted({0, default_config(L)[4]}):
@@ -152,7 +151,7 @@ def sweep_rows() -> list[dict]:
 
 PREFETCH_SWEEP = (0, 2, 4)  # K/V tiles of each split asked into L2 before the PDL wait
 # (case, buffer slots L_max, keys attended): Llama-3-8B shapes, one query token. The keep cases attend the
-# packed rows in a 32K buffer (as S7 measured them); the runtime packs them into a buffer of the kept rows
+# packed rows in a 32K buffer; the runtime packs them into a buffer of the kept rows
 # plus the turn's room, whose length picks the prefetch (the kernel is otherwise the same: same tiles, splits).
 PREFETCH_CASES = [("1K", 1024, 1024), ("1K in 4K", 4096, 1024), ("4K", 4096, 4096), ("8K", 8192, 8192),
                   ("12K", 12288, 12288), ("16K", 16384, 16384), ("32K", 32768, 32768), ("128K", 131072, 131072),
@@ -303,9 +302,9 @@ def _timed(setup, fn, iters: int = 20) -> float:
 
 def question_cache(S: int, T: int, turn: int, device="cuda", dtype=DT):
     """A 32-layer Llama-3-8B-head cache of S slots (32 system, then S - 32 retrievable visual ones) with a T-token
-    question after them and room for a `turn`-token answer, random K/V; the question's q (1, H, T, D) and its
-    LSE (the prefill attention's). What a question's scoring and packing run on (overhead_rows,
-    scripts/diag/retrieval_host.py)."""
+    question after them and room for a `turn`-token answer, random K/V, and its Retrieval; the question's q
+    (1, H, T, D) and its LSE (the prefill attention's). What a question's scoring and packing run on
+    (overhead_rows)."""
     cfg = TextConfig(dim=H * D, n_layers=LAYERS, n_heads=H, n_kv_heads=HKV, max_seq_len=S + T + turn)
     cache = KVCache(cfg, dtype=dtype, device=device)
     cache.k_stack.normal_()
@@ -315,34 +314,34 @@ def question_cache(S: int, T: int, turn: int, device="cuda", dtype=DT):
     cache.add_span("question", S, S + T)
     q = torch.randn(1, H, T, D, device=device, dtype=dtype)
     lse = ops.attention_lse(q, cache.k[0][:, :, :S + T], cache.v[0][:, :, :S + T], S)[1]
-    return cache, q, lse
+    return cache, Retrieval(cache), q, lse
 
 
 def overhead_rows(S=8192, T=64, keep=0.1, turn=50) -> list[dict]:
     """Per question, 32 layers: retrieval (per layer, as the prefill launches it beside attention)
-    + KVCache.pack (one selection over the stacked scores, one pack launch for all K and V)."""
-    cache, q, lse = question_cache(S, T, turn)
+    + Retrieval.pack (one selection over the stacked scores, one pack launch for all K and V)."""
+    cache, ret, q, lse = question_cache(S, T, turn)
 
     def score():
-        cache.begin_scoring(S)
+        ret.begin_scoring(S)
         for layer in range(LAYERS):
-            cache._score(layer, S, q, cache.k[layer][:, :, :S + T], lse)
+            ret.scoring.add(layer, S, q, cache.k[layer][:, :, :S + T], lse)
 
     def pack():
-        cache.pack(keep, S + T)
-        cache.unpack()
+        ret.pack(keep, S + T)
+        ret.unpack()
 
     score_ms = _timed(lambda: None, score)
     pack_ms = _timed(score, pack)
     score()
-    rows_n = cache.pack(keep, S + T)  # one checked pack: every layer's K and V rows are the gathered slots
-    idx = cache.packed.idx.long()[..., None].expand(-1, -1, -1, -1, D)
+    rows_n = ret.pack(keep, S + T)  # one checked pack: every layer's K and V rows are the gathered slots
+    idx = ret.packed.idx.long()[..., None].expand(-1, -1, -1, -1, D)
     exact = all(torch.equal(p[..., :rows_n, :], torch.gather(f, 3, idx))
-                for p, f in ((cache.packed.k_stack, cache.k_stack), (cache.packed.v_stack, cache.v_stack)))
-    cache.unpack()
+                for p, f in ((ret.packed.k_stack, cache.k_stack), (ret.packed.v_stack, cache.v_stack)))
+    ret.unpack()
     score()
-    out = cache.scoring.scores
-    idx = cache.scoring.kernel_idx  # what _score passes: the span when the slots are one run
+    out = ret.scoring.scores
+    idx = ret.scoring.kernel_idx  # what Scoring.add passes: the span when the slots are one run
     retr_g = common.graph_ms(lambda: [ops.retrieval_salience(q, cache.k[i][:, :, :S + T], idx, lse, out=out[i])
                                for i in range(LAYERS)], [()], calls=1)
     rows, total = [], score_ms + pack_ms
@@ -372,21 +371,34 @@ def pack_sweep_rows(S=8192, T=64, keep=0.1) -> list[dict]:
     return rows
 
 
+SWEEPS = ("decode", "retrieval", "pack", "prefetch")
+
+
+def add_args(p) -> None:
+    p.add_argument("--decode-sweep", default="", metavar="NAMES",
+                   help=f"run these tile sweeps instead of the rows: comma-separated from {', '.join(SWEEPS)}, or all")
+    p.add_argument("--decode-sweep-cases", default="", metavar="SLOTS:KEYS,...",
+                   help="the decode sweep's (buffer slots, keys attended), e.g. 4096:3277,16384:13107 "
+                        "(default: full buffers of 1K, 8K, 32K, 128K)")
+
+
 def run(args) -> list[dict]:
-    quick = getattr(args, "quick", False)
-    sweep = set(os.environ.get("DECODE_SWEEP", "").split(",")) - {""}
+    sweep = set(args.decode_sweep.split(",")) - {""}
+    sweep = set(SWEEPS) if "all" in sweep else sweep
+    if sweep - set(SWEEPS):
+        raise ValueError(f"--decode-sweep: unknown {sorted(sweep - set(SWEEPS))}; choose from {SWEEPS} or all")
     if sweep:  # the tile sweeps only (each row is printed as it is measured)
         rows = []
-        if sweep & {"1", "decode"}:
-            rows += sweep_rows()
-        if sweep & {"1", "retrieval"}:
+        if "decode" in sweep:
+            rows += sweep_rows(args.decode_sweep_cases)
+        if "retrieval" in sweep:
             rows += retrieval_sweep_rows()
-        if sweep & {"1", "pack"}:
+        if "pack" in sweep:
             rows += pack_sweep_rows()
         if "prefetch" in sweep:
             rows += _shown(prefetch_rows())
         return rows
-    return run_rows(quick)
+    return run_rows(args.quick)
 
 
 def _shown(rows: list[dict]) -> list[dict]:

@@ -1,7 +1,8 @@
 """Fused decoder ops against the unfused PyTorch sequences they replace, at Llama-3-8B shapes, fp16.
 
-    PYTHONPATH=. python scripts/bench_kernels.py --only decoder_ops [--quick]
-    DECODER_OPS_SWEEP=1 ... also times the launch variants (warps, heads per program, column block)
+    python -m scripts.bench_kernels --only decoder_ops [--quick] [--decoder-ops-sweep]
+
+--decoder-ops-sweep also times the launch variants (warps, heads per program, column block).
 
 Ops (dim 4096, 32 heads, 8 KV heads, head dim 128, ffn 14336) at M = 1 (decode; KV cache of 1024
 slots, writing slot 1000) and M = 300 (prefill; slots 0..299): add_rms_norm (residual add + RMSNorm)
@@ -18,14 +19,12 @@ order). The "per step" row adds a decode step's 32 layers x (2 norms + rope + si
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from benches import common
 from csrc_triton.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from csrc_triton.rope_qkv import rope_qkv, rope_qkv_ref
 from csrc_triton.silu_mul import silu_mul, silu_mul_ref
+from scripts.benches import common
 
 DIM, H, HKV, D, FFN, LAYERS = 4096, 32, 8, 128, 14336, 32
 
@@ -140,11 +139,15 @@ def sweep_rows(M: int) -> list[dict]:
     return rows
 
 
+def add_args(p) -> None:
+    p.add_argument("--decoder-ops-sweep", action="store_true",
+                   help="also time each op's launch variants (printed as a table of their own)")
+
+
 def run(args) -> list[dict]:
-    quick = getattr(args, "quick", False)
-    iters = 20 if quick else 50
+    iters = 20 if args.quick else 50
     rows = [op_row(name, M, iters) for M in (1, 300) for name in CASES]
     rows.append(step_row(rows))
-    if os.environ.get("DECODER_OPS_SWEEP"):
+    if args.decoder_ops_sweep:
         common.emit("decoder_ops sweep", [r for M in (1, 300) for r in sweep_rows(M)])
     return rows

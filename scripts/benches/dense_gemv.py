@@ -1,6 +1,6 @@
 """Dense fp16 GEMV (the decode lm_head) against cuBLAS (F.linear) at the Llama-3-8B vocabulary shape.
 
-    PYTHONPATH=. python scripts/bench_kernels.py --only dense_gemv [--quick]
+    python -m scripts.bench_kernels --only dense_gemv [--quick]
 
 Rows (M = 1 and 4, N = 128256, K = 4096, fp16): per-call device time replayed from a CUDA graph of 16
 back-to-back calls (the decode step's situation; weights rotated past L2), GB/s counting W + x + y, the
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benches import common
 from csrc_triton.dense_gemv import CONFIG, dense_gemv
+from scripts.benches import common
 
 N, K = 128256, 4096
 SWEEP = [(64, 256, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3), (32, 512, 4, 3),
@@ -23,7 +23,7 @@ SWEEP = [(64, 256, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3), (
 
 
 def run(args) -> list[dict]:
-    quick = getattr(args, "quick", False)
+    quick = args.quick
     bw = common.copy_bandwidth_gbs()
     ws = [torch.randn(N, K, device="cuda", dtype=torch.float16) * K ** -0.5
           for _ in range(common.n_copies(2 * N * K))]

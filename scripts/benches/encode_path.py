@@ -1,13 +1,12 @@
-"""One image through the chat's encode path, part by part (issue 7: why W8A8 encode costs 13.8 ms in
-scripts/bench.py's chat but ~2.5 ms in the kernel bench; SparseVILA's prune from a CUDA graph).
+"""One image through the chat's encode path, part by part: where the chat's encode time goes beside the
+encoder's own kernel time (the two once differed 5x), and SparseVILA's prune from a CUDA graph.
 
-    PYTHONPATH=. python scripts/bench_kernels.py --only encode_path
-    TINYVILA_ENCODE_PIPELINES=fp16,quant,sparse   which models (bench.py's pipelines; sparse = quant
-                                                   with prefill_keep TINYVILA_ENCODE_KEEP, default 0.5)
-    TINYVILA_ENCODE_PRESET=vila-8b                 preset (synthetic weights, built as bench.py builds them)
-    TINYVILA_ENCODE_ASK=8                          tokens each measured round also answers (0: none), so
-                                                   add_image runs in a live chat as in bench.py
-    TINYVILA_ENCODE_ITERS=10, TINYVILA_ENCODE_PROFILE=quant   profiler table of one add_image ("" = off)
+    python -m scripts.bench_kernels --only encode_path [--encode-pipelines fp16,quant,sparse]
+        [--encode-keep 0.5] [--encode-preset vila-8b] [--encode-ask 8] [--encode-iters 10] [--encode-profile quant]
+
+Pipelines are bench.py's (sparse = quant with prefill_keep --encode-keep); synthetic weights, built as
+bench.py builds them; each measured round also answers --encode-ask tokens (0: none), so add_image runs in
+a live chat as in bench.py; --encode-profile prints a profiler table of one add_image per named pipeline.
 
 Rows per pipeline and part: `wall_ms` (host clock around the call, synchronised before and after, as
 Chat.stats times add_image), `event_ms` (CUDA events around the call as the host issues it: includes
@@ -15,38 +14,27 @@ host launch gaps), `gpu_ms` (events with the GPU held busy by a spin queued firs
 everything ahead: device time only) and `host_sync` (the host waited for the GPU inside the call: a
 sync, e.g. a pageable copy or .item()). Parts: preprocess (CPU), h2d (pixels to the GPU in the model
 dtype), vision eager/graph (VisionEncoder, own graph), projector (eager), encode graph (VLM graph:
-encoder + projector, or SparseVILA's whole prune), prune eager, R8 path (vision graph + eager
-projector, what R8 ran), encode_images, add_image (Chat, the number bench.py reports). Also: graph
-captures during the measured rounds (must be 0), finiteness of the features. Runs on CPU too (smoke
-test, wall clock only).
+encoder + projector, or SparseVILA's whole prune), prune eager, vision graph + eager projector,
+encode_images, add_image (Chat, the number bench.py reports). Also: graph captures during the measured
+rounds (must be 0), finiteness of the features. Runs on CPU too (smoke test, wall clock only).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for `benches`
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for `tinyvila`
+import tinyvila
+from tinyvila import sparsity as sparse
+from tinyvila.api import from_config
+from tinyvila.config import QuantConfig, SparsityConfig, preset
+from tinyvila.image import preprocess
 
-from benches import common  # noqa: E402
-
-import tinyvila  # noqa: E402
-from tinyvila import sparsity as sparse  # noqa: E402
-from tinyvila.api import from_config  # noqa: E402
-from tinyvila.config import QuantConfig, SparsityConfig, preset  # noqa: E402
-from tinyvila.image import preprocess  # noqa: E402
-
+CPU_OK = True  # bench_kernels runs this one without a GPU too (wall clock only)
 SPIN_CYCLES_PER_MS = 2_000_000  # ~ the H200's clock; the spin only has to outlast the host's issuing
-
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TINYVILA_ENCODE_{name}", default)
 
 
 def pipeline_config(name: str, base, keep: float):
@@ -100,8 +88,8 @@ def measure(fn, iters: int, cuda: bool) -> dict:
 
 
 def build(name: str, args) -> tuple:
-    cfg = pipeline_config(name, preset(args["preset"]), args["keep"])
-    vlm = from_config(cfg, device=args["device"])  # encoder graphs on, as bench.py and tinyvila.load
+    cfg = pipeline_config(name, preset(args.encode_preset), args.encode_keep)
+    vlm = from_config(cfg, device=args.device)  # encoder graphs on, as bench.py and tinyvila.load
     vlm.stop_ids = frozenset()
     chat = vlm.chat(sparsity=cfg.sparsity, max_seq_len=min(4096, cfg.text.max_seq_len))
     return vlm, chat, cfg
@@ -133,7 +121,7 @@ def _captures(model) -> int:
 
 
 def parts(name: str, vlm, chat, cfg, image, args) -> list[dict]:
-    model, cuda, iters = vlm.model, args["device"] == "cuda", args["iters"]
+    model, cuda, iters = vlm.model, args.device == "cuda", args.encode_iters
     sp = cfg.sparsity
     dense = sp.prefill_keep >= 1.0
     pixels_cpu = preprocess([image], cfg.vision)
@@ -151,7 +139,7 @@ def parts(name: str, vlm, chat, cfg, image, args) -> list[dict]:
         row("vision graph", lambda: model.vision(px))
     feats = model.vision._forward(px)
     row("projector eager", lambda: model.projector(feats))
-    row("R8 path: vision graph + projector eager" if cuda else "vision + projector eager",
+    row("vision graph + projector eager" if cuda else "vision + projector eager",
         lambda: model.projector(model.vision(px)))
     if not dense:
         k = sparse.keep_count(model.projector.n_out, sp.prefill_keep)
@@ -172,7 +160,8 @@ def parts(name: str, vlm, chat, cfg, image, args) -> list[dict]:
 
 def profile(vlm, chat, image) -> None:
     """Profiler table of one add_image in the live chat (top host and device entries)."""
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
 
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         chat_round(chat, image, 0)
@@ -185,13 +174,13 @@ def run_pipeline(name: str, args) -> list[dict]:
     image = torch.randint(0, 256, (cfg.vision.image_size,) * 2 + (3,), dtype=torch.uint8,
                           generator=torch.Generator().manual_seed(0)).numpy()
     for _ in range(2):  # warm-up: every shape, compilation and graph capture of the measured rounds
-        chat_round(chat, image, args["ask"])
+        chat_round(chat, image, args.encode_ask)
     model = vlm.model
     caps = _captures(model)
-    chat_ms = [chat_round(chat, image, args["ask"]) for _ in range(args["iters"])]
-    rows = [{**_note(name, f"Chat.add_image (stats, ask {args['ask']})", None), "wall_ms": _median(chat_ms)},
+    chat_ms = [chat_round(chat, image, args.encode_ask) for _ in range(args.encode_iters)]
+    rows = [{**_note(name, f"Chat.add_image (stats, ask {args.encode_ask})", None), "wall_ms": _median(chat_ms)},
             _note(name, "graph captures in measured rounds", _captures(model) - caps)]
-    if args["device"] == "cuda" and name in args["profile"]:
+    if args.device == "cuda" and name in args.encode_profile.split(","):
         profile(vlm, chat, image)
     rows += parts(name, vlm, chat, cfg, image, args)
     for r in rows:
@@ -199,18 +188,20 @@ def run_pipeline(name: str, args) -> list[dict]:
     return rows
 
 
-def run(args=None) -> list[dict]:
-    cuda = torch.cuda.is_available()
-    opts = {"preset": _env("PRESET", "vila-8b"), "keep": float(_env("KEEP", "0.5")),
-            "ask": int(_env("ASK", "8")), "iters": int(_env("ITERS", "10")),
-            "profile": _env("PROFILE", "quant").split(","), "device": "cuda" if cuda else "cpu"}
+def add_args(p) -> None:
+    p.add_argument("--encode-pipelines", default="fp16,quant,sparse", help="comma-separated, from fp16,quant,sparse")
+    p.add_argument("--encode-preset", default="vila-8b")
+    p.add_argument("--encode-keep", type=float, default=0.5, help="the sparse pipeline's prefill_keep")
+    p.add_argument("--encode-ask", type=int, default=8, help="tokens each measured round also answers (0: none)")
+    p.add_argument("--encode-iters", type=int, default=10)
+    p.add_argument("--encode-profile", default="quant", help="pipelines that print a profiler table ('' = none)")
+
+
+def run(args) -> list[dict]:
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    for name in _env("PIPELINES", "fp16,quant,sparse").split(","):
-        rows += run_pipeline(name, opts)
-        if cuda:
+    for name in args.encode_pipelines.split(","):
+        rows += run_pipeline(name, args)
+        if args.device == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-if __name__ == "__main__":
-    common.emit("encode_path", run())

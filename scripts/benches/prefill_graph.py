@@ -1,12 +1,12 @@
-"""First-turn prefill of the LLM: eager against CUDA-graph replay (tinyvila/generate.py, issue 7 TTFT).
+"""First-turn prefill of the LLM: eager against CUDA-graph replay (tinyvila/generate.py; the chat's TTFT).
 
-    PYTHONPATH=. python scripts/benches/prefill_graph.py
-    PYTHONPATH=. python scripts/bench_kernels.py --only prefill_graph [--quick]
-    PREFILL_GRAPH_T=200,447,1000 PREFILL_GRAPH_PRESET=vila-8b PREFILL_GRAPH_QUANT=w4a16 ... (the defaults: 447)
+    python -m scripts.bench_kernels --only prefill_graph [--quick]
+    python -m scripts.bench_kernels --only prefill_graph --prefill-graph-t 200,447,1000 \
+        --prefill-graph-preset vila-8b --prefill-graph-quant w4a16      (the defaults: 447, vila-8b, w4a16)
 
 One prefill of T tokens into an empty cache (a chat's first turn: system + one image + a short question
 is 447 tokens for vila-8b), synthetic weights at the preset's shapes (tinyvila.api.from_config, as
-scripts/bench.py), fp16. Per T: `eager` (cuda_graph=False: the chunked eager prefill at T rows),
+scripts/bench.py), fp16. Per T: `eager` (Options cuda_graph off: the chunked eager prefill at T rows),
 `eager_pad` (the same forward eagerly at the padded bucket: the padding's GPU cost) and `graph` (the
 replay at the bucket). Each is timed over `iters` prefills (after warm-up) both with CUDA events around
 the call and by wall clock with a synchronize before and after (what a user waits); medians. `capture_ms`
@@ -17,27 +17,28 @@ is the first graph prefill (eager warm-up + capture + replay), `pool_mb` the mem
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import time
-from pathlib import Path
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benches`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tinyvila`
+import torch
 
-import torch  # noqa: E402
-
-from benches import common  # noqa: E402
-from tinyvila.api import from_config  # noqa: E402
-from tinyvila.config import QuantConfig, preset  # noqa: E402
-from tinyvila.generate import Decoder, prefill_bucket  # noqa: E402
+from scripts.benches import common
+from tinyvila.api import from_config
+from tinyvila.config import QuantConfig, preset
+from tinyvila.generate import Decoder, prefill_bucket
+from tinyvila.options import Options
 
 
-def text_model(name: str, quant: str):
+def text_vlm(name: str, quant: str):
+    """A text-only VLM of the preset's LLM (synthetic weights)."""
     cfg = dataclasses.replace(preset(name), vision=None, projector=None,
                               quant=QuantConfig(llm=quant, vision="none", group_size=128))
-    return from_config(cfg, device="cuda").model.text
+    return from_config(cfg, device="cuda").model
+
+
+def decoder(vlm, opts: Options) -> Decoder:
+    """A Decoder of vlm's LLM built under `opts` (the Decoder takes its CUDA-graph switch from the model's options)."""
+    vlm.set_options(opts)
+    return Decoder(vlm.text, max_seq_len=4096)
 
 
 def time_prefill(dec: Decoder, h: torch.Tensor, iters: int) -> tuple[float, float, torch.Tensor]:
@@ -57,15 +58,19 @@ def time_prefill(dec: Decoder, h: torch.Tensor, iters: int) -> tuple[float, floa
     return sorted(events)[iters // 2], sorted(walls)[iters // 2], logits
 
 
-def measure(text, T: int, iters: int) -> dict:
+def measure(vlm, opts: Options, T: int, iters: int) -> dict:
+    """Eager, padded eager and graph prefills of T tokens; each Decoder is built and timed under its own
+    options (set on the model again before it runs, whether a Decoder reads them once or per call)."""
+    text, eager_opts, graph_opts = vlm.text, opts.with_(cuda_graph=False), opts.with_(cuda_graph=True)
     with torch.inference_mode():
         h = text.embed(torch.randint(0, min(1000, text.cfg.vocab_size), (1, T), device="cuda"))  # (1, T, d)
-    eager = Decoder(text, max_seq_len=4096, cuda_graph=False)
-    padded = Decoder(text, max_seq_len=4096, cuda_graph=False)
+    eager, padded = decoder(vlm, eager_opts), decoder(vlm, eager_opts)
     padded.pad_prefill = True
-    graph = Decoder(text, max_seq_len=4096, cuda_graph=True)
+    graph = decoder(vlm, graph_opts)
+    vlm.set_options(eager_opts)
     for dec in (eager, padded):  # warm-up: compiles and grows workspaces before anything is timed
         time_prefill(dec, h, 2)
+    vlm.set_options(graph_opts)
     torch.cuda.synchronize()
     reserved = torch.cuda.memory_reserved()
     t0 = time.perf_counter()
@@ -75,9 +80,12 @@ def measure(text, T: int, iters: int) -> dict:
     pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20
     row = {"T": T, "bucket": prefill_bucket(T)}
     out = {}
-    for name, dec in (("eager", eager), ("eager_pad", padded), ("graph", graph)):
+    for name, dec, dec_opts in (("eager", eager, eager_opts), ("eager_pad", padded, eager_opts),
+                                ("graph", graph, graph_opts)):
+        vlm.set_options(dec_opts)
         ev, wall, out[name] = time_prefill(dec, h, iters)
         row[f"{name}_ms"], row[f"{name}_wall_ms"] = ev, wall
+    vlm.set_options(opts)
     assert graph._prefill_graphs, "the graph path did not run"
     row.update(capture_ms=capture_ms, pool_mb=pool_mb, speedup_wall=row["eager_wall_ms"] / row["graph_wall_ms"],
                max_dlogit=(out["graph"] - out["eager"]).abs().max().item(),
@@ -85,18 +93,19 @@ def measure(text, T: int, iters: int) -> dict:
     return row
 
 
+def add_args(p) -> None:
+    p.add_argument("--prefill-graph-t", type=common.ints, default=[447], metavar="T,...",
+                   help="prompt lengths (default 447: system + one image + a short question for vila-8b)")
+    p.add_argument("--prefill-graph-preset", default="vila-8b")
+    p.add_argument("--prefill-graph-quant", default="w4a16", choices=["w4a16", "none"])
+
+
 def run(args) -> list[dict]:
-    name = os.environ.get("PREFILL_GRAPH_PRESET", "vila-8b")
-    quant = os.environ.get("PREFILL_GRAPH_QUANT", "w4a16")
-    lengths = [int(t) for t in os.environ.get("PREFILL_GRAPH_T", "447").split(",")]
-    iters = 5 if getattr(args, "quick", False) else 20
-    text = text_model(name, quant)
+    name, quant = args.prefill_graph_preset, args.prefill_graph_quant
+    iters = 5 if args.quick else 20
+    vlm, opts = text_vlm(name, quant), Options.from_env()
     rows = []
-    for T in lengths:
-        rows.append({"preset": name, "quant": quant, **measure(text, T, iters)})
+    for T in args.prefill_graph_t:
+        rows.append({"preset": name, "quant": quant, **measure(vlm, opts, T, iters)})
         print(rows[-1], flush=True)
     return rows
-
-
-if __name__ == "__main__":
-    common.emit("prefill_graph", run(None))

@@ -1,27 +1,21 @@
 """Prefill salience (SparseVILA column-reduce) against naive PyTorch and the public flash-colreduce, fp16.
 
-    PYTHONPATH=. python scripts/bench_kernels.py --only prefill_salience [--quick]   (needs `flash-colreduce`)
+    python -m scripts.bench_kernels --only prefill_salience [--quick]   (needs `flash-colreduce`)
+    # the comparison with flash-colreduce alone (~2 min):
+    python -m scripts.bench_kernels --only prefill_salience --salience-shapes siglip1,siglip8,siglip64,4k,16k \
+        --salience-sweep-shapes "" --salience-no-encoder
 
-Environment (all optional): SALIENCE_SHAPES, a comma list of siglip1,siglip8,siglip64,4k,16k,64k
-(default all); SALIENCE_SWEEP_SHAPES, the shapes that also get the tile sweep (default all; "" none);
-SALIENCE_SWEEP, configs "R,S,W,P;R,S,W,P;..." to sweep instead of SWEEP; SALIENCE_ENCODER=0 skips the
-W8A8 encoder rows; SALIENCE_MAXNREG=0 lifts the default tiles' register caps (MAXNREG). The sweep prints a
-row per config (standalone = both passes, fused = the column pass alone; their difference is pass 1). The
-issue-5 comparison in one command (~2 min):
-    SALIENCE_SHAPES=siglip1,siglip8,siglip64,4k,16k SALIENCE_SWEEP_SHAPES= SALIENCE_ENCODER=0 \
-    PYTHONPATH=. python scripts/bench_kernels.py --only prefill_salience
+Flags: --salience-shapes, a comma list of siglip1,siglip8,siglip64,4k,16k,64k (default all); --salience-sweep-shapes,
+the shapes that also get the tile sweep (default all; "" none); --salience-sweep "R,S,W,P;..." to sweep those
+configs instead of SWEEP; --salience-no-encoder skips the W8A8 encoder rows. The sweep prints a row per config
+(standalone = both passes, fused = the column pass alone; their difference is pass 1).
 Three times per method: ms (eager: events around each call, so host launch time is inside; at 1
 frame that is most of it), dev_ms (device: a GPU spin of 2x the eager time, 0.2-2 ms, queued before
 each call hides the host) and graph_ms (per call replayed from a CUDA graph, eager < 1 ms only); x_*
-ratios of each. At 1-8 frames two more rows time our standalone call with the launcher's older host
-work: every launch through Triton's dispatch, and the plan rebuilt per call as well (the S5 launcher).
-Offline (no GPU): `PYTHONPATH=.:scripts python scripts/benches/prefill_salience.py --offline [D]` compiles
-both passes for sm_90a at DEFAULT_TILES and prints, per score in the main loop, SASS / MUFU / FMA-pipe /
-ALU instructions, registers, spills, and the issue/pipe bound.
-`... prefill_salience.py --host` times the launcher's host side per call on the CPU (Triton's dispatch
-included, the C launch stubbed) for the three launcher forms.
+ratios of each. At 1-8 frames one more row times our standalone call with every launch through Triton's
+dispatch (direct launch off): the direct launch's share of the eager time.
 
-Shapes of issue 5: SigLIP (H=16, N=729, D=72) at 1/8/64 frames, long sequences (H=16, D=80) at
+Shapes: SigLIP (H=16, N=729, D=72) at 1/8/64 frames, long sequences (H=16, D=80) at
 N=4K/16K/64K (--quick: up to 4K, no sweep). Rows: naive (softmax(QK^T) materialised, then the mean;
 and flash_colreduce's naive_colreduce), flash-colreduce, ours standalone (LSE pass + column pass),
 ours fused (the salience layer's flash attention already gave the LSE: column pass only, the
@@ -32,19 +26,10 @@ Last rows: salience's share of the W8A8 SigLIP-so400m encoder at 64 frames (synt
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-import tempfile
-from collections import Counter
-
 import torch
 
-from benches import common
-import csrc_triton.launch as launch_module
-import csrc_triton.prefill_salience as kernel_module
 from csrc_triton.prefill_salience import prefill_salience
+from scripts.benches import common
 from tinyvila import ops
 
 SHAPES = {"siglip1": (1, 16, 729, 72), "siglip8": (8, 16, 729, 72), "siglip64": (64, 16, 729, 72),
@@ -103,17 +88,7 @@ def _time(fn, inputs, iters):
 
 def _triton_dispatch(q, k, lse):
     """Ours standalone with every launch through Triton's dispatch (plans kept, no direct launch)."""
-    launch_module.DIRECT_LAUNCH = False
-    try:
-        return prefill_salience(q, k)
-    finally:
-        launch_module.DIRECT_LAUNCH = True
-
-
-def _plan_per_call(q, k, lse):
-    """Ours standalone doing the S5 launcher's host work: plan built and Triton's dispatch every call."""
-    kernel_module._PLANS.clear()
-    return prefill_salience(q, k)
+    return prefill_salience(q, k, direct=False)
 
 
 def _methods(fc, launch_rows: bool):
@@ -123,9 +98,8 @@ def _methods(fc, launch_rows: bool):
                 ("flash-colreduce", lambda q, k, lse: fc.flash_colreduce(q, k, "mean").float().mean(1))]
     out += [("ours standalone", lambda q, k, lse: prefill_salience(q, k)),
             ("ours fused (lse given)", lambda q, k, lse: prefill_salience(q, k, lse=lse))]
-    if launch_rows:  # the same kernels, more host work per call: the launcher's share of the eager time
-        out += [("ours standalone, Triton dispatch", _triton_dispatch),
-                ("ours standalone, plan per call (S5 launcher)", _plan_per_call)]
+    if launch_rows:  # the same kernels, more host work per call: the direct launch's share of the eager time
+        out += [("ours standalone, Triton dispatch", _triton_dispatch)]
     return out
 
 
@@ -141,28 +115,26 @@ def _inputs(B, H, N, D, quick):
     return sets
 
 
-def _env_list(name: str, default: list[str]) -> list[str]:
-    value = os.environ.get(name)
-    return default if value is None else [v.strip() for v in value.split(",") if v.strip()]
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def _sweep_configs() -> list[tuple[int, int, int, int]]:
-    """Tile configs: SALIENCE_SWEEP or SWEEP."""
-    spec = os.environ.get("SALIENCE_SWEEP")
+def _sweep_configs(spec: str | None) -> list[tuple[int, int, int, int]]:
+    """Tile configs: --salience-sweep "R,S,W,P;..." or SWEEP."""
     return [tuple(int(x) for x in c.split(",")) for c in spec.split(";") if c.strip()] if spec else SWEEP
 
 
-def _sweep(inputs, iters) -> dict:
+def _sweep(inputs, iters, configs) -> dict:
     """_time of every tile config, standalone and fused, keyed by a printable name."""
     out = {}
     for fused in (False, True):
-        for tiles in _sweep_configs():
+        for tiles in configs:
             fn = lambda q, k, lse, t=tiles, u=fused: prefill_salience(q, k, lse=lse if u else None, tiles=t)  # noqa: E731
             out[f"sweep {'fused' if fused else 'standalone'} {','.join(map(str, tiles))}"] = _time(fn, inputs, iters)
     return out
 
 
-def _shape_rows(B, H, N, D, fc, quick, sweep) -> list[dict]:
+def _shape_rows(B, H, N, D, fc, quick, sweep: list | None) -> list[dict]:
     shape = f"B{B} H{H} N{N} D{D}"
     flops1 = 2 * B * H * N * N * D  # one QK^T pass
     inputs = _inputs(B, H, N, D, quick)
@@ -178,7 +150,7 @@ def _shape_rows(B, H, N, D, fc, quick, sweep) -> list[dict]:
         err = (fn(*inputs[0]).double() - ref).abs().max().item() if times[0] is not None and small else None
         results[name] = (*times, err)
     results["flash attention + LSE"] = (*_time(lambda q, k, lse: ops.attention_with_lse(q, k, k), inputs, iters), None)
-    for key, times in (_sweep(inputs, iters) if sweep and not quick else {}).items():
+    for key, times in (_sweep(inputs, iters, sweep) if sweep and not quick else {}).items():
         results[key] = (*times, None)
     rows = []
     for name, (ms, dev, graph, mib, err) in results.items():
@@ -249,156 +221,39 @@ def _encoder_rows(quick) -> list[dict]:
                  pct_encoder=100 * (both_ms - enc_ms) / enc_ms)]
 
 
+def add_args(p) -> None:
+    p.add_argument("--salience-shapes", type=_names, metavar="NAMES",
+                   help=f"comma-separated, from {','.join(SHAPES)} (default: all; --quick: {','.join(QUICK)})")
+    p.add_argument("--salience-sweep-shapes", type=_names, metavar="NAMES",
+                   help="the shapes that also get the tile sweep (default: all; '' none)")
+    p.add_argument("--salience-sweep", metavar="R,S,W,P;...", help="the tile configs to sweep instead of SWEEP")
+    p.add_argument("--salience-no-encoder", action="store_true", help="skip the W8A8 encoder rows")
+
+
 def run(args) -> list[dict]:
     try:
         import flash_colreduce as fc
     except ImportError:
         fc = None
         print("flash-colreduce not installed: its rows are missing (pip install flash-colreduce)")
-    quick = getattr(args, "quick", False)
-    if os.environ.get("SALIENCE_MAXNREG") == "0":
-        kernel_module.MAXNREG = None
+    quick = args.quick
     print("ms: eager (events around each call, host launch time inside); dev_ms: device time (a GPU spin "
           "queued first hides the host); graph_ms: per call in a CUDA graph (eager < 1 ms only); x_*: times "
           "faster than naive torch / naive_colreduce (nc) / flash-colreduce (fc), eager or _dev")
-    names = _env_list("SALIENCE_SHAPES", QUICK if quick else list(SHAPES))
-    swept = set(_env_list("SALIENCE_SWEEP_SHAPES", list(SHAPES)))
+    names = args.salience_shapes if args.salience_shapes is not None else QUICK if quick else list(SHAPES)
+    swept = set(args.salience_sweep_shapes if args.salience_sweep_shapes is not None else SHAPES)
+    configs = _sweep_configs(args.salience_sweep)
     rows = []
     for name in names:
-        rows += _shape_rows(*SHAPES[name], fc, quick, name in swept)
+        rows += _shape_rows(*SHAPES[name], fc, quick, configs if name in swept else None)
         torch.cuda.empty_cache()
     mm = common.matmul_tflops(torch.float16)
     for r in rows:
         r["pct_mm"] = 100 * r["tflops"] / mm if r.get("tflops") else None
         r["pct_encoder"] = None
     try:
-        for r in (_encoder_rows(quick) if os.environ.get("SALIENCE_ENCODER", "1") != "0" else []):
+        for r in ([] if args.salience_no_encoder else _encoder_rows(quick)):
             rows.append({**r, "pct_mm": None, "pct_encoder": r.get("pct_encoder")})
     except Exception as e:  # noqa: BLE001 - the kernel rows above still count
         print(f"encoder rows failed: {type(e).__name__}: {e}")
     return rows
-
-
-FMA_PIPE = ("FFMA", "FADD", "FMUL", "IMAD")
-ALU_PIPE = ("FMNMX", "FSEL", "FSETP", "LOP3", "IADD3", "SHF", "LEA", "ISETP", "SEL", "PRMT", "IMNMX")
-
-
-def _compile_sm90(which: int, D: int, extra: dict, maxnreg: int | None):
-    """One pass compiled for sm_90a with the 16K launch's specialisations (16-divisible ints, ALIGN 8)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    km = kernel_module
-    fn = km._row_lse_kernel if which == 1 else km._prefill_salience_kernel
-    n_ptr, n_int = (3, 9) if which == 1 else (4, 11)
-    n_fp = 1 if which == 1 else 2
-    names = fn.arg_names
-    sig = dict(zip(names, ["*fp16", "*fp16"] + ["*fp32"] * (n_ptr - 2) + ["i32"] * n_int + ["fp32"] * n_fp))
-    stride_m = names.index("sqm"), names.index("skn")  # D / 8: not a multiple of 16
-    div = [i for i in range(n_ptr + n_int) if i not in stride_m]
-    d0, d1 = km._split_head_dim(D)
-    R, S, W, P = km.DEFAULT_TILES
-    consts = dict(D=D, D0=d0, D1=d1, PRECISION="tf32", UPCAST=False, ALIGN=8, BLOCK_R=R, BLOCK_S=S)
-    if which == 2:
-        consts["NEG_LSE2"] = True  # pass 1's LSE, as a standalone call hands it over
-    consts.update(extra)
-    sig.update({n: "constexpr" for n in names if n not in sig})
-    src = ASTSource(fn, sig, consts, {(i,): [["tt.divisibility", 16]] for i in div})
-    opts = dict(num_warps=W, num_stages=P, **({"maxnreg": maxnreg} if maxnreg else {}))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-
-
-def _sass_stats(kernel) -> dict:
-    """Registers, spills and per-score instruction mix of the main loop (one thread: 64 scores): the first
-    loop of the kernel (pass 1's unshifted sum; its running-max rerun comes after)."""
-    import triton
-
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
-        res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True)
-    ins, labels, loops = [], {}, []
-    for line in sass.splitlines():
-        if m := re.match(r"\s*\.(L_x_\d+):", line):
-            labels[m.group(1)] = len(ins)
-        elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line):
-            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()))
-    for i, text in enumerate(ins):
-        if text.startswith("BRA") and (m := re.search(r"(L_x_\d+)", text)) and labels.get(m.group(1), i + 1) <= i:
-            loops.append(ins[labels[m.group(1)]:i + 1])
-    ops = Counter(t.split()[0].split(".")[0] for t in next(lp for lp in loops if len(lp) > 64))
-    per = 128 * 64 / 128  # scores per thread per tile at DEFAULT_TILES
-    out = dict(regs=int(re.search(r"REG:(\d+)", res.stdout).group(1)),
-               spills=sum(t.startswith(("STL", "LDL")) for t in ins), sass=sum(ops.values()) / per,
-               mufu=ops["MUFU"] / per, fma=sum(ops[k] for k in FMA_PIPE) / per, alu=sum(ops[k] for k in ALU_PIPE) / per)
-    # cycles of one SM sub-partition per warp-wide score: MUFU 4 lanes/clk, ALU 16, FMA 32, issue 1 instr/clk
-    out["bound"] = max(8 * out["mufu"], out["sass"], out["fma"], 2 * out["alu"])
-    return out
-
-
-def offline(D: int = 80) -> None:
-    """The offline table: both passes of the default kernels at DEFAULT_TILES with their register caps."""
-    print(f"sm_90a, D={D}, tiles {kernel_module.DEFAULT_TILES}; per score: SASS, MUFU, FMA-pipe, ALU in the main loop")
-    print("pass | regs | spills | SASS | MUFU | FMA | ALU | bound (clk per warp-score)")
-    caps = kernel_module.MAXNREG or (None, None)
-    for which in (1, 2):
-        st = _sass_stats(_compile_sm90(which, D, {}, caps[which - 1]))
-        print(f"{which} | {st['regs']} | {st['spills']} | {st['sass']:.2f} | {st['mufu']:.3f} | {st['fma']:.2f} | "
-              f"{st['alu']:.2f} | {st['bound']:.2f}")
-
-
-def host(calls: int = 10000) -> None:
-    """Host microseconds per prefill_salience call at 1 SigLIP frame, Triton's dispatch included and
-    the C launch (cuLaunchKernelEx) stubbed, CPU tensors; its torch.empty / part.sum are CPU ops here."""
-    import time
-
-    from triton.runtime import driver
-    from triton_stub import HostOnlyDriver, stub_compile  # scripts/triton_stub.py (scripts/ is on the path)
-
-    km = kernel_module
-    assert not km._INTERPRET, "run without TRITON_INTERPRET: the launcher's compiled-kernel path is timed"
-    saved = driver._active
-    driver.set_active(HostOnlyDriver())
-    for fn in (km._row_lse_kernel, km._prefill_salience_kernel):
-        stub_compile(fn, lambda *args: None)  # the C launch does nothing
-    q, k = (torch.randn(1, 16, 729, 72, dtype=torch.float16) for _ in "qk")
-    lse = torch.randn(1, 16, 729)
-    calls_by_mode = {"standalone": lambda: prefill_salience(q, k), "fused": lambda: prefill_salience(q, k, lse=lse)}
-    modes = {"plan rebuilt every call (the S5 launcher's work)": (True, False),
-             "plan cached, Triton dispatch": (False, False), "plan cached, direct launch": (False, True)}
-
-    def us(fn, rebuild):
-        for _ in range(200):
-            fn()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            if rebuild:
-                km._PLANS.clear()
-            fn()
-        return (time.perf_counter() - t0) / calls * 1e6
-
-    print(f"host us per call, B1 H16 N729 D72 fp16, C launch stubbed, best of 5 x {calls} calls (CPU noise only adds)")
-    print("launcher | " + " | ".join(calls_by_mode))
-    try:
-        for name, (rebuild, direct) in modes.items():
-            launch_module.DIRECT_LAUNCH = direct
-            row = [min(us(fn, rebuild) for _ in range(5)) for fn in calls_by_mode.values()]
-            print(f"{name} | " + " | ".join(f"{t:.1f}" for t in row))
-    finally:
-        launch_module.DIRECT_LAUNCH = True
-        driver.set_active(saved)
-        for fn in (km._row_lse_kernel, km._prefill_salience_kernel):
-            del fn._do_compile
-            fn.device_caches.clear()
-    part = torch.empty(1, 16, 729)
-    print(f"for scale (CPU tensors): part.sum(1) {us(lambda: part.sum(1), False):.1f} us, "
-          f"torch.empty {us(lambda: torch.empty(1, 16, 729), False):.1f} us")
-
-
-if __name__ == "__main__" and "--offline" in sys.argv:
-    offline(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 80)
-elif __name__ == "__main__" and "--host" in sys.argv:
-    host()

@@ -1,44 +1,43 @@
 """W4A16 GEMV (decode) and GEMM (prefill) against fp16 cuBLAS at Llama-3-8B layer shapes (group 128).
 
-    PYTHONPATH=. python scripts/bench_kernels.py --only w4a16 [--quick]
+    python -m scripts.bench_kernels --only w4a16 [--quick]
 
 Times are device times: a GPU spin is queued before each timed call so the CPU launch cost (Python
 checks, the autotuner's dispatch; hidden by CUDA graphs in decode) is not counted, for both sides alike.
 GEMV rows (M = 1, 4, 8): time, GB/s counting packed weights + scales + zeros + x + y, the fraction of the
 measured device-copy bandwidth, the speed-up over F.linear on the fp16 weight. GEMM rows: TFLOP/s and the
 ratio to cuBLAS, per path ("auto": the default dispatch, i.e. the fused dequantizing Triton GEMM below
-DEQUANT_MIN_M rows; "dequant": w4a16_dequant + cuBLAS, the default from DEQUANT_MIN_M rows). Issue 3
-targets: GEMV at M=1 >= 3.0x cuBLAS and >= 70% of copy bandwidth; GEMM at M=2048 >= 0.8x cuBLAS.
+DEQUANT_MIN_M rows; "dequant": w4a16_dequant + cuBLAS, the default from DEQUANT_MIN_M rows). Targets:
+GEMV at M=1 >= 3.0x cuBLAS and >= 70% of copy bandwidth; GEMM at M=2048 >= 0.8x cuBLAS.
 
 GEMM tile sweep (replaces the rows above; ~2 min on an H200, mostly Triton compiling ~32 tile variants):
 
-    TINYVILA_W4_GEMM_SWEEP=16,32,64,128,256,512 PYTHONPATH=. python scripts/bench_kernels.py --only w4a16
+    python -m scripts.bench_kernels --only w4a16 --w4-gemm-sweep 16,32,64,128,256,512
 
 prints each fused config's time per shape and M (checked against the dequant path first), then the
 CONFIG_TABLE to paste into csrc_triton/w4a16_gemm.py, the DEQUANT_MIN_M crossover, and summary rows.
 
 Programmatic dependent launch (csrc_triton/pdl.py) off and on, M=1 (~30 s):
 
-    TINYVILA_W4_PDL_SWEEP=1 PYTHONPATH=. python scripts/bench_kernels.py --only w4a16
+    python -m scripts.bench_kernels --only w4a16 --w4-pdl-sweep
 
 per shape: per-call time of 16 back-to-back GEMVs, and of 16 (add+RMSNorm -> GEMV) pairs, the decode step's
 pattern (the norm's output is the GEMV's input), both replayed from a CUDA graph, each output checked.
 
 GEMV config sweep (replaces the rows above; for M = 1: 22 variants compiled in 12 worker processes, 136 configs
-timed, then the chosen table checked at fp16/bf16, M = 1, 2, 4, 8; session 5's ~190 configs took ~70 s on an H200):
+timed, then the chosen table checked at fp16/bf16, M = 1, 2, 4, 8; ~190 configs took ~70 s on an H200):
 
-    TINYVILA_W4_SWEEP=1 [TINYVILA_W4_TABLE_OUT=table.txt] PYTHONPATH=. python scripts/bench_kernels.py --only w4a16
+    python -m scripts.bench_kernels --only w4a16 --w4-gemv-sweep 1 [--w4-table-out table.txt] [--w4-sweep-tiles ...]
 
 prints, per layer shape (largest first) and M, each config's per-call time replayed from a CUDA graph (16
 back-to-back calls, decode's situation), GB/s, share of the copy bandwidth and speed-up over cuBLAS (also
 replayed) next to the read floor (a plain kernel reading the same bytes, replayed), then the GEMV_TABLE to
-paste into csrc_triton/w4a16_gemv.py (also written to TINYVILA_W4_TABLE_OUT after every shape), the check
+paste into csrc_triton/w4a16_gemv.py (also written to --w4-table-out after every shape), the check
 of that table, and summary rows (launcher default vs best, and their sum over the 4 layers).
 """
 
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import torch
@@ -46,8 +45,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from benches import common
 from csrc_triton.w4a16_gemm import Config, config_ok, m_bucket, rule_config, split_for, w4a16_gemm
+from scripts.benches import common
 from tinyvila import ops
 from tinyvila.quant import dequantize_w4, quantize_w4
 
@@ -97,14 +96,27 @@ def _row(name: str, M: int, N: int, K: int, sets: list[tuple], iters: int, path:
             "cublas_TFLOPs": None if gemv else 2 * M * N * K / t_fp / 1e9}
 
 
+def add_args(p) -> None:
+    p.add_argument("--w4-gemv-sweep", type=common.ints, metavar="M,...",
+                   help="instead of the rows: the GEMV config sweep at these row counts (e.g. 1 or 1,2,4,8)")
+    p.add_argument("--w4-sweep-tiles", metavar="W,N,G,S[,R];...",
+                   help="the GEMV sweep's tiles (warps, rows, groups per K step, stages, register cap) instead of "
+                        "GEMV_SWEEP_TILES")
+    p.add_argument("--w4-table-out", metavar="PATH", help="the GEMV sweep also writes its GEMV_TABLE literal here")
+    p.add_argument("--w4-gemm-sweep", type=common.ints, metavar="M,...",
+                   help="instead of the rows: the fused GEMM tile sweep at these prompt row counts")
+    p.add_argument("--w4-pdl-sweep", action="store_true",
+                   help="instead of the rows: the GEMVs and (norm -> GEMV) pairs with PDL off and on, M = 1")
+
+
 def run(args) -> list[dict]:
-    if os.environ.get(PDL_SWEEP_ENV):
+    if args.w4_pdl_sweep:
         return pdl_sweep()
-    if os.environ.get(GEMV_SWEEP_ENV):
-        return gemv_sweep([int(m) for m in os.environ[GEMV_SWEEP_ENV].split(",")])
-    if os.environ.get(GEMM_SWEEP_ENV):
-        return gemm_sweep([int(m) for m in os.environ[GEMM_SWEEP_ENV].split(",")])
-    quick = getattr(args, "quick", False)
+    if args.w4_gemv_sweep:
+        return gemv_sweep(args.w4_gemv_sweep, gemv_sweep_tiles(args.w4_sweep_tiles), args.w4_table_out)
+    if args.w4_gemm_sweep:
+        return gemm_sweep(args.w4_gemm_sweep)
+    quick = args.quick
     gemv_ms = [1] if quick else [1, 4, 8]
     # GEMM rows: path None = the default dispatch (fused below DEQUANT_MIN_M rows, dequant + cuBLAS above).
     gemm_cases = [(256, None), (2048, "dequant")] if quick else [(16, None), (64, None), (256, None), (256, "dequant"),
@@ -121,8 +133,7 @@ def run(args) -> list[dict]:
     return rows
 
 
-# -- GEMM tile sweep: TINYVILA_W4_GEMM_SWEEP=16,32,64,128,256,512 (prompt rows) ---------------------------
-GEMM_SWEEP_ENV = "TINYVILA_W4_GEMM_SWEEP"
+# -- GEMM tile sweep: --w4-gemm-sweep 16,32,64,128,256,512 (prompt rows) -----------------------------------
 LAYERS_8B = 32  # Llama-3-8B: each SHAPES entry runs once per layer
 
 
@@ -216,42 +227,35 @@ def gemm_sweep(ms: list[int], iters: int = 30) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "_config"} for r in summaries] + totals
 
 
-# -- GEMV config sweep: TINYVILA_W4_SWEEP=1 (or a list of M: 1,2,4,8) ------------------------------------------
-GEMV_SWEEP_ENV = "TINYVILA_W4_SWEEP"
-GEMV_TABLE_OUT_ENV = "TINYVILA_W4_TABLE_OUT"  # where the sweep also writes its GEMV_TABLE literal
+# -- GEMV config sweep: --w4-gemv-sweep 1 (or a list of M: 1,2,4,8) -------------------------------------------
 N_SM = 132
 # Tensor-core tiles the sweep times: (num_warps, BLOCK_N rows, GPS groups per K step, STAGES in flight[, maxnreg]):
-# the tiles of the earlier sweeps (runs H1b-1, S4-2, S5-D; docs/perf_notes.md), several of them timed there only
-# in kernel forms since removed. The last is capped at 168 registers so that 3 of its programs fit an SM (S5-D:
-# gate_up 32.5 us, 24.4 uncapped).
+# the tiles of the earlier sweeps (docs/perf_notes.md), several of them timed there only in kernel forms since
+# removed. The last is capped at 168 registers so that 3 of its programs fit an SM (gate_up 32.5 us, 24.4 uncapped).
 GEMV_SWEEP_TILES = [(2, 32, 8, 3), (2, 64, 4, 3), (4, 64, 8, 3), (4, 64, 4, 2), (4, 64, 4, 3), (4, 128, 4, 3),
                     (8, 128, 2, 3), (8, 128, 4, 3), (8, 256, 2, 3), (8, 256, 4, 2), (4, 128, 4, 3, 168)]
 GEMV_SWEEP_SPLITS = (1, 2, 4, 8)
-# TINYVILA_W4_SWEEP_TILES="w,n,g,s[,r];..." replaces GEMV_SWEEP_TILES for one run: the same tuple order, the
-# register cap r (0 or left out: none) last.
-GEMV_TILES_ENV = "TINYVILA_W4_SWEEP_TILES"
-
-
-def gemv_sweep_tiles() -> list[tuple[int, ...]]:
-    """GEMV_SWEEP_TILES, or the tiles named in $TINYVILA_W4_SWEEP_TILES, as 5-tuples (w, n, g, s, r)."""
-    spec = os.environ.get(GEMV_TILES_ENV, "").strip()
+def gemv_sweep_tiles(spec: str | None = None) -> list[tuple[int, ...]]:
+    """GEMV_SWEEP_TILES, or the tiles of `spec` ("w,n,g,s[,r];...", --w4-sweep-tiles: the same tuple order, the
+    register cap r (0 or left out: none) last), as 5-tuples (w, n, g, s, r)."""
+    spec = (spec or "").strip()
     tiles = GEMV_SWEEP_TILES if not spec else [tuple(int(v) for v in t.split(",")) for t in spec.split(";") if t.strip()]
     # a 5th number below 32 is no register cap: most likely a tile of the older form (w,n,g,s,chains,...)
     if any(not 4 <= len(t) <= 5 or (len(t) == 5 and 0 < t[4] < 32) for t in tiles):
-        raise ValueError(f"{GEMV_TILES_ENV} wants 'warps,rows,gps,stages[,maxnreg]' tiles separated by ';' "
+        raise ValueError("--w4-sweep-tiles wants 'warps,rows,gps,stages[,maxnreg]' tiles separated by ';' "
                          f"(maxnreg 0 or >= 32), got {spec!r}")
     return [tuple(t) + (0,) * (5 - len(t)) for t in tiles]
 
 
-def gemv_sweep_configs(N: int, K: int, M: int = 1) -> list[dict]:
+def gemv_sweep_configs(N: int, K: int, M: int = 1, tiles: list[tuple[int, ...]] | None = None) -> list[dict]:
     """The GEMV configs the sweep times at an (M, N, K) call (group 128): the launcher's pick first, then every
-    GEMV_SWEEP_TILES tile at each split-K (a runtime argument; split > 1 is one more compiled variant) that
-    leaves every split >= 2 K steps and the grid <= 8 programs per SM."""
+    tile (`gemv_sweep_tiles()` by default) at each split-K (a runtime argument; split > 1 is one more compiled
+    variant) that leaves every split >= 2 K steps and the grid <= 8 programs per SM."""
     from csrc_triton.w4a16_gemv import gemv_config
 
     groups = K // GROUP
     out = [gemv_config(M, N, K, GROUP)]
-    for warps, bn, gps, stages, maxnreg in gemv_sweep_tiles():
+    for warps, bn, gps, stages, maxnreg in tiles or gemv_sweep_tiles():
         for split in GEMV_SWEEP_SPLITS:
             if groups // split >= 2 * gps and (split == 1 or -(-N // bn) * split <= 8 * N_SM):
                 cfg = {"kernel": "mma", "BLOCK_N": bn, "num_warps": warps, "STAGES": stages, "SPLIT_K": split,
@@ -326,13 +330,13 @@ def _run_checks(jobs: list[tuple], pool=None) -> list[dict]:
     return list(pool.map(_gemv_check, jobs))
 
 
-def _precompile(ms: list[int], pool) -> None:
+def _precompile(ms: list[int], tiles: list[tuple[int, ...]], pool) -> None:
     """Every compiled variant the sweep will time (one call per tile, split = 1 and split > 1), compiled and
     checked in parallel; failures are printed (the timing loop reports them again)."""
     jobs, seen = [], set()
     for _, K, N in SHAPES:
         for M in ms:
-            for cfg in gemv_sweep_configs(N, K, M):
+            for cfg in gemv_sweep_configs(N, K, M, tiles):
                 key = (M, tuple(sorted((k, v) for k, v in cfg.items() if k != "SPLIT_K")), cfg["SPLIT_K"] > 1)
                 if key not in seen:
                     seen.add(key)
@@ -344,7 +348,8 @@ def _precompile(ms: list[int], pool) -> None:
     print(f"precompiled {len(jobs)} variants", flush=True)
 
 
-def _gemv_shape_rows(name: str, M: int, N: int, K: int, sets: list[tuple], floor_us: float) -> list[dict]:
+def _gemv_shape_rows(name: str, M: int, N: int, K: int, sets: list[tuple], floor_us: float,
+                     tiles: list[tuple[int, ...]]) -> list[dict]:
     """Times every sweep config at one (shape, M), replayed from a CUDA graph, next to fp16 cuBLAS (also
     replayed); checks each output first. Prints a line per config."""
     from csrc_triton.w4a16_gemv import w4a16_gemv
@@ -357,7 +362,7 @@ def _gemv_shape_rows(name: str, M: int, N: int, K: int, sets: list[tuple], floor
     x0, q0, s0, z0 = w4_in[0]
     exact = x0.float() @ dequantize_w4(q0, s0, z0, torch.float32).T  # (M, N)
     rows = []
-    for cfg in gemv_sweep_configs(N, K, M):
+    for cfg in gemv_sweep_configs(N, K, M, tiles):
         try:  # a config that fails to compile or launch is reported, not fatal to the sweep
             y = w4a16_gemv(x0, q0, s0, z0, config=cfg)
             err = ((y.float() - exact).abs().max() / exact.abs().max()).item()
@@ -381,9 +386,9 @@ def _verify_table(table: dict, pool=None) -> list[dict]:
     worker processes: the bf16 and M > 1 variants compile there in parallel). Returns the failures."""
     from csrc_triton import w4a16_gemv as gemv_mod
 
-    gemv_mod.GEMV_TABLE.update(table)
-    jobs = [(M, N, K, dt, gemv_mod.gemv_config(M, N, K, GROUP)) for _, K, N in SHAPES for M in (1, 2, 4, 8)
-            for dt in ("float16", "bfloat16")]
+    with mock.patch.dict(gemv_mod.GEMV_TABLE, table):  # the launcher's own pick, with the new table in place
+        jobs = [(M, N, K, dt, gemv_mod.gemv_config(M, N, K, GROUP)) for _, K, N in SHAPES for M in (1, 2, 4, 8)
+                for dt in ("float16", "bfloat16")]
     bad = []
     for job, r in zip(jobs, _run_checks(jobs, pool)):
         if not r["ok"]:
@@ -395,42 +400,42 @@ def _verify_table(table: dict, pool=None) -> list[dict]:
     return bad
 
 
-def _write_table(table: dict) -> str:
-    """The GEMV_TABLE literal for csrc_triton/w4a16_gemv.py; also written to $TINYVILA_W4_TABLE_OUT if set."""
+def _write_table(table: dict, path: str | None = None) -> str:
+    """The GEMV_TABLE literal for csrc_triton/w4a16_gemv.py; also written to `path` if given."""
     lines = ["GEMV_TABLE: dict[tuple[int, int, int], dict] = {  # H200 sweep (graph-replayed), fp16, group 128"]
     lines += [f"    {key}: {cfg},  # {gemv_config_name(cfg)}" for key, cfg in sorted(table.items())]
     text = "\n".join(lines + ["}"]) + "\n"
-    if os.environ.get(GEMV_TABLE_OUT_ENV):
-        with open(os.environ[GEMV_TABLE_OUT_ENV], "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(text)
     return text
 
 
-def gemv_sweep(ms: list[int]) -> list[dict]:
+def gemv_sweep(ms: list[int], tiles: list[tuple[int, ...]], table_out: str | None = None) -> list[dict]:
     """Per Llama-3-8B shape and M: every GEMV sweep config's per-call time replayed from a CUDA graph, GB/s,
     share of the measured copy bandwidth and speed-up over fp16 cuBLAS (a line each, as it goes), the read
     floor of the same bytes; then the GEMV_TABLE literal (fastest correct config per (BLOCK_M, N, K)) for
-    csrc_triton/w4a16_gemv.py (also written to $TINYVILA_W4_TABLE_OUT), a check of that table at fp16/bf16
-    and M = 1..8, and one summary row per (shape, M): launcher default vs best."""
+    csrc_triton/w4a16_gemv.py (also written to `table_out`), a check of that table at fp16/bf16 and M = 1..8,
+    and one summary row per (shape, M): launcher default vs best."""
     import time
 
     t0 = time.perf_counter()
     print(f"copy bandwidth {common.copy_bandwidth_gbs():.0f} GB/s", flush=True)
     pool = _pool()
-    _precompile(ms, pool)
+    _precompile(ms, tiles, pool)
     print(f"[{time.perf_counter() - t0:.0f} s] timing", flush=True)
     summaries, table = [], {}
     for name, K, N in sorted(SHAPES, key=lambda s: -s[1] * s[2]):  # largest first: most of a decode step
         sets = _weights(N, K, common.n_copies(_w4_bytes(N, K)))
         floor_us = _read_floor_us(_w4_bytes(N, K))
         for M in ms:
-            rows = _gemv_shape_rows(name, M, N, K, sets, floor_us)
+            rows = _gemv_shape_rows(name, M, N, K, sets, floor_us, tiles)
             good = [r for r in rows if r["ok"]]
             best = min(good, key=lambda r: r["us"]) if good else None
             default = rows[0] if rows else None  # gemv_sweep_configs puts the launcher's pick first
             if best is not None:
                 table[(1 << (M - 1).bit_length(), N, K)] = best["_cfg"]
-                _write_table(table)  # after every shape: a sweep cut short still leaves its table
+                _write_table(table, table_out)  # after every shape: a sweep cut short still leaves its table
             summaries.append({"layer": name, "M": M, "N": N, "K": K, "read_floor_us": floor_us,
                               "cublas_us": best["cublas_us"] if best else None,
                               "default": default["config"] if default else None,
@@ -442,7 +447,7 @@ def gemv_sweep(ms: list[int]) -> list[dict]:
                               "wrong": sum(not r["ok"] for r in rows)})
         del sets
         torch.cuda.empty_cache()
-    print("\n" + _write_table(table), flush=True)
+    print("\n" + _write_table(table, table_out), flush=True)
     print(f"[{time.perf_counter() - t0:.0f} s] verifying", flush=True)
     _verify_table(table, pool)
     pool.shutdown()
@@ -455,8 +460,7 @@ def gemv_sweep(ms: list[int]) -> list[dict]:
     return summaries
 
 
-# -- PDL sweep: TINYVILA_W4_PDL_SWEEP=1 -----------------------------------------------------------------------
-PDL_SWEEP_ENV = "TINYVILA_W4_PDL_SWEEP"
+# -- PDL sweep: --w4-pdl-sweep --------------------------------------------------------------------------------
 
 
 def pdl_sweep() -> list[dict]:
@@ -478,23 +482,27 @@ def pdl_sweep() -> list[dict]:
         x0, q0, s0, z0 = gemv_in[0]
         exact = x0.float() @ dequantize_w4(q0, s0, z0, torch.float32).T
 
-        def pair(x, r, q, s, z, wn=wn):
-            h, _ = add_rms_norm(x, r, wn, 1e-5)
-            return gemv_mod.w4a16_gemv(h, q, s, z)
+        for pdl in (False, True):
+            def norm(x, r, q, s, z, wn=wn, pdl=pdl):
+                return add_rms_norm(x, r, wn, 1e-5, pdl=pdl)
 
-        for use_pdl in ("0", "1"):
-            with mock.patch.dict(os.environ, {"TINYVILA_PDL": use_pdl}):
-                norm_us = 1e3 * common.graph_ms(lambda x, r, q, s, z, wn=wn: add_rms_norm(x, r, wn, 1e-5), pair_in)
-                y = gemv_mod.w4a16_gemv(x0, q0, s0, z0)
-                err = ((y.float() - exact).abs().max() / exact.abs().max()).item()
-                t = 1e3 * common.graph_ms(gemv_mod.w4a16_gemv, gemv_in)
-                tp = 1e3 * common.graph_ms(pair, pair_in)
+            def gemv(x, q, s, z, pdl=pdl):
+                return gemv_mod.w4a16_gemv(x, q, s, z, pdl=pdl)
+
+            def pair(x, r, q, s, z, wn=wn, pdl=pdl):
+                return gemv(add_rms_norm(x, r, wn, 1e-5, pdl=pdl)[0], q, s, z)
+
+            norm_us = 1e3 * common.graph_ms(norm, pair_in)
+            y = gemv(x0, q0, s0, z0)
+            err = ((y.float() - exact).abs().max() / exact.abs().max()).item()
+            t = 1e3 * common.graph_ms(gemv, gemv_in)
+            tp = 1e3 * common.graph_ms(pair, pair_in)
             gbs = (_w4_bytes(N, K) + 2 * (K + N)) / t / 1e3
-            row = {"layer": name, "N": N, "K": K, "pdl": int(use_pdl), "gemv_us": t, "GBs": gbs,
+            row = {"layer": name, "N": N, "K": K, "pdl": int(pdl), "gemv_us": t, "GBs": gbs,
                    "copy_frac": gbs / common.copy_bandwidth_gbs(), "pair_us": tp, "norm_us": norm_us,
                    "floor_us": floor_us, "ok": err < 4e-3}
             rows.append(row)
-            print(f"  {name:<8} pdl {use_pdl}: gemv {t:6.2f} us ({gbs:5.0f} GB/s, {row['copy_frac']:.2f} of copy)  "
+            print(f"  {name:<8} pdl {int(pdl)}: gemv {t:6.2f} us ({gbs:5.0f} GB/s, {row['copy_frac']:.2f} of copy)  "
                   f"norm+gemv {tp:6.2f} us (norm alone {norm_us:.2f})  floor {floor_us:.2f}"
                   f"{'' if row['ok'] else f'  WRONG {err:.2g}'}", flush=True)
         del sets

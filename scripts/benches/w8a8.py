@@ -1,33 +1,27 @@
 """W8A8 vision benchmarks at SigLIP-so400m shapes (729 tokens/image, width 1152, MLP 4304).
 
-    PYTHONPATH=. python scripts/bench_kernels.py --only w8a8 [--quick]
-    TINYVILA_W8A8_PARTS=encoder,layer,gemm,rows   which parts run (default: all)
-    TINYVILA_W8A8_IMAGES=1,8,64                    image counts of encoder/layer/gemm
-    TINYVILA_W8A8_SWEEP=1,8 ... also sweeps the GEMM tile configs (TMA and pointer operands) at
-    those image counts; TINYVILA_W8A8_ROW_SWEEP=8,64 the launch shapes of the int8-producing row kernels
-    TINYVILA_W8A8_VARIANTS=1   times every persistent-kernel config (`_PERSISTENT_TILES`) beside the
-    default at each GEMM shape, then (with "encoder") runs the encoder with, per layer shape, the
-    variant fastest at the largest image count of TINYVILA_W8A8_ENCODER_IMAGES (default: IMAGES)
-    put in place of the default tiles. One-command form (~2 min on the H200):
-    PYTHONPATH=. TINYVILA_W8A8_PARTS=gemm,encoder TINYVILA_W8A8_VARIANTS=1 TINYVILA_W8A8_ENCODER_IMAGES=8 \
-        python scripts/bench_kernels.py --only w8a8
-    TINYVILA_W8A8_PARTS=epi  the default kernel at its launcher tile with each epilogue split (EPI_SPLIT
-    1, 2, 4) against torch._int_mm, TOPS, at IMAGES (default 1,8,64); wo and fc2 with the residual (as the
-    ViT runs them) and without, qkv and fc1 without. One command (~1-2 min on the H200):
-    PYTHONPATH=. TINYVILA_W8A8_PARTS=epi python scripts/bench_kernels.py --only w8a8
-    Offline (no GPU): PYTHONPATH=.:scripts python scripts/benches/w8a8.py --offline compiles the default
-    and persistent configs for sm_90a and prints a SASS table (IGMMA/UTMALDG/UTMASTG, registers, spills),
-    then the default kernel's epilogue table: each ViT GEMM shape, with and without residual, per EPI_SPLIT.
-    --offline-rows instead: the int8-producing row kernels' SASS per element (head + tail vs one padded block).
+    python -m scripts.bench_kernels --only w8a8 [--quick]
+    --w8a8-parts encoder,layer,gemm,rows   which parts run (default: those four; also: epi)
+    --w8a8-images 1,8,64                   image counts of encoder/layer/gemm
+    --w8a8-sweep 1,8   also sweeps the GEMM tile configs (TMA and pointer operands) at those image counts;
+    --w8a8-row-sweep 8,64   the launch shapes of the int8-producing row kernels
+    --w8a8-variants   times every persistent-kernel config (`_PERSISTENT_TILES`) beside the default at each
+    GEMM shape, then (with "encoder") runs the encoder with, per layer shape, the variant fastest at the
+    largest image count of --w8a8-encoder-images (default: the images) put in place of the default tiles.
+    One command (~2 min on the H200):
+    python -m scripts.bench_kernels --only w8a8 --w8a8-parts gemm,encoder --w8a8-variants --w8a8-encoder-images 8
+    --w8a8-parts epi   the default kernel at its launcher tile with each epilogue split (EPI_SPLIT 1, 2, 4)
+    against torch._int_mm, TOPS; wo and fc2 with the residual (as the ViT runs them) and without, qkv and
+    fc1 without (~1-2 min on the H200).
 
 GEMM rows: the Triton w8a8_gemm (int8 x int8 -> int32, fused scale/bias epilogue, fp16 out) in TOPS
 against the measured int8 ceiling (the fastest of torch._int_mm, w8a8_gemm and its Gluon kernel's forms at
-8192^3: 1227 TOPS in S16-E, which the ViT's ping-pong GEMMs reach 95-102% of), beside torch._int_mm alone (a lower
+8192^3: ~1230 TOPS on an H200, which the ViT's ping-pong GEMMs reach 95-102% of), beside torch._int_mm alone (a lower
 bound for any "_int_mm + epilogue" dispatch), _int_mm + a PyTorch epilogue, and fp16 cuBLAS. Kernel
 times come from CUDA-graph replays of many calls (no host launch overhead in them; `triton_eager_ms`
 keeps the per-call eager time). Encoder rows: the 26-layer SigLIP encoder (synthetic weights) in
 fp16 and W8A8, CUDA-graph replays, vs HF transformers' SiglipVisionModel (27 layers, fp16, SDPA); W8A8 also
-with the Triton GEMMs only (csrc_triton.w8a8_gemm.USE_WGMMA off: the A/B of the Gluon GEMMs).
+with the Triton GEMMs only (Options w8a8_wgmma off: the A/B of the Gluon GEMMs).
 Layer rows: every op of one encoder layer timed alone (graph-replayed, inputs rotated past L2), summed
 for W8A8 and fp16: where the time goes.
 """
@@ -35,13 +29,13 @@ for W8A8 and fp16: where the time goes.
 from __future__ import annotations
 
 import copy
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from benches import common
+from scripts.benches import common
+from tinyvila.options import Options, set_options
 
 SHAPES = [(1152, 3456, "qkv"), (1152, 1152, "o"), (1152, 4304, "fc1"), (4304, 1152, "fc2")]  # (K, N, name)
 TOKENS = 729
@@ -64,10 +58,10 @@ def _progress(row: dict) -> dict:
 
 def int8_tops_ceiling() -> float:
     """Measured int8 tensor-core ceiling, TOPS: the fastest of torch._int_mm (cuBLASLt), tinyvila's own
-    w8a8_gemm and (sm_90, Triton 3.6) each form of its Gluon kernel at 8192^3. (S8-A: _int_mm 907 TOPS, w8a8_gemm
-    1257 on one H200: cuBLAS's int8 kernels are not the chip's int8 rate, so taking them alone made the ceiling ~28%
-    too low; scripts/diag/matmul_ceilings.py. S15-C: the Gluon ping-pong form ran 1328 TOPS at the ViT's qkv shape,
-    above that ceiling, while w8a8_gemm at 8192^3 still runs the Triton kernel: K > PINGPONG_MAX_K, no residual.)"""
+    w8a8_gemm and (sm_90, Triton 3.6) each form of its Gluon kernel at 8192^3. (On an H200 _int_mm ran 907 TOPS
+    and w8a8_gemm 1257: cuBLAS's int8 kernels are not the chip's int8 rate, so taking them alone made the ceiling
+    ~28% too low. The Gluon ping-pong form ran 1328 TOPS at the ViT's qkv shape, above that ceiling, while
+    w8a8_gemm at 8192^3 still runs the Triton kernel: K > PINGPONG_MAX_K, no residual.)"""
     import csrc_triton.w8a8_gemm as wg
 
     n = 8192
@@ -240,7 +234,7 @@ def _epi_rows(images: list[int], ceil_i8: float) -> list[dict]:
 
 # (rows per program, num_warps, SPLIT) of the row kernels: one warp per row (no cross-warp reductions)
 # up to 8; SPLIT: a row as a power-of-two head + tail block (True) or one padded block (False).
-# (1, 4, False) is the launch before the head + tail change (docs/perf_notes.md W2's best).
+# (1, 4, False) is the launch before the head + tail change (the best of the sweep before it).
 ROW_SWEEP = [(1, 1, True), (2, 1, True), (1, 2, True), (2, 2, True), (4, 4, True), (1, 4, True), (1, 1, False),
              (1, 2, False), (1, 4, False), (2, 4, False), (1, 8, False)]
 
@@ -281,58 +275,11 @@ def _quant_rows(images: list[int], sweep: list[int]) -> list[dict]:
     return rows
 
 
-def rows_offline_table() -> list[dict]:
-    """SASS per element of the int8-producing row kernels at their so400m widths (sm_90a, no GPU needed):
-    the default launch (head + tail) and one padded next_pow2 block (SPLIT=False), fp16 in. `sass` counts
-    the kernel body without the IEEE division's slow-path subroutine (straight-line code: about what one
-    thread executes); per element = sass / (K / threads)."""
-    import re
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    import csrc_triton.gelu_quant as gq
-    import csrc_triton.layer_norm_quant as lnq
-    import csrc_triton.quant_per_token as qpt
-
-    io = {"q_ptr": "*i8", "scale_ptr": "*fp32", "M": "i32"}
-    cases = [(f"gelu_quant {kind}", gq._gelu_quant_kernel, 4304, {"h_ptr": "*fp16", **io, "stride_hm": "i32",
-              "stride_qm": "i32"}, {"KIND": gq.KINDS[kind]}) for kind in gq.KINDS]
-    cases += [("layer_norm_quant", lnq._layer_norm_quant_kernel, 1152, {"x_ptr": "*fp16", "w_ptr": "*fp16",
-               "b_ptr": "*fp16", **io, "stride_xm": "i32", "stride_qm": "i32", "eps": "fp32"}, {}),
-              ("quant_per_token", qpt._quant_per_token_kernel, 1152, {"x_ptr": "*fp16", **io, "stride_xm": "i32",
-               "stride_qm": "i32"}, {})]
-    rows = []
-    for name, fn, K, sig, extra in cases:
-        for split in (True, False):
-            meta = qpt.launch_meta(K, torch.device("cuda"), {"SPLIT": split})
-            warps = meta.pop("num_warps")
-            consts = dict(K=K, **extra, **meta)
-            full = {**sig, **{k: "constexpr" for k in consts}}
-            aligned = [i for i, (k, v) in enumerate(full.items()) if v.startswith("*") or k.startswith("stride")]
-            k = triton.compile(ASTSource(fn, full, consts, {(i,): [["tt.divisibility", 16]] for i in aligned}),
-                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-            st = _sass_stats(k)
-            body = st["sass_text"].split(".weak")[0]  # the slow-path division subroutine follows ".weak"
-            n = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", body, re.M))
-            per = K / (32 * warps * meta["ROWS"])  # elements per thread
-            rows.append({"kernel": f"{name} K={K}", "launch": f"{meta['BLOCK_K']}+{meta['BLOCK_T']} w{warps}",
-                         "regs": st["regs"], "STL": st["STL"], "sass": n, "sass/elem": round(n / per, 1),
-                         "MUFU/elem": round(len(re.findall(r"\bMUFU\.", body)) / per, 2),
-                         "LDG/STG": ",".join(sorted(set(re.findall(r"\b(?:LDG|STG)\.[A-Z0-9.]+", body))))})
-    return rows
-
-
-def _encoders():
-    """(fp16 dense, W8A8) synthetic SigLIP-so400m encoders (layer -2: 26 layers) on the GPU."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from smoothquant import w8a8_state_dict
-
+def _encoders(opts: Options | None = None):
+    """(fp16 dense, W8A8) synthetic SigLIP-so400m encoders (layer -2: 26 layers) on the GPU, running under `opts`
+    (default: Options.from_env())."""
     from tinyvila.config import SIGLIP_SO400M
+    from tinyvila.convert.smoothquant import w8a8_state_dict
     from tinyvila.vision import VisionEncoder
 
     g = torch.Generator().manual_seed(0)
@@ -344,6 +291,8 @@ def _encoders():
     with torch.device("meta"):
         q = VisionEncoder(SIGLIP_SO400M, "w8a8")
     q.load_state_dict({k.removeprefix("vision."): v for k, v in sd.items()}, assign=True, strict=True)
+    for model in (dense, q):
+        set_options(model, opts or Options.from_env())
     return dense.half().cuda().eval(), q.cuda().eval()
 
 
@@ -385,18 +334,19 @@ class _ConfigOverride:
         self.fn.clear()
 
 
-class _TritonOnly:
-    """Call fn with the Gluon GEMM dispatch off (csrc_triton.w8a8_gemm.triton_kernels_only): the A/B; a callable
-    for the benches' graph caches."""
+class _Under:
+    """Call fn with `model` running under `opts`, then under `base` again: a callable for the benches' graph
+    caches, whose graphs then hold the kernels those options pick (tinyvila.options.set_options)."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, model, opts: Options, base: Options):
+        self.fn, self.model, self.opts, self.base = fn, model, opts, base
 
     def __call__(self, *args):
-        from csrc_triton.w8a8_gemm import triton_kernels_only
-
-        with triton_kernels_only():
+        set_options(self.model, self.opts)
+        try:
             return self.fn(*args)
+        finally:
+            set_options(self.model, self.base)
 
     def clear(self):
         if hasattr(self.fn, "clear"):
@@ -409,7 +359,8 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
     replayed, W8A8 graph-replayed with its speedup over fp16 (graph) and HF (eager, graph); with
     `variant` ({(N, K): config}) also W8A8 with those GEMM configs in place; then the W8A8 features'
     cosine vs fp16's (and the variant's vs the default W8A8's)."""
-    dense, q = _encoders()
+    opts = Options.from_env()
+    dense, q = _encoders(opts)
     hf, S = _hf_siglip(), q.cfg.image_size
     runs = {"fp16 eager": dense, "fp16 graph": _graphed(dense._forward)}
     if hf is not None:
@@ -417,7 +368,7 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
         runs["hf_sdpa_fp16 graph"] = _graphed(runs["hf_sdpa_fp16 eager"])
     w8a8 = _graphed(q._forward)
     w8a8_v = _ConfigOverride(_graphed(q._forward), variant) if variant else None
-    w8a8_tri = _TritonOnly(_graphed(q._forward))
+    w8a8_tri = _Under(_graphed(q._forward), q, opts.with_(w8a8_wgmma=False), opts)  # the Triton GEMMs only
     rows = []
     for n_img in images:
         sets = [(torch.randn(n_img, 3, S, S, device="cuda", dtype=torch.float16),) for _ in range(2)]
@@ -454,7 +405,8 @@ def _encoder_rows(images: list[int], iters: int, variant: dict | None = None) ->
     px = torch.randn(2, 3, S, S, device="cuda", dtype=torch.float16)
     cos = F.cosine_similarity(q(px).float().flatten(1), dense(px).float().flatten(1), dim=-1).min().item()
     rows.append({"case": "encoder w8a8 vs fp16 features (synthetic weights)", "cos": cos})
-    diff = (q(px).float() - _TritonOnly(q)(px).float()).abs().max().item()  # integer sums exact: epilogue FMAs only
+    triton_only = _Under(q, q, opts.with_(w8a8_wgmma=False), opts)
+    diff = (q(px).float() - triton_only(px).float()).abs().max().item()  # integer sums exact: epilogue FMAs only
     rows.append({"case": "encoder w8a8 x2, Gluon vs Triton GEMMs: max abs diff", "cos": diff})
     if variant:
         # Integer sums are exact: the variant may differ from the default only by epilogue FMA contraction.
@@ -559,17 +511,27 @@ def _layer_rows(images: list[int], models=None) -> list[dict]:
     return rows
 
 
-def _env_ints(name: str, default: str = "") -> list[int]:
-    return [int(n) for n in os.environ.get(name, default).split(",") if n.strip()]
+def add_args(p) -> None:
+    p.add_argument("--w8a8-parts", default="encoder,layer,gemm,rows",
+                   help="comma-separated, from encoder, layer, gemm, rows, epi")
+    p.add_argument("--w8a8-images", type=common.ints, metavar="N,...",
+                   help="image counts of the encoder, layer and GEMM rows (default 1,8,64; --quick 1,8)")
+    p.add_argument("--w8a8-sweep", type=common.ints, default=[], metavar="N,...",
+                   help="image counts at which the GEMM tile configs are swept too")
+    p.add_argument("--w8a8-row-sweep", type=common.ints, default=[], metavar="N,...",
+                   help="image counts at which the row kernels' launch shapes are swept too")
+    p.add_argument("--w8a8-variants", action="store_true",
+                   help="time every persistent-kernel config, and the encoder with the fastest in place")
+    p.add_argument("--w8a8-encoder-images", type=common.ints, metavar="N,...",
+                   help="image counts of the encoder rows (default: --w8a8-images)")
 
 
 def run(args) -> list[dict]:
-    quick = getattr(args, "quick", False)
-    parts = os.environ.get("TINYVILA_W8A8_PARTS", "encoder,layer,gemm,rows").split(",")  # also: epi
-    images = _env_ints("TINYVILA_W8A8_IMAGES", "1,8" if quick else "1,8,64")
-    sweep, row_sweep = _env_ints("TINYVILA_W8A8_SWEEP"), _env_ints("TINYVILA_W8A8_ROW_SWEEP")
-    variants = os.environ.get("TINYVILA_W8A8_VARIANTS", "0") not in ("", "0")
-    enc_images = _env_ints("TINYVILA_W8A8_ENCODER_IMAGES") or images
+    quick = args.quick
+    parts = args.w8a8_parts.split(",")
+    images = args.w8a8_images or ([1, 8] if quick else [1, 8, 64])
+    sweep, row_sweep, variants = args.w8a8_sweep, args.w8a8_row_sweep, args.w8a8_variants
+    enc_images = args.w8a8_encoder_images or images
     rows, best = [], {}
     if "gemm" in parts:
         ceil_i8, ceil_f16 = int8_tops_ceiling(), common.matmul_tflops(torch.float16)
@@ -596,116 +558,3 @@ def run(args) -> list[dict]:
         rows += _quant_rows([n for n in images if n > 1] or [8], row_sweep)
     keys = list(dict.fromkeys(k for r in rows for k in r))  # one table: every row gets every column
     return [{k: r.get(k) for k in keys} for r in rows]
-
-
-def _compile_sm90(t: tuple, K: int, persistent: bool, has_res: bool = True, split: int | None = None,
-                  n_div16: bool = True):
-    """Compile one config of the TMA path for sm_90a without a GPU (fp16 out, bias, residual if has_res).
-    t: a `_TILES` or `_PERSISTENT_TILES` row (EPI_SPLIT t[5] unless `split`). n_div16: N marked divisible
-    by 16, as the launch specializes it for the ViT's N (1152, 3456, 4304); it is what lets the masked
-    stores and residual loads vectorize (without it: 2-byte accesses, and other spill counts)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    import csrc_triton.w8a8_gemm as wg
-
-    bm, bn, bk, warps, stages = t[:5]
-    split = t[5] if split is None else split
-    sub = bn // split if persistent else bn
-    out = f"tensordesc<fp16[{bm}, {sub}]>" if persistent else "*fp16"  # c and residual
-    sig = {"a_ptr": f"tensordesc<i8[{bm}, {bk}]>", "b_ptr": f"tensordesc<i8[{bn}, {bk}]>", "a_scale_ptr": "*fp32",
-           "b_scale_ptr": "*fp32", "bias_ptr": "*fp16", "res_ptr": out, "c_ptr": out, "M": "i32", "N": "i32",
-           "stride_am": "i32", "stride_bn": "i32", "stride_rm": "i32", "stride_cm": "i32"}
-    consts = dict(K=K, HAS_BIAS=True, HAS_RES=has_res, TMA=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                  EPI_SPLIT=split)
-    if persistent:
-        consts.update(NUM_PROGRAMS=132, FLATTEN=t[6])
-    sig.update({k: "constexpr" for k in consts})
-    aligned = [i for i, (k, v) in enumerate(sig.items())
-               if v.startswith("*") or k.startswith("stride") or (k == "N" and n_div16)]
-    src = ASTSource(wg._w8a8_gemm_persistent_kernel if persistent else wg._w8a8_gemm_kernel, sig, consts,
-                    {(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-
-
-def _sass_stats(k) -> dict:
-    """Registers, local memory traffic (spill stores STL / loads LDL, stack bytes) and counts of a compiled
-    kernel's sm_90a SASS, via the nvdisasm / cuobjdump that ship with Triton."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([bin_dir / "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
-        res = subprocess.run([bin_dir / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
-    return {"regs": int(re.search(r"REG:(\d+)", res).group(1)), "stack_B": int(re.search(r"STACK:(\d+)", res).group(1)),
-            "STL": len(re.findall(r"\bSTL\b", sass)), "LDL": len(re.findall(r"\bLDL\b", sass)),
-            "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)), "sass_text": sass}
-
-
-def offline_table(K: int = 1152) -> list[dict]:
-    """SASS evidence per config (sm_90a, no GPU needed; bias and residual): int8 wgmma (IGMMA) in the main
-    loop, TMA loads (UTMALDG) and stores (UTMASTG), registers, spills (STL), shared memory, and the
-    `pendings` of the wgmma wait in the K loop (0: each K step's wgmma completes before the next is issued)."""
-    import re
-
-    from csrc_triton.w8a8_gemm import _PERSISTENT_TILES, _TILES
-
-    rows = []
-    for persistent, tiles in ((False, _TILES), (True, _PERSISTENT_TILES)):
-        for t in tiles:
-            k = _compile_sm90(t, K, persistent)
-            st = _sass_stats(k)
-            sass = st.pop("sass_text")
-            rows.append({"config": ("persist " if persistent else "default ") + "x".join(map(str, t)),
-                         "regs": st["regs"], "STL": st["STL"], "smem_B": k.metadata.shared,
-                         "IGMMA": sass.count("IGMMA"), "UTMALDG": sass.count("UTMALDG"),
-                         "UTMASTG": sass.count("UTMASTG"), "STG": len(re.findall(r"\bSTG\.", sass)),
-                         "wgmma_wait_pendings": ",".join(re.findall(r"warp_group_dot_wait.*?pendings = (\d+)",
-                                                                    k.asm["ttgir"]))})
-    return rows
-
-
-def epilogue_table(n_div16: bool = True) -> list[dict]:
-    """The default kernel (TMA operands) at each `_TILES` tile for the ViT's four GEMM shapes, with and
-    without the residual, per EPI_SPLIT: registers / STL / LDL / SASS instructions. The compiled code
-    depends on (N, K) only through K (a constexpr) and N's divisibility, so each K compiles once."""
-    from csrc_triton.w8a8_gemm import _TILES
-
-    cache, rows = {}, []
-    for t in _TILES:
-        for K, N, name in SHAPES:
-            for has_res in (False, True):
-                row = {"tile": "x".join(map(str, t[:5])), "gemm": f"{name} N={N} K={K}", "residual": has_res}
-                for split in (1, 2, 4):
-                    key = (t, K, has_res, split)
-                    if key not in cache:
-                        cache[key] = _sass_stats(_compile_sm90(t, K, False, has_res, split, n_div16))
-                    st = cache[key]
-                    row[f"epi{split}{'*' if split == t[5] else ''} regs/STL/LDL/sass"] = (
-                        f"{st['regs']}/{st['STL']}/{st['LDL']}/{st['sass']}")
-                rows.append(row)
-    return rows
-
-
-def _print_table(title: str, table: list[dict]) -> None:
-    print(f"\n{title}\n| " + " | ".join(table[0]) + " |\n|" + "---|" * len(table[0]))
-    for r in table:
-        print("| " + " | ".join(str(v) for v in r.values()) + " |")
-
-
-if __name__ == "__main__" and "--offline-rows" in sys.argv:
-    _print_table("row kernels, sm_90a, fp16 in: the default launch (head + tail), then one padded block (SPLIT=False)",
-                 rows_offline_table())
-elif __name__ == "__main__" and "--offline" in sys.argv:
-    for K in (1152, 4304):
-        _print_table(f"K={K}", offline_table(K))
-    _print_table("default kernel epilogue, sm_90a, N divisible by 16 as launched (* = the tile's default split)",
-                 epilogue_table())

@@ -1,5 +1,5 @@
-"""Shared inputs and tolerance checks of the W4A16 kernel tests (test_w4a16_gemv.py, test_w4a16_gemm.py,
-test_w4a16_gemv_rope.py).
+"""Shared inputs and tolerance checks of the W4A16 kernel tests (test_w4a16_gemv*.py, test_w4a16_gemm.py,
+test_w4a16_dequant.py, test_pdl.py).
 
 Oracle: the exact product with the exact quantized weight, w = q * s + b in float64. The kernel's error
 against it must be at most 2x that of PyTorch at the kernel's precision (F.linear on the weight
@@ -55,7 +55,7 @@ def assert_nearly_equal(x: torch.Tensor, ref: torch.Tensor, max_moved: float = 0
     """Interpreter stand-in for torch.equal between two kernels that run the same code on differently laid out
     tiles: numpy's matmul (the interpreter's tl.dot) may sum a row in an order that depends on its place in the
     tile (OpenBLAS's AVX-512 kernels do), so a few fp32 sums move by an ulp, which can move a rounded output by
-    more after cancellation (up to 3.4% of the outputs on the session-9 host). At most `max_moved` of the outputs
+    more after cancellation (up to 3.4% of the outputs on one such host). At most `max_moved` of the outputs
     may differ (a wrong row map or epilogue moves nearly all), each by at most 2^-9 of the largest."""
     moved = (x != ref).float().mean().item()
     assert moved <= max_moved, f"{moved:.1%} of outputs differ (the same code on another tile layout)"

@@ -47,7 +47,7 @@ def test_bad_arguments_are_named(bad):
         argmax(x)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs
 def test_vocabulary_and_graph():
     x = torch.randn(128256, device=DEVICE)
     out = torch.empty(1, device=DEVICE, dtype=torch.int64)
@@ -113,7 +113,7 @@ def test_step_bad_state_is_named(bad):
         argmax_step(x, *state)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs
 def test_step_vocabulary_and_graph():
     """Graph-replayed at the Llama-3 vocabulary, the logits changed between replays: the state after each
     replay equals the reference's."""

@@ -140,7 +140,7 @@ def test_config_rule_by_buffer_length():
                      16383: big, 16384: small, 32768: small, 32769: (64, 4, 4, 1, 2), 131072: (64, 4, 4, 1, 2)}
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes and graphs need a GPU")
+@pytest.mark.gpu  # real shapes and CUDA graphs
 @pytest.mark.parametrize("prefetch", [None, 0, 2, 4])  # None: the launch config's count for the buffer
 @pytest.mark.parametrize("L", [1, 1000, 3277, 8191, 32768])
 def test_llama3_8b_shapes(L, prefetch):
@@ -148,7 +148,7 @@ def test_llama3_8b_shapes(L, prefetch):
     check(q, k, v, lens, prefetch=prefetch)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need a GPU")
+@pytest.mark.gpu  # real shapes: too slow for the interpreter
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("n_splits", [2, 16, 64, 200])
 def test_fused_merge_under_many_arrival_orders(n_splits, prefetch):
@@ -160,7 +160,7 @@ def test_fused_merge_under_many_arrival_orders(n_splits, prefetch):
     assert not _COUNTERS[str(q.device)].any()
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_cuda_graph_replay_follows_the_length(prefetch):
     q, k, v, lens = make(1, 32, 8, 4096, 128, torch.bfloat16, [4096])

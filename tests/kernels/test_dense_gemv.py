@@ -59,7 +59,7 @@ def test_bad_arguments_are_named(bad):
         dense_gemv(x, w)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes and graphs need a GPU")
+@pytest.mark.gpu  # real shapes and CUDA graphs
 @pytest.mark.parametrize("M", [1, 4])
 def test_llama3_vocabulary_shape_and_graph(M):
     x, w = make(M, 128256, 4096, torch.float16, seed=2)

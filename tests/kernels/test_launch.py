@@ -3,21 +3,17 @@ w4a16_gemm (fused and dequant paths), w4a16_dequant, retrieval_salience (gather,
 (a K/V pair; one tensor with an int64 slot tensor).
 
 On CPU, Triton's dispatch runs against a stub driver whose compiled kernels record their launches
-(scripts/triton_stub.py): after a call's first launch every launch is direct and carries exactly what
+(triton_stub.py, beside this file): after a call's first launch every launch is direct and carries exactly what
 Triton's dispatch passes (grid, stream, kernel, arguments). On CUDA the real kernels run with and without
 the direct launch, also under CUDA-graph capture, and must agree bit for bit, with no Triton dispatch
 once planned. Bad calls raise on every call and leave no plan.
 """
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import csrc_triton.add_rms_norm as rms_mod
 import csrc_triton.kv_pack as pack_mod
-import csrc_triton.launch as launch
 import csrc_triton.retrieval_salience as ret_mod
 import csrc_triton.rope_qkv as rope_mod
 import csrc_triton.silu_mul as silu_mod
@@ -25,8 +21,7 @@ import csrc_triton.w4a16_dequant as deq_mod
 import csrc_triton.w4a16_gemm as gemm_mod
 from csrc_triton.launch import Plans
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from triton_stub import check_direct_launch, record_launches  # noqa: E402
+from triton_stub import check_direct_launch, record_launches
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -76,52 +71,56 @@ def _calls():
     kv_src = [rnd(2, 1, HKV, S, D) for _ in range(2)]  # (layers, B, Hkv, S, D)
     kv_idx = torch.tensor([[0, 3, 4, 9, 11], [1, 2, 5, 6, 7]], device=DEVICE, dtype=torch.int32).expand(2, 1, 2, 5)
 
-    def pack(src, slots):
+    def pack(src, slots, direct):
         dst = tuple(torch.zeros(2, 1, HKV, 8, D, device=DEVICE, dtype=torch.float16) for _ in src)
-        return pack_mod.kv_pack(src if len(src) == 2 else src[0], slots, dst if len(dst) == 2 else dst[0])
+        return pack_mod.kv_pack(src if len(src) == 2 else src[0], slots, dst if len(dst) == 2 else dst[0],
+                                direct=direct)
 
-    def rope(second=None):
+    def rope(second=None, direct=True):
         for c in caches:
             c.zero_()
-        out = rope_mod.rope_qkv(qkv, cos, sin, caches[0], caches[1], slots, H, HKV, second=second)
+        out = rope_mod.rope_qkv(qkv, cos, sin, caches[0], caches[1], slots, H, HKV, second=second, direct=direct)
         return (out, *(c.clone() for c in caches))
 
-    return [
-        ("add_rms_norm", lambda: rms_mod.add_rms_norm(x, r, w, 1e-5)),
-        ("add_rms_norm no residual", lambda: rms_mod.add_rms_norm(x, None, w, 1e-6)),
-        ("add_rms_norm strided", lambda: rms_mod.add_rms_norm(xt, None, w, 1e-6)),
-        ("silu_mul", lambda: silu_mod.silu_mul(gate_up)),
-        ("silu_mul block", lambda: silu_mod.silu_mul(gate_up, block=16)),
+    return [  # each thunk takes the launchers' `direct` argument
+        ("add_rms_norm", lambda direct=True: rms_mod.add_rms_norm(x, r, w, 1e-5, direct=direct)),
+        ("add_rms_norm no residual", lambda direct=True: rms_mod.add_rms_norm(x, None, w, 1e-6, direct=direct)),
+        ("add_rms_norm strided", lambda direct=True: rms_mod.add_rms_norm(xt, None, w, 1e-6, direct=direct)),
+        ("silu_mul", lambda direct=True: silu_mod.silu_mul(gate_up, direct=direct)),
+        ("silu_mul block", lambda direct=True: silu_mod.silu_mul(gate_up, block=16, direct=direct)),
         ("rope_qkv", rope),
-        ("rope_qkv second", lambda: rope((caches[2], caches[3], slots2))),
-        ("w4a16_gemm", lambda: gemm_mod.w4a16_gemm(xm, qw, sc, zr)),
-        ("w4a16_gemm bias split", lambda: gemm_mod.w4a16_gemm(xm, qw, sc, zr, bias,
-                                                               config=gemm_mod.Config(16, 64, 8, 2, 4, 1))),
-        ("w4a16_gemm dequant", lambda: gemm_mod.w4a16_gemm(xm, qw, sc, zr, bias, path="dequant")),
-        ("w4a16_dequant", lambda: deq_mod.w4a16_dequant(qw, sc, zr)),
-        ("kv_pack pair", lambda: pack(tuple(kv_src), kv_idx.contiguous())),
-        ("kv_pack one, int64 slots", lambda: pack(kv_src[:1], kv_idx.long())),
-        ("retrieval span", lambda: ret_mod.retrieval_salience(q, k, range(3, 13), lse)),
-        ("retrieval slots", lambda: ret_mod.retrieval_salience(q, k, idx, lse)),
-        ("retrieval accumulate", lambda: ret_mod.retrieval_salience(q, k, range(5, 15), lse, out=acc.clone())),
-        ("retrieval pipe chunks", lambda: ret_mod.retrieval_salience(q, k, idx, lse, impl="pipe", block_m=2)),
+        ("rope_qkv second", lambda direct=True: rope((caches[2], caches[3], slots2), direct)),
+        ("w4a16_gemm", lambda direct=True: gemm_mod.w4a16_gemm(xm, qw, sc, zr, direct=direct)),
+        ("w4a16_gemm bias split", lambda direct=True: gemm_mod.w4a16_gemm(
+            xm, qw, sc, zr, bias, config=gemm_mod.Config(16, 64, 8, 2, 4, 1), direct=direct)),
+        ("w4a16_gemm dequant", lambda direct=True: gemm_mod.w4a16_gemm(xm, qw, sc, zr, bias, path="dequant",
+                                                                        direct=direct)),
+        ("w4a16_dequant", lambda direct=True: deq_mod.w4a16_dequant(qw, sc, zr, direct=direct)),
+        ("kv_pack pair", lambda direct=True: pack(tuple(kv_src), kv_idx.contiguous(), direct)),
+        ("kv_pack one, int64 slots", lambda direct=True: pack(kv_src[:1], kv_idx.long(), direct)),
+        ("retrieval span", lambda direct=True: ret_mod.retrieval_salience(q, k, range(3, 13), lse, direct=direct)),
+        ("retrieval slots", lambda direct=True: ret_mod.retrieval_salience(q, k, idx, lse, direct=direct)),
+        ("retrieval accumulate", lambda direct=True: ret_mod.retrieval_salience(q, k, range(5, 15), lse,
+                                                                                 out=acc.clone(), direct=direct)),
+        ("retrieval pipe chunks", lambda direct=True: ret_mod.retrieval_salience(q, k, idx, lse, impl="pipe",
+                                                                                  block_m=2, direct=direct)),
     ]
 
 
 # --- CPU: the direct launch against Triton's dispatch, with a recording stub driver ---------------------
 
 
-@pytest.mark.skipif(CUDA, reason="replaces the CUDA driver with a stub; the CUDA tests below run the real one")
+@pytest.mark.cpu_only  # replaces the CUDA driver with a stub
 def test_direct_launch_passes_what_triton_binds(fresh_plans, monkeypatch):
-    """Per call: launched through Triton's dispatch, then twice with DIRECT_LAUNCH: the first goes through
-    dispatch (compiles), the second is direct and carries the same grid, stream, kernel and arguments."""
+    """Per call: launched through Triton's dispatch (direct=False), then twice with direct=True: the first goes
+    through dispatch (compiles), the second is direct and carries the same grid, stream, kernel and arguments."""
     launches = record_launches(monkeypatch, KERNELS)
     for name, call in _calls():
-        assert check_direct_launch(monkeypatch, launch, launches, call, name) >= 1, name
+        assert check_direct_launch(launches, call, name) >= 1, name
     assert len(launches) == 4  # the pipe call: two question chunks, two launches each call
 
 
-@pytest.mark.skipif(CUDA, reason="replaces the CUDA driver with a stub")
+@pytest.mark.cpu_only  # replaces the CUDA driver with a stub
 def test_launch_hooks_take_triton_dispatch(fresh_plans, monkeypatch):
     """With a launch hook (what a profiler installs) every launch goes through Triton's dispatch."""
     from triton import knobs
@@ -211,22 +210,20 @@ def _flat(out):
     return out if isinstance(out, tuple) else (out,)
 
 
-@pytest.mark.skipif(not CUDA, reason="the compiled kernels need CUDA")
-def test_direct_launch_is_bit_identical(fresh_plans, monkeypatch):
+@pytest.mark.gpu
+def test_direct_launch_is_bit_identical(fresh_plans):
     """Every call through Triton's dispatch and then through the direct launch, three times in sequence:
     identical outputs."""
     calls = _calls()
     for _, call in calls:  # retrieval's first call on a device learns its programs per SM (_RESIDENT)
         call()
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
-    ref = {name: _flat(call()) for name, call in calls}
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    ref = {name: _flat(call(direct=False)) for name, call in calls}
     for _ in range(3):
         for name, call in calls:
             assert all(torch.equal(a, b) for a, b in zip(_flat(call()), ref[name])), name
 
 
-@pytest.mark.skipif(not CUDA, reason="the compiled kernels need CUDA")
+@pytest.mark.gpu
 def test_direct_launch_skips_triton_dispatch(fresh_plans, monkeypatch):
     """After the first call, a call makes no Triton dispatch at all (JITFunction.run would raise)."""
     calls = _calls()
@@ -242,12 +239,11 @@ def test_direct_launch_skips_triton_dispatch(fresh_plans, monkeypatch):
             monkeypatch.setattr(getattr(mod, name), "run", no_dispatch)
     for name, call in calls:
         assert all(torch.equal(a, b) for a, b in zip(_flat(call()), first[name])), name
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
     with pytest.raises(AssertionError, match="dispatch"):
-        calls[0][1]()
+        calls[0][1](direct=False)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+@pytest.mark.gpu  # CUDA graphs
 def test_direct_launch_in_a_cuda_graph(fresh_plans):
     """Captured (as the prefill and decode graphs run them) and replayed: the eager results."""
     calls = [c for c in _calls() if c[0] in ("add_rms_norm", "silu_mul", "w4a16_gemm bias split", "w4a16_gemm",

@@ -1,8 +1,8 @@
 """Programmatic dependent launch (csrc_triton/pdl.py) changes when kernels start, never a result: with it
 on, a decode-like chain of kernels (add+RMSNorm, W4 GEMVs, RoPE + cache write, decoding attention,
 SiLU*mul), run eagerly and replayed from a CUDA graph, gives exactly the bits and cache contents of the
-same chain with it off. GPU only (sm_90+); on CPU the switch is checked to be off, so the interpreter runs
-the plain kernels.
+same chain with it off (each launcher's `pdl` argument). GPU only (sm_90+); on CPU it is checked to be off
+whatever the argument, so the interpreter runs the plain kernels.
 """
 
 import os
@@ -23,18 +23,25 @@ from csrc_triton.rope_qkv import rope_qkv  # noqa: E402
 from csrc_triton.silu_mul import silu_mul  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not ON_GPU, reason="PDL is sm_90 PTX: GPU only")
 
 
 def test_off_on_cpu_and_in_the_interpreter(monkeypatch):
-    assert not pdl.enabled(torch.device("cpu"))
+    assert not pdl.supported(torch.device("cpu"))
     assert pdl.options(torch.device("cpu")) == pdl.options_ref() == {"PDL": False, "launch_pdl": False}
     monkeypatch.setattr(pdl, "INTERPRET", True)
     if ON_GPU:
-        assert not pdl.enabled(torch.device("cuda"))
+        assert not pdl.supported(torch.device("cuda"))
 
 
-@gpu
+def test_the_argument_turns_it_off():
+    """options(device, False) is the plain launch on every device; on (the default) only where supported."""
+    for device in [torch.device("cpu")] + ([torch.device("cuda")] if ON_GPU else []):
+        assert pdl.options(device, False) == pdl.options_ref()
+        on = pdl.supported(device)
+        assert pdl.options(device) == pdl.options(device, True) == {"PDL": on, "launch_pdl": on}
+
+
+@pytest.mark.gpu
 def test_kernel_launch_matches_the_plain_launch():
     """One kernel launched with pdl.options equals the same kernel launched with pdl.options_ref."""
     from csrc_triton.silu_mul import _silu_mul_kernel
@@ -50,12 +57,13 @@ def test_kernel_launch_matches_the_plain_launch():
 
 
 class _Chain:
-    """One decode-like layer at Llama-3-8B widths (d 4096, 32 q / 8 kv heads of 128, MLP 14336), W4 g128."""
+    """One decode-like layer at Llama-3-8B widths (d 4096, 32 q / 8 kv heads of 128, MLP 14336), W4 g128; `pdl`
+    is every launcher's argument."""
 
     def __init__(self, seed: int):
         g = torch.Generator(device="cuda").manual_seed(seed)
         d, hd, h, hkv, f, L = 4096, 128, 32, 8, 14336, 700
-        self.h, self.hkv = h, hkv
+        self.h, self.hkv, self.pdl = h, hkv, True
         self.w_norm = (1 + 0.1 * torch.randn(d, generator=g, device="cuda")).half()
         self.qkv = make(1, (h + 2 * hkv) * hd, d, 128, torch.float16, seed + 1, device="cuda")
         self.o = make(1, d, h * hd, 128, torch.float16, seed + 2, device="cuda")
@@ -69,15 +77,16 @@ class _Chain:
         self.lengths = torch.tensor([L + 1], dtype=torch.int32, device="cuda")
 
     def _lin(self, x, a):
-        return gemv_mod.w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"])
+        return gemv_mod.w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], pdl=self.pdl)
 
     def __call__(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        hn, s = add_rms_norm(x, r, self.w_norm, 1e-5)
+        on = self.pdl
+        hn, s = add_rms_norm(x, r, self.w_norm, 1e-5, pdl=on)
         qkv = self._lin(hn, self.qkv).view(1, 1, -1)
-        q = rope_qkv(qkv, self.cos, self.sin, self.k, self.v, self.slot, self.h, self.hkv)  # (1, H, 1, D)
-        att = decode_attention(q[:, :, 0], self.k, self.v, self.lengths)  # (1, H, D)
-        hn, s = add_rms_norm(self._lin(att.reshape(1, -1), self.o), s, self.w_norm, 1e-5)
-        return self._lin(silu_mul(self._lin(hn, self.up)), self.down) + s
+        q = rope_qkv(qkv, self.cos, self.sin, self.k, self.v, self.slot, self.h, self.hkv, pdl=on)  # (1, H, 1, D)
+        att = decode_attention(q[:, :, 0], self.k, self.v, self.lengths, pdl=on)  # (1, H, D)
+        hn, s = add_rms_norm(self._lin(att.reshape(1, -1), self.o), s, self.w_norm, 1e-5, pdl=on)
+        return self._lin(silu_mul(self._lin(hn, self.up), pdl=on), self.down) + s
 
 
 def _run(chain, xs, graph: bool) -> list[torch.Tensor]:
@@ -98,19 +107,19 @@ def _run(chain, xs, graph: bool) -> list[torch.Tensor]:
     return outs
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True])
-def test_chain_bits_unchanged(monkeypatch, graph):
+def test_chain_bits_unchanged(graph):
     chain = _Chain(0)
     gen = torch.Generator(device="cuda").manual_seed(1)
     xs = [(torch.randn(1, 4096, generator=gen, device="cuda").half(),
            torch.randn(1, 4096, generator=gen, device="cuda").half()) for _ in range(3)]
-    monkeypatch.setenv("TINYVILA_PDL", "0")
+    chain.pdl = False
     k0, v0 = chain.k.clone(), chain.v.clone()
     ref = _run(chain, xs, graph=False)
     k_ref, v_ref = chain.k.clone(), chain.v.clone()
-    monkeypatch.setenv("TINYVILA_PDL", "1")
-    assert pdl.enabled(torch.device("cuda")) == (torch.cuda.get_device_capability() >= (9, 0))
+    chain.pdl = True
+    assert pdl.supported(torch.device("cuda")) == (torch.cuda.get_device_capability() >= (9, 0))
     chain.k.copy_(k0)
     chain.v.copy_(v0)
     got = _run(chain, xs, graph=graph)

@@ -7,19 +7,14 @@ driver and compiled kernels whose launcher records its arguments; on CUDA the re
 without the direct launch, under CUDA-graph capture too, and must agree bit for bit.
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-import csrc_triton.launch as launch
 import csrc_triton.prefill_salience as km
 from csrc_triton.launch import Plans
 from csrc_triton.prefill_salience import prefill_salience
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from triton_stub import check_direct_launch, record_launches  # noqa: E402  (shared with test_launch.py)
+from triton_stub import check_direct_launch, record_launches  # shared with test_launch.py
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -55,17 +50,18 @@ def _sequence():
     qv, kv, _ = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, T, D) views of a fused projection
     lse1 = _lse(q1, k1, 197)
     lse_strided = torch.empty(1, 2, 197, 2, device=DEVICE)[..., 0].copy_(lse1)  # stride 2 along rows
-    return [
-        ("fp16", lambda: prefill_salience(q1, k1)),
-        ("bf16", lambda: prefill_salience(q2, k2)),
-        ("fp32", lambda: prefill_salience(q3, k3)),
-        ("qkv views", lambda: prefill_salience(qv, kv)),
-        ("qkv views copied", lambda: prefill_salience(qv.contiguous(), kv.contiguous())),  # strides alone differ
-        ("n_query 3", lambda: prefill_salience(q1, k1, n_query=3)),
-        ("lse", lambda: prefill_salience(q1, k1, lse=lse1)),
-        ("lse strided", lambda: prefill_salience(q1, k1, lse=lse_strided)),
-        ("tiles", lambda: prefill_salience(q1, k1, tiles=(32, 16, 4, 3))),
-        ("scale", lambda: prefill_salience(q3, k3, scale=0.05)),
+    return [  # each thunk takes the launcher's `direct` argument
+        ("fp16", lambda direct=True: prefill_salience(q1, k1, direct=direct)),
+        ("bf16", lambda direct=True: prefill_salience(q2, k2, direct=direct)),
+        ("fp32", lambda direct=True: prefill_salience(q3, k3, direct=direct)),
+        ("qkv views", lambda direct=True: prefill_salience(qv, kv, direct=direct)),
+        ("qkv views copied", lambda direct=True: prefill_salience(qv.contiguous(), kv.contiguous(),
+                                                                  direct=direct)),  # strides alone differ
+        ("n_query 3", lambda direct=True: prefill_salience(q1, k1, n_query=3, direct=direct)),
+        ("lse", lambda direct=True: prefill_salience(q1, k1, lse=lse1, direct=direct)),
+        ("lse strided", lambda direct=True: prefill_salience(q1, k1, lse=lse_strided, direct=direct)),
+        ("tiles", lambda direct=True: prefill_salience(q1, k1, tiles=(32, 16, 4, 3), direct=direct)),
+        ("scale", lambda direct=True: prefill_salience(q3, k3, scale=0.05, direct=direct)),
     ]
 
 
@@ -116,23 +112,23 @@ def test_plan_table_is_bounded(fresh_plans):
 # --- the direct launch against Triton's dispatch, on CPU with a recording stub driver -------------------
 
 
-@pytest.mark.skipif(CUDA, reason="replaces the CUDA driver with a stub; the CUDA tests below run the real one")
+@pytest.mark.cpu_only  # replaces the CUDA driver with a stub
 def test_direct_launch_passes_what_triton_binds(fresh_plans, monkeypatch):
-    """Per call of the sequence (plus a 2-byte-aligned q): launched through Triton's dispatch, then
-    twice with DIRECT_LAUNCH: the direct launches carry the same grid, stream, kernel and arguments
+    """Per call of the sequence (plus a 2-byte-aligned q): launched through Triton's dispatch (direct=False),
+    then twice with direct=True: the direct launches carry the same grid, stream, kernel and arguments
     (constexprs in parameter order) as Triton's, and only a new alignment goes through dispatch again."""
     launches = record_launches(monkeypatch, {km: ("_row_lse_kernel", "_prefill_salience_kernel")})
     calls = _sequence()
     q, k = _qk(1, 2, 197, 72, torch.float16, 1, offset=1)
     assert q.data_ptr() % 16 != 0
-    calls.append(("fp16 unaligned", lambda: prefill_salience(q, k)))
+    calls.append(("fp16 unaligned", lambda direct=True: prefill_salience(q, k, direct=direct)))
     for name, call in calls:
-        assert check_direct_launch(monkeypatch, launch, launches, call, name) in (1, 2), name
+        assert check_direct_launch(launches, call, name) in (1, 2), name
     # One plan (the fp16 call's) has two compiled kernels: 16-byte aligned q and the unaligned view.
     assert sorted(len(p.pass2.compiled) for p in fresh_plans.values()) == [1] * (len(calls) - 2) + [2]
 
 
-@pytest.mark.skipif(CUDA, reason="replaces the CUDA driver with a stub")
+@pytest.mark.cpu_only  # replaces the CUDA driver with a stub
 def test_launch_hooks_take_triton_dispatch(fresh_plans, monkeypatch):
     """With a launch hook (what a profiler installs) every launch goes through Triton's dispatch."""
     from triton import knobs
@@ -153,24 +149,23 @@ def test_launch_hooks_take_triton_dispatch(fresh_plans, monkeypatch):
 # --- on CUDA: the real kernels with and without the direct launch ---------------------------------------
 
 
-@pytest.mark.skipif(not CUDA, reason="the compiled kernels need CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 16, 729, 72), (8, 16, 729, 72), (1, 16, 4096, 80)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_direct_launch_is_bit_identical(shape, fresh_plans, monkeypatch):
-    """The sequence, the issue's shapes and a 2-byte-aligned q (its own compiled kernel): identical
-    outputs through Triton's dispatch and the direct launch, in sequence, twice."""
+def test_direct_launch_is_bit_identical(shape, fresh_plans):
+    """The sequence, SigLIP-sized shapes and a 2-byte-aligned q (its own compiled kernel): identical outputs
+    through Triton's dispatch and the direct launch, in sequence, twice."""
     q, k = _qk(*shape, torch.float16, 9)
     qu, ku = _qk(*shape, torch.float16, 9, offset=1)
-    calls = _sequence() + [("shape", lambda: prefill_salience(q, k)), ("unaligned", lambda: prefill_salience(qu, ku))]
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
-    ref = {name: call() for name, call in calls}
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    calls = _sequence() + [("shape", lambda direct=True: prefill_salience(q, k, direct=direct)),
+                           ("unaligned", lambda direct=True: prefill_salience(qu, ku, direct=direct))]
+    ref = {name: call(direct=False) for name, call in calls}
     for _ in range(3):
         for name, call in calls:
             assert torch.equal(call(), ref[name]), name
 
 
-@pytest.mark.skipif(not CUDA, reason="the compiled kernels need CUDA")
+@pytest.mark.gpu
 def test_direct_launch_skips_triton_dispatch(fresh_plans, monkeypatch):
     """After the first call, a call makes no Triton dispatch at all (JITFunction.run would raise)."""
     q, k = _qk(1, 16, 729, 72, torch.float16, 10)
@@ -182,12 +177,11 @@ def test_direct_launch_skips_triton_dispatch(fresh_plans, monkeypatch):
     for fn in (km._row_lse_kernel, km._prefill_salience_kernel):
         monkeypatch.setattr(fn, "run", no_dispatch)
     assert torch.equal(prefill_salience(q, k), first)
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
     with pytest.raises(AssertionError, match="dispatch"):
-        prefill_salience(q, k)
+        prefill_salience(q, k, direct=False)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+@pytest.mark.gpu  # CUDA graphs
 def test_direct_launch_in_a_cuda_graph(fresh_plans):
     """Captured (as the encoder and the bench's graph column run it) and replayed: the eager result."""
     q, k = _qk(1, 16, 729, 72, torch.float16, 11)

@@ -135,7 +135,7 @@ def test_salience_mass():
     assert got.sum().item() < 4 * T
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need a GPU")
+@pytest.mark.gpu  # real shapes: too slow for the interpreter
 @pytest.mark.parametrize("kw", [{}, dict(block_m=128, block_n=64, tiles=4, num_warps=4),
                                 dict(block_n=32, tiles=8, key_rows=False), dict(block_n=128, tiles=1, num_stages=3),
                                 dict(block_n=128, key_rows=True), dict(block_n=64, key_rows=False)])
@@ -144,7 +144,7 @@ def test_llama3_8b_shapes(kw):
     check(retrieval_salience(q, k, idx, lse, **kw), q, k, idx, lse)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need a GPU")
+@pytest.mark.gpu  # real shapes: too slow for the interpreter
 @pytest.mark.parametrize("T", [16, 64, 256])
 @pytest.mark.parametrize("impl", ["gather", "pipe"])
 def test_llama3_8b_shapes_pipe_and_span(impl, T):

@@ -129,7 +129,7 @@ def test_launch_shapes_agree(heads_per_program):
     assert match(kc, kr) and same(vc, vr)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs
 def test_graph_replay_follows_device_slots():
     """Captured once; the slot tensor is advanced in place between replays (the decode graph's way)."""
     B, H, Hkv, D, S = 1, 32, 8, 128, 16

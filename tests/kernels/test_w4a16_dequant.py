@@ -43,7 +43,7 @@ def test_small(N, K, G, dtype):
     check(make(1, N, K, G, dtype, seed=N + K + G, device=DEVICE))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
+@pytest.mark.gpu  # real shapes: too slow for the interpreter
 @pytest.mark.parametrize("K,N", LLAMA3_8B)
 def test_llama3_8b_shapes(K, N):
     check(make(1, N, K, 128, torch.float16, seed=K + N, device=DEVICE))

@@ -18,9 +18,9 @@ if not torch.cuda.is_available():
 from _w4_check import LLAMA3_8B, assert_w4_close, make, poisoned  # noqa: E402
 
 from csrc_triton import w4a16_gemm as gemm_mod  # noqa: E402
+from csrc_triton._common import dequantize_ref  # noqa: E402
 from csrc_triton.w4a16_gemm import (CONFIG_TABLE, Config, config_ok, fit_config, m_bucket, pick_config,  # noqa: E402
                                     rule_config, scratch, w4a16_gemm, w4a16_gemm_ref)
-from csrc_triton.w4a16_gemv import dequantize_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -143,14 +143,14 @@ def _bucket_configs() -> list[tuple[int, int, int, Config]]:
     return [(max(9, b * 3 // 4 + 1), N, K, cfg) for (b, N, K), cfg in sorted(cases.items())]
 
 
-@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
+@pytest.mark.gpu  # real shapes: too slow for the interpreter
 @pytest.mark.parametrize("M,N,K,cfg", _bucket_configs(), ids=lambda v: v.name if isinstance(v, Config) else str(v))
 def test_table_configs_at_real_shapes(M, N, K, cfg):
     a = make(M, N, K, 128, torch.float16, seed=K + N + M, device=DEVICE)
     assert_w4_close(run(a, config=cfg), a)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
+@pytest.mark.gpu  # real shapes: too slow for the interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,path", [(200, None), (2048, None), (300, "dequant"), (2048, "fused")])
 @pytest.mark.parametrize("K,N", LLAMA3_8B)
@@ -161,7 +161,7 @@ def test_llama3_8b_default_dispatch(K, N, M, path, dtype):
     assert_w4_close(run(a, path=path), a)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the PTX unpacking runs on the GPU only")
+@pytest.mark.gpu  # the PTX unpacking
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_unpackings_agree(dtype):
     """Inline-PTX lop3 and the plain ops produce the same bits, so the outputs are identical."""
@@ -169,7 +169,7 @@ def test_unpackings_agree(dtype):
     assert torch.equal(run(a, unpack=0), run(a, unpack=1))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="split-K races only show on the GPU")
+@pytest.mark.gpu  # split-K races only show on the GPU
 def test_split_k_repeatable_on_gpu():
     """Many programs racing for the per-tile counters: every call must give the same bits (fixed sum order)."""
     a = make(24, 4096, 4096, 128, torch.float16, seed=9, device=DEVICE)
@@ -180,7 +180,7 @@ def test_split_k_repeatable_on_gpu():
         assert torch.equal(run(a, config=cfg), first)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="compiles kernels: GPU only")
+@pytest.mark.gpu  # compiles kernels
 def test_warmup_then_pick_config():
     calls = gemm_mod.warmup([(256, 128)], 128, torch.float16, DEVICE, max_m=100)
     assert calls == 4  # buckets 16, 32, 64, 128
@@ -189,11 +189,7 @@ def test_warmup_then_pick_config():
 
 
 def _sweep_configs(M: int, N: int, K: int) -> list[Config]:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from benches.w4a16 import gemm_sweep_configs
+    from scripts.benches.w4a16 import gemm_sweep_configs
 
     return gemm_sweep_configs(M, N, K)
 

@@ -2,12 +2,12 @@
 
 On CPU both kernels run under TRITON_INTERPRET=1 at small odd shapes: "fma" (M in {1, 3, 8}, groups
 32/64/128, fp16/bf16, bias, partial tiles, split-K) and "mma" (G = 128: row counts that are not a multiple
-of the row tile, split-K ranges of unequal length, 1-8 groups per K step, 1-2 row tiles per warp), the fused
-residual/norm epilogue, the normalising prologue and the SwiGLU epilogue; the PTX unpacking blocks are
-checked bit for bit by a small emulator. On CUDA the same cases run with both nibble unpackings (plain
-shifts, and the PTX that is the GPU default), plus Llama-3-8B layer shapes (M = 1, 2, 8, fp16/bf16) with the
-launcher's own configs (gemv_config), every config of the bench sweep at one real shape, split-K
-determinism and CUDA-graph replay.
+of the row tile, split-K ranges of unequal length, 1-8 groups per K step, 1-2 row tiles per warp), the
+`kernel` choice; the PTX unpacking blocks are checked bit for bit by a small emulator. On CUDA the same cases
+run with both nibble unpackings (plain shifts, and the PTX that is the GPU default), plus Llama-3-8B layer
+shapes (M = 1, 2, 8, fp16/bf16) with the launcher's own configs (gemv_config), a few configs of the bench
+sweep at one real shape, split-K determinism and CUDA-graph replay. The fused epilogues have their own files:
+test_w4a16_gemv_norm.py, test_w4a16_gemv_silu.py, test_w4a16_gemv_rope.py.
 """
 
 import os
@@ -20,9 +20,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from _w4_check import LLAMA3_8B, assert_nearly_equal, assert_w4_close, make, poisoned  # noqa: E402
+from _w4_check import LLAMA3_8B, assert_w4_close, make, poisoned  # noqa: E402
 
-from csrc_triton import w4a16_gemv as gemv_mod  # noqa: E402
+from csrc_triton import _w4a16_gemv_operands as operands  # noqa: E402
 from csrc_triton.w4a16_gemv import (INTERPRET_CONFIG, INTERPRET_MMA_CONFIG, gemv_config,  # noqa: E402
                                     groups_per_step, w4a16_gemv, w4a16_gemv_ref)
 
@@ -113,6 +113,32 @@ def test_default_config_picks_the_mma_kernel_for_groups_of_128():
     assert gemv_config(1, 576, 576, 128)["kernel"] == "fma"  # K not a multiple of 128
 
 
+def test_kernel_argument_picks_the_form():
+    """kernel="fma" keeps a shape the table or the rule gives the mma kernel on the fma kernel; "mma" takes the
+    tensor cores where mma_ok allows and falls back to fma elsewhere; "auto" is the table's choice."""
+    table = gemv_config(1, 4096, 4096, 128)
+    assert gemv_config(1, 4096, 4096, 128, kernel="auto") == gemv_config(1, 4096, 4096, 128, kernel="mma") == table
+    for shape in ((1, 4096, 4096), (1, 1000, 2048), (3, 300, 256)):  # in the table, the mma rule, the rule at M 3
+        assert gemv_config(*shape, 128, kernel="fma")["kernel"] == "fma"
+        assert gemv_config(*shape, 128, kernel="mma")["kernel"] == "mma"
+    assert gemv_config(1, 4096, 4096, 64, kernel="mma")["kernel"] == "fma"  # no mma form for groups of 64
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        gemv_config(1, 4096, 4096, 128, kernel="tensor")
+
+
+@pytest.mark.parametrize("kernel", ["fma", "mma"])
+def test_kernel_argument_reaches_the_launch(kernel):
+    """Without a pinned config the launcher runs the form `kernel` asks for (the interpreter's tiles on CPU): both
+    give the W4 product, and the fma one equals a call pinned to the fma config."""
+    a = make(2, 64, 256, 128, torch.float16, seed=13, bias=True, device=DEVICE)
+    y = run(a, kernel=kernel)
+    assert_w4_close(y, a)
+    if kernel == "fma" and not ON_GPU:
+        assert torch.equal(y, run(a, config=FMA))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        run(a, kernel="tensor")
+
+
 # -- the PTX unpacking, emulated -----------------------------------------------------------------------------
 def _f16(bits: int) -> float:
     return struct.unpack("<e", struct.pack("<H", bits))[0]
@@ -125,7 +151,7 @@ def _bf16(bits: int) -> float:
 def _emulate(asm: str, word: int) -> dict[int, int]:
     """Runs one of _magic_asm's PTX blocks on an unsigned 32-bit word: {output index: 16-bit pattern or
     fp32 value}. Knows exactly the instructions the blocks use; anything else fails the test. The "pairs"
-    blocks (word in $4) write 32-bit $0..$3, which _magic_planes splits with _word_halves: the low half is
+    blocks (word in $4) write 32-bit $0..$3, which magic_planes splits with _word_halves: the low half is
     output i, the high half output i + 4."""
     pairs = "$8" not in asm
     regs, out = {"$4" if pairs else "$8": word}, {}
@@ -158,7 +184,7 @@ def _emulate(asm: str, word: int) -> dict[int, int]:
 @pytest.mark.parametrize("which", ["f32", "f16", "bf16"])
 def test_magic_asm_bits(which):
     """Each PTX block turns nibble i of a word into exactly v_i = m_i + q_i u, as the interpreter path does."""
-    asm = {"f32": gemv_mod._MAGIC_F32, "f16": gemv_mod._MAGIC_F16, "bf16": gemv_mod._MAGIC_BF16}[which].value
+    asm = {"f32": operands.MAGIC_F32, "f16": operands.MAGIC_F16, "bf16": operands.MAGIC_BF16}[which].value
     u, m_odd = (0.125, 16.0) if which == "bf16" else (1 / 64, 1.0)
     gen = torch.Generator().manual_seed(0)
     words = [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98] + torch.randint(0, 2**32, (60,), generator=gen).tolist()
@@ -172,7 +198,7 @@ def test_magic_asm_bits(which):
 
 
 # -- GPU: real shapes, the sweep's configs, split-K determinism, CUDA graphs ------------------------------------
-@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
+@pytest.mark.gpu  # real shapes: too slow for the interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 2, 8])
 @pytest.mark.parametrize("K,N", LLAMA3_8B)
@@ -183,11 +209,7 @@ def test_llama3_8b_shapes(K, N, M, dtype):
 
 
 def _bench_module():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from benches import w4a16
+    from scripts.benches import w4a16
 
     return w4a16
 
@@ -196,12 +218,12 @@ def _sweep_configs() -> list[dict]:
     return _bench_module().gemv_sweep_configs(4096, 4096)
 
 
-def test_sweep_tiles_from_the_environment(monkeypatch):
-    """TINYVILA_W4_SWEEP_TILES: 4-5 numbers per tile; the register cap reaches the configs, and the table's own
+def test_sweep_tiles_from_the_flag():
+    """--w4-sweep-tiles: 4-5 numbers per tile; the register cap reaches the configs, and the table's own
     config (the same tile at split 1) is timed once."""
     bench = _bench_module()
-    monkeypatch.setenv(bench.GEMV_TILES_ENV, "4,64,8,3;4,64,8,3,168;8,128,2,3,0")
-    cfgs = bench.gemv_sweep_configs(28672, 4096)
+    tiles = bench.gemv_sweep_tiles("4,64,8,3;4,64,8,3,168;8,128,2,3,0")
+    cfgs = bench.gemv_sweep_configs(28672, 4096, tiles=tiles)
     names = [bench.gemv_config_name(c) for c in cfgs]
     # 448 row blocks of 64 rows: k4 would be > 8 programs per SM; 224 blocks of 128 rows: k8 would
     assert names == ["mma w4 n64 g8 s3 k1", "mma w4 n64 g8 s3 k2",
@@ -211,21 +233,24 @@ def test_sweep_tiles_from_the_environment(monkeypatch):
     assert cfgs[2] == {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 8,
                        "maxnreg": 168}
     for bad in ("4,128,4,3,1", "4,128,4,3,1,0", "4,128,4"):  # the removed 5-9 number form (chains, ...); too few
-        monkeypatch.setenv(bench.GEMV_TILES_ENV, bad)
         with pytest.raises(ValueError, match="warps,rows"):
-            bench.gemv_sweep_tiles()
+            bench.gemv_sweep_tiles(bad)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="compiles every sweep config: GPU only")
-def test_every_sweep_config():
-    """Every config the bench sweep times gives the right answer at a real shape (M = 1, fp16, no bias: the
-    sweep's own compiled variants, so after a sweep this reuses Triton's cache)."""
+@pytest.mark.gpu  # compiles each config it checks
+def test_sweep_configs():
+    """Configs the bench sweep times give the right answer at a real shape (M = 1, fp16, no bias): the
+    launcher's pick and, for each warp count, the sweep's last config (widest tile, largest split, the register
+    cap). A few, not all 33: each is a compile, and the sweep checks every config against the dequant path
+    before timing it."""
     a = make(1, 4096, 4096, 128, torch.float16, seed=1, device=DEVICE)
-    for cfg in _sweep_configs():
+    configs = _sweep_configs()
+    last = {cfg["num_warps"]: cfg for cfg in configs}
+    for cfg in [configs[0], *last.values()]:
         assert_w4_close(run(a, config=cfg), a)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="GPU only")
+@pytest.mark.gpu
 def test_split_k_is_deterministic():
     a = make(1, 4096, 14336, 128, torch.float16, seed=3, device=DEVICE)
     cfg = {**gemv_config(1, 4096, 14336, 128), "SPLIT_K": 8}
@@ -234,7 +259,7 @@ def test_split_k_is_deterministic():
     assert_w4_close(y1, a)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="GPU only")
+@pytest.mark.gpu
 def test_cuda_graph_replay():
     """One eager call (compiles, grows the split-K workspace), then capture; replays follow new inputs."""
     a = make(1, 6144, 4096, 128, torch.float16, seed=5, device=DEVICE)
@@ -274,144 +299,3 @@ def test_bad_inputs_are_clear_errors():
             w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, removed: 1})
     with pytest.raises(ValueError, match="TRIGGER=3"):
         w4a16_gemv(x, a["qweight"], a["scales"], a["zeros"], config={**MMA, "TRIGGER": 3})
-
-
-# -- the fused residual/norm epilogue (w4a16_gemv_norm) and the normalising prologue (prenorm) ---------------
-def _norm_inputs(M, N, dtype, seed, device=DEVICE):
-    g = torch.Generator(device).manual_seed(seed)
-    res = (torch.randn(M, N, generator=g, device=device) * 2).to(dtype)
-    gamma = (1 + 0.3 * torch.randn(N, generator=g, device=device)).to(dtype)
-    return res, gamma
-
-
-NORM_CONFIGS = [("fma", 64, FMA), ("mma", 128, MMA), ("mma split", 128, {**MMA, "SPLIT_K": 2})]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 3, 8])
-@pytest.mark.parametrize("name,G,cfg", NORM_CONFIGS, ids=[c[0] for c in NORM_CONFIGS])
-def test_norm_epilogue(name, G, cfg, M, dtype):
-    """h = residual + y is PyTorch's add of the plain GEMV's rounded output (exact for fp16; bf16 within the
-    interpreter's truncating cast of the plain store), xg = gamma * h exactly, and the partial sums of h^2
-    cover exactly the N columns (N = 200 leaves a partial row block whose wrapped rows must not count)."""
-    a = make(M, 200, 256, G, dtype, seed=M * 7 + G, device=DEVICE)
-    res, gamma = _norm_inputs(M, 200, dtype, seed=M)
-    h, xg, part = gemv_mod.w4a16_gemv_norm(a["x"], a["qweight"], a["scales"], a["zeros"], None, res, gamma, config=cfg)
-    y = w4a16_gemv(a["x"], a["qweight"], a["scales"], a["zeros"], config=cfg)
-    h_ref = (res.float() + y.float()).to(dtype)
-    if dtype == torch.float16 or ON_GPU:
-        assert torch.equal(h, h_ref)
-    else:
-        torch.testing.assert_close(h.float(), h_ref.float(), rtol=0, atol=2 ** -6 * h_ref.abs().max().item())
-    assert torch.equal(xg, (gamma.float() * h.float()).to(dtype))
-    block_n = cfg.get("BLOCK_N", 16 * cfg["num_warps"])
-    assert part.shape == (-(-200 // block_n), 8) and part.dtype == torch.float32
-    torch.testing.assert_close(part.sum(0)[:M], h.float().pow(2).sum(-1), rtol=1e-5, atol=0)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 3, 8])
-@pytest.mark.parametrize("name,G,cfg", NORM_CONFIGS, ids=[c[0] for c in NORM_CONFIGS])
-def test_prenorm_chain_equals_rms_norm_then_gemv(name, G, cfg, M, dtype):
-    """A producer (w4a16_gemv_norm) then a consumer with prenorm: the consumer's output is the GEMV of
-    RMSNorm(h) * gamma, within the W4 tolerance plus the roundings that move (x rounded as gamma * h instead
-    of as norm(h) * gamma), and equals its own reference (w4a16_gemv_ref with the same partial sums)."""
-    a = make(M, 256, 256, G, dtype, seed=M + G, device=DEVICE)
-    b = make(M, 96, 256, G, dtype, seed=M + G + 1, bias=True, device=DEVICE)
-    res, gamma = _norm_inputs(M, 256, dtype, seed=M + 100)
-    h, xg, part = gemv_mod.w4a16_gemv_norm(a["x"], a["qweight"], a["scales"], a["zeros"], None, res, gamma, config=cfg)
-    eps = 1e-5
-    y = w4a16_gemv(xg, b["qweight"], b["scales"], b["zeros"], b["bias"], config=cfg, prenorm=(part, eps))
-    own = w4a16_gemv_ref(xg, b["qweight"], b["scales"], b["zeros"], b["bias"], prenorm=(part, eps))
-    ulp = {torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
-    torch.testing.assert_close(y.float(), own.float(), rtol=0, atol=4 * ulp * own.abs().max().item())
-    hf = h.float()
-    normed = ((hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype).float() * gamma.float()).to(dtype)
-    assert_w4_close(y, {**b, "x": normed})
-
-
-def test_prenorm_and_norm_reject_bad_arguments():
-    a = make(2, 64, 256, 128, torch.float16, seed=5, device=DEVICE)
-    args = (a["x"], a["qweight"], a["scales"], a["zeros"])
-    res, gamma = _norm_inputs(2, 64, torch.float16, seed=1)
-    with pytest.raises(ValueError, match="residual must be"):
-        gemv_mod.w4a16_gemv_norm(*args, None, res[:1], gamma)
-    with pytest.raises(ValueError, match="gamma must be"):
-        gemv_mod.w4a16_gemv_norm(*args, None, res, gamma.float())
-    with pytest.raises(ValueError, match="partial sums must be"):
-        w4a16_gemv(*args, prenorm=(torch.zeros(4, 4, device=DEVICE), 1e-5))
-
-
-@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 8])
-@pytest.mark.parametrize("producer,consumer", [((4096, 4096), (4096, 28672)), ((14336, 4096), (4096, 6144))],
-                         ids=["o->gate_up", "down->qkv"])
-def test_llama3_8b_norm_chain(producer, consumer, M, dtype):
-    """The decode chain at Llama-3-8B shapes with the launcher's configs (down runs split-K: its epilogue is
-    the last-arriving program's): o -> gate_up and down -> next layer's qkv."""
-    a = make(M, producer[1], producer[0], 128, dtype, seed=M + producer[0], device=DEVICE)
-    b = make(M, consumer[1], consumer[0], 128, dtype, seed=M + consumer[1], device=DEVICE)
-    res, gamma = _norm_inputs(M, producer[1], dtype, seed=M)
-    h, xg, part = gemv_mod.w4a16_gemv_norm(a["x"], a["qweight"], a["scales"], a["zeros"], None, res, gamma)
-    y = w4a16_gemv(a["x"], a["qweight"], a["scales"], a["zeros"])
-    assert torch.equal(h, (res.float() + y.float()).to(dtype))
-    assert torch.equal(xg, (gamma.float() * h.float()).to(dtype))
-    torch.testing.assert_close(part.sum(0)[:M], h.float().pow(2).sum(-1), rtol=1e-5, atol=0)
-    out = w4a16_gemv(xg, b["qweight"], b["scales"], b["zeros"], prenorm=(part, 1e-5))
-    hf = h.float()
-    normed = ((hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float() * gamma.float()).to(dtype)
-    assert_w4_close(out, {**b, "x": normed})
-
-
-SILU_CONFIGS = [("mma", MMA), ("mma split", {**MMA, "SPLIT_K": 2}), ("mma 2 tiles per warp", {**MMA, "BLOCK_N": 128})]
-
-
-@pytest.mark.parametrize("prenorm", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 3, 8])
-@pytest.mark.parametrize("name,cfg", SILU_CONFIGS, ids=[c[0] for c in SILU_CONFIGS])
-def test_silu_epilogue_equals_gemv_then_silu_mul(name, cfg, M, dtype, prenorm):
-    """w4a16_gemv_silu = the silu_mul kernel on the plain GEMV's output (the same SwiGLU code, so the same
-    exponentials also under the interpreter): bit for bit on the GPU. Under the interpreter tl.dot is numpy's
-    matmul, whose fp32 sum for a row depends on the row's place in the tile on some hosts (OpenBLAS's AVX-512
-    kernels, seen on a session-9 machine), and the fused tile places the gate and up rows elsewhere than the
-    plain GEMV's: there fp16 is held to _w4_check.assert_nearly_equal; bf16 (whose plain interpreter store
-    truncates) to a looser bound."""
-    from csrc_triton.silu_mul import silu_mul
-
-    a = make(M, 256, 256, 128, dtype, seed=M * 3 + 1, device=DEVICE)
-    args = (a["x"], a["qweight"], a["scales"], a["zeros"])
-    gen = torch.Generator(DEVICE).manual_seed(M)
-    pn = (torch.rand(3, 8, device=DEVICE, generator=gen) * 300, 1e-5) if prenorm else None
-    y = gemv_mod.w4a16_gemv_silu(*args, config=cfg, prenorm=pn)
-    ref = silu_mul(w4a16_gemv(*args, config=cfg, prenorm=pn))
-    assert y.shape == (M, 128)
-    if ON_GPU:
-        assert torch.equal(y, ref)
-    elif dtype == torch.float16:
-        assert_nearly_equal(y, ref)
-    else:
-        torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6 * ref.abs().max().item())
-
-
-def test_silu_ok_and_rejects():
-    assert gemv_mod.silu_ok(256, 256, 128, MMA) and not gemv_mod.silu_ok(256, 256, 128, FMA)
-    assert not gemv_mod.silu_ok(2 * 80, 256, 128, MMA)  # F = 80 is not whole half-tiles of 32 rows
-    a = make(1, 160, 256, 128, torch.float16, seed=9, device=DEVICE)
-    with pytest.raises(ValueError, match="w4a16_gemv_silu needs"):
-        gemv_mod.w4a16_gemv_silu(a["x"], a["qweight"], a["scales"], a["zeros"], config=MMA)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 2, 8])
-def test_llama3_8b_gate_up_silu(M, dtype):
-    """The launcher's gate/up config (28672 x 4096) ends in SwiGLU, bit for bit the two launches it replaces."""
-    from csrc_triton.silu_mul import silu_mul
-
-    a = make(M, 28672, 4096, 128, dtype, seed=M + 77, device=DEVICE)
-    args = (a["x"], a["qweight"], a["scales"], a["zeros"])
-    assert gemv_mod.silu_ok(28672, 4096, 128, gemv_config(M, 28672, 4096, 128))
-    pn = (torch.rand(64, 8, device=DEVICE) * 50, 1e-5)
-    assert torch.equal(gemv_mod.w4a16_gemv_silu(*args, prenorm=pn), silu_mul(w4a16_gemv(*args, prenorm=pn)))

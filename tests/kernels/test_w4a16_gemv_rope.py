@@ -1,16 +1,16 @@
-"""csrc_triton.w4a16_gemv.w4a16_gemv_rope (RoPE + KV-cache write in the qkv GEMV's epilogue) against the two
-launches it replaces: w4a16_gemv (same config), then csrc_triton.rope_qkv.rope_qkv on its output.
+"""csrc_triton.w4a16_gemv_rope (RoPE + KV-cache write in the qkv GEMV's epilogue) against the two launches it
+replaces: w4a16_gemv (same config), then csrc_triton.rope_qkv.rope_qkv on its output; and against its reference.
 
 Bit for bit: q, the k/v caches and the second (packed) pair, at the given slots; the caches are poisoned with NaN
 so a missing or misplaced write fails, and their other slots must stay NaN. Both sides store the GEMV's value
 with the same cast (under the interpreter a bf16 cast truncates, on both sides). RoPE's arithmetic: under the
 interpreter both run rope_qkv.rope_halves; on the GPU the epilogue runs the FMA form rope_halves compiles to in
-rope_qkv (w4a16_gemv._rope_halves_as_rope_qkv), which the interpreter cannot check: the GPU cases below do,
+rope_qkv (_w4a16_gemv_epilogue._rope_halves_as_rope_qkv), which the interpreter cannot check: the GPU cases below do,
 at the launcher's tile and other one-tile-per-warp tiles (two 16-row tiles per warp are refused by rope_ok).
 CPU: the interpreter at small shapes (H 4, Hkv 2, D 64/128, K 256/512, M 1 and 3, T 1 and 3,
 fp16/bf16, bias, prenorm, second pair, split-K, 1 or 2 programs per head). CUDA: Llama-3-8B's qkv (H 32, Hkv 8,
 D 128, K 4096) with the launcher's own config and with other configs rope_ok accepts, and a CUDA-graph replay with
-the slot advanced. Also the decoder's wiring (ops.FUSED_ROPE_GEMV in Block.forward_fused) through ops' PyTorch
+the slot advanced. Also the decoder's wiring (Options.fused_rope_gemv in decode_step.block_fused) through ops' PyTorch
 forms on CPU.
 """
 
@@ -21,9 +21,10 @@ import torch
 from _w4_check import assert_nearly_equal, make
 from conftest import DEVICE, ON_GPU
 
-from csrc_triton import w4a16_gemv as gemv_mod
+from csrc_triton import w4a16_gemv_rope as rope_mod
 from csrc_triton.rope_qkv import rope_qkv
-from csrc_triton.w4a16_gemv import INTERPRET_CONFIG, INTERPRET_MMA_CONFIG, w4a16_gemv, w4a16_gemv_rope
+from csrc_triton.w4a16_gemv import INTERPRET_CONFIG, INTERPRET_MMA_CONFIG, gemv_config, w4a16_gemv
+from csrc_triton.w4a16_gemv_rope import rope_ok, w4a16_gemv_rope, w4a16_gemv_rope_ref
 
 MMA, FMA = INTERPRET_MMA_CONFIG, INTERPRET_CONFIG
 S = 11  # cache slots
@@ -109,13 +110,30 @@ def test_rope_epilogue_equals_gemv_then_rope_qkv(B, T, D, K, bias, prenorm, seco
     assert_same(mine, ref, slots, rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_matches_reference_closely(dtype):
+    """The kernel (no rounding of w) and w4a16_gemv_rope_ref (w rounded to the dtype, then rope_qkv_ref) differ by
+    the GEMV's rounding only, carried through RoPE: q and the written cache rows close, the same slots written."""
+    H, Hkv, D, B, T = 4, 2, 64, 1, 3
+    a, cos, sin, slots, rows, poison, pn = setup(B, T, H, Hkv, D, 256, dtype, True, True, True, seed=17)
+    args = (a["x"], a["qweight"], a["scales"], a["zeros"], a["bias"], cos, sin)
+    mine, ref = [c.clone() for c in poison], [c.clone() for c in poison]
+    q = w4a16_gemv_rope(*args, mine[0], mine[1], slots, H, Hkv, second=(mine[2], mine[3], rows), prenorm=pn,
+                        config=MMA)
+    q_ref = w4a16_gemv_rope_ref(*args, ref[0], ref[1], slots, H, Hkv, second=(ref[2], ref[3], rows), prenorm=pn)
+    for x, r in zip([q, *mine], [q_ref, *ref]):
+        assert x.shape == r.shape and torch.equal(x.isnan(), r.isnan())
+        w = ~r.isnan()
+        torch.testing.assert_close(x[w], r[w], rtol=2e-2, atol=2e-2 * r[w].abs().max().item())
+
+
 def test_rope_ok_and_rejects():
-    assert gemv_mod.rope_ok(1024, 256, 128, MMA, 128) and gemv_mod.rope_ok(512, 256, 128, MMA, 64)
-    assert not gemv_mod.rope_ok(1024, 256, 128, FMA, 128)  # the fma kernel has no row map
-    assert not gemv_mod.rope_ok(8 * 48, 256, 128, MMA, 48)  # D / 2 = 24 is not whole half-tiles of 32 rows
-    assert not gemv_mod.rope_ok(1024, 256, 128, {**MMA, "BLOCK_N": 128}, 64)
+    assert rope_ok(1024, 256, 128, MMA, 128) and rope_ok(512, 256, 128, MMA, 64)
+    assert not rope_ok(1024, 256, 128, FMA, 128)  # the fma kernel has no row map
+    assert not rope_ok(8 * 48, 256, 128, MMA, 48)  # D / 2 = 24 is not whole half-tiles of 32 rows
+    assert not rope_ok(1024, 256, 128, {**MMA, "BLOCK_N": 128}, 64)
     for bn, w in ((128, 4), (64, 2), (32, 1)):  # two 16-row tiles per warp: refused (rope_ok's docstring)
-        assert not gemv_mod.rope_ok(6144, 4096, 128, {**MMA, "BLOCK_N": bn, "num_warps": w}, 128)
+        assert not rope_ok(6144, 4096, 128, {**MMA, "BLOCK_N": bn, "num_warps": w}, 128)
     H, Hkv, D = 4, 2, 32
     a, cos, sin, slots, rows, poison, pn = setup(1, 1, H, Hkv, D, 256, torch.float16, False, False, False, seed=5)
     args = (a["x"], a["qweight"], a["scales"], a["zeros"], a["bias"])
@@ -127,7 +145,7 @@ def test_rope_ok_and_rejects():
         w4a16_gemv_rope(*args, cos, sin, poison[0][:, :1], poison[1], slots, H, Hkv, config=MMA)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
+@pytest.mark.gpu  # real shapes: too slow for the interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,T,bias,second", [(1, 1, False, True), (1, 1, True, False), (2, 1, False, True),
                                               (8, 1, True, True), (2, 3, False, False)])
@@ -135,15 +153,15 @@ def test_llama3_8b_qkv(B, T, bias, second, dtype):
     """Llama-3-8B's qkv (6144 x 4096, H 32, Hkv 8, D 128) with the launcher's config: torch.equal to the GEMV
     followed by the rope_qkv kernel, prenorm on (the decode chain's form)."""
     H, Hkv, D = 32, 8, 128
-    cfg = gemv_mod.gemv_config(B * T, 6144, 4096, 128)
-    assert gemv_mod.rope_ok(6144, 4096, 128, cfg, D)
+    cfg = gemv_config(B * T, 6144, 4096, 128)
+    assert rope_ok(6144, 4096, 128, cfg, D)
     a, cos, sin, slots, rows, poison, _ = setup(B, T, H, Hkv, D, 4096, dtype, bias, False, second, seed=B + 40)
     pn = (torch.rand(64, 8, device=DEVICE) * 50, 1e-5)
     mine, ref = both(a, cos, sin, slots, rows, poison, pn, H, Hkv, cfg, B, T)
     assert_same(mine, ref, slots, rows)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="real shapes need a GPU (the interpreter is too slow)")
+@pytest.mark.gpu  # real shapes: too slow for the interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("M", [3, 8])
 @pytest.mark.parametrize("tile", [(128, 8), (32, 2), (64, 4)], ids=lambda t: f"BN{t[0]}w{t[1]}")
@@ -151,17 +169,17 @@ def test_llama3_8b_qkv_other_configs(tile, M, dtype):
     """Llama-3-8B's qkv under other configs rope_ok accepts (one 16-row tile per warp; one or four programs a
     head) besides the launcher's BLOCK_N 64 with 4 warps, M >= 3. Two tiles per warp (BLOCK_N = 32 num_warps),
     refused by rope_ok, is where the epilogue's x1 and x2 reached RoPE through different layout conversions and
-    came out 1 ulp off (session 7: fp16 and bf16 before the FMA form, 2 of 32768 bf16 values at M 8 after)."""
+    came out 1 ulp off (fp16 and bf16 before the FMA form, 2 of 32768 bf16 values at M 8 after)."""
     H, Hkv, D = 32, 8, 128
     cfg = {"kernel": "mma", "BLOCK_N": tile[0], "num_warps": tile[1], "STAGES": 3, "SPLIT_K": 1, "GPS": 8}
-    assert gemv_mod.rope_ok(6144, 4096, 128, cfg, D)
+    assert rope_ok(6144, 4096, 128, cfg, D)
     a, cos, sin, slots, rows, poison, _ = setup(M, 1, H, Hkv, D, 4096, dtype, False, False, True, seed=M + 60)
     pn = (torch.rand(64, 8, device=DEVICE) * 50, 1e-5)
     mine, ref = both(a, cos, sin, slots, rows, poison, pn, H, Hkv, cfg, M, 1)
     assert_same(mine, ref, slots, rows)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs
 def test_cuda_graph_replay_reads_the_slot():
     """Captured once, replayed with the slot and row tensors advanced in place: each replay writes its slot."""
     H, Hkv, D, dtype = 32, 8, 128, torch.float16
@@ -215,9 +233,9 @@ def _decode(model, fused_rope: bool, monkeypatch, steps: int = 3):
     """Prefill 10 tokens, `steps` greedy decode steps on the fused norm chain -> (logits, w4a16_linear_rope calls)."""
     from tinyvila import ops
     from tinyvila.generate import Decoder
+    from tinyvila.options import Options
 
-    monkeypatch.setattr(ops, "FUSED_NORM_GEMV", "on")
-    monkeypatch.setattr(ops, "FUSED_ROPE_GEMV", fused_rope)
+    model.set_options(Options(fused_norm_gemv="on", fused_rope_gemv=fused_rope))
     calls = _count_calls(monkeypatch, ops, "w4a16_linear_rope")
     text = model.text
     dec = Decoder(text, cuda_graph=False)
@@ -231,27 +249,28 @@ def _decode(model, fused_rope: bool, monkeypatch, steps: int = 3):
 
 
 def test_decoder_takes_the_rope_op_when_switched_on(w4_model, monkeypatch):
-    """Block.forward_fused with ops.FUSED_ROPE_GEMV: every layer's qkv goes through ops.w4a16_linear_rope with
-    the step's cache targets; on CPU its PyTorch form is the unfused pair, so the logits are the same bits."""
+    """decode_step.block_fused: every layer's qkv goes through ops.w4a16_linear_rope with the step's cache
+    targets, which with Options.fused_rope_gemv off falls back to the GEMV then rope_qkv; on CPU both forms are
+    that pair, so the logits are the same bits."""
     plain, n_plain = _decode(w4_model, False, monkeypatch)
     fused, n_fused = _decode(w4_model, True, monkeypatch)
-    assert n_plain == 0 and n_fused == 3 * w4_model.cfg.text.n_layers
+    assert n_plain == n_fused == 3 * w4_model.cfg.text.n_layers
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the fused kernel path needs a GPU")
+@pytest.mark.gpu  # the fused kernel path
 @pytest.mark.parametrize("name", ["tiny-siglip-llama", "tiny-clip-qwen2"])  # Qwen2: the qkv bias
 def test_graph_decode_same_logits_with_rope_in_the_gemv(name, monkeypatch):
     """A W4 (G 128) fp16 decoder widened so that the qkv GEMV can end in RoPE (K 256, D 64): CUDA-graph decode
-    steps give the same logits bits with ops.FUSED_ROPE_GEMV on (the kernel path really taken) as off."""
-    from tinyvila import ops
+    steps give the same logits bits with Options.fused_rope_gemv on (the kernel path really taken) as off."""
+    from tinyvila.options import Options, set_options
 
     text = _tiny_w4_text(name)
-    calls = _count_calls(monkeypatch, gemv_mod, "w4a16_gemv_rope")
+    calls = _count_calls(monkeypatch, rope_mod, "w4a16_gemv_rope")
     out = {}
     for on in (False, True):
-        monkeypatch.setattr(ops, "FUSED_ROPE_GEMV", on)
+        set_options(text, Options(fused_rope_gemv=on))
         out[on] = _graph_steps(text)
         assert (calls[0] > 0) == on
     for a, b in zip(out[True], out[False]):

@@ -258,14 +258,31 @@ def test_gluon_dispatch_off_the_gpu():
         assert not _wgmma_ok(a, b, c, None)
 
 
-def test_triton_kernels_only_restores_the_dispatch():
-    """The benches' A/B switch turns the Gluon dispatch off inside and restores it after, an exception included."""
+def test_persistent_argument_picks_the_kernel(monkeypatch):
+    """persistent=False keeps the plain kernel where the persistent one runs by default: the 128 x 256 tile of 8
+    SigLIP images on an H200 (its capabilities stubbed, so this runs anywhere)."""
     import csrc_triton.w8a8_gemm as wg
 
-    before = wg.USE_WGMMA
-    with wg.triton_kernels_only():
-        assert wg.USE_WGMMA is False
-    assert wg.USE_WGMMA == before
-    with pytest.raises(RuntimeError), wg.triton_kernels_only():
-        raise RuntimeError
-    assert wg.USE_WGMMA == before
+    monkeypatch.setattr(wg, "device_caps", lambda index: (132, 232448, 9))
+    cuda = torch.device("cuda", 0)
+    assert wg._auto_config(8 * 729, 1152, 1152, cuda, True)["PERSISTENT"]
+    plain = wg._auto_config(8 * 729, 1152, 1152, cuda, True, persistent=False)
+    assert "PERSISTENT" not in plain and (plain["BLOCK_M"], plain["BLOCK_N"]) == (128, 256)
+
+
+def test_wgmma_argument_keeps_the_triton_kernels(monkeypatch):
+    """A call the launcher would send to the Gluon kernel (its checks and kernel stubbed: a persistent config,
+    an sm_90 answer) goes there by default and runs the persistent Triton kernel with wgmma=False."""
+    import csrc_triton.w8a8_gemm as wg
+
+    gw = pytest.importorskip("csrc_triton.w8a8_gemm_wgmma")
+    calls = []
+    monkeypatch.setattr(wg, "_auto_config", lambda M, N, K, device, tma, persistent=True: dict(_persistent_configs()[1]))
+    monkeypatch.setattr(wg, "_wgmma_ok", lambda a, b, c, residual: True)
+    monkeypatch.setattr(gw, "w8a8_gemm_wgmma", lambda *args, **kw: calls.append(kw) or kw["out"].zero_())
+    a, b, a_s, b_s, bias = make(70, 48, 96, seed=13)
+    assert not w8a8_gemm(a, b, a_s, b_s, bias).any()
+    assert [{k: v for k, v in kw.items() if k != "out"} for kw in calls] == [{"pingpong": True}]
+    out = w8a8_gemm(a, b, a_s, b_s, bias, wgmma=False)
+    assert len(calls) == 1
+    torch.testing.assert_close(out, w8a8_gemm_ref(a, b, a_s, b_s, bias), rtol=2e-3, atol=2e-3)

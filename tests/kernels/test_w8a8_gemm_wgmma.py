@@ -9,9 +9,10 @@ import pytest
 import torch
 import triton
 
-ON_HOPPER = (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-             and triton.__version__.startswith("3.6."))
-pytestmark = pytest.mark.skipif(not ON_HOPPER, reason="Gluon wgmma kernel: needs an sm_90 GPU and Triton 3.6")
+TRITON_36 = triton.__version__.startswith("3.6.")  # the Gluon API the kernel is written against
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and TRITON_36
+pytestmark = [pytest.mark.gpu(capability=(9, 0)),  # wgmma is sm_90a: Hopper only
+              pytest.mark.skipif(not TRITON_36, reason="the Gluon wgmma kernel is written for Triton 3.6")]
 
 if ON_HOPPER:
     from csrc_triton.w8a8_gemm import w8a8_gemm
@@ -65,10 +66,7 @@ def test_matches_reference_and_triton(M, N, K, form):
 
 
 def _triton(a, b, a_s, b_s, bias, res):
-    from csrc_triton.w8a8_gemm import triton_kernels_only
-
-    with triton_kernels_only():
-        return w8a8_gemm(a, b, a_s, b_s, bias, residual=res)
+    return w8a8_gemm(a, b, a_s, b_s, bias, residual=res, wgmma=False)
 
 
 @pytest.mark.parametrize("pingpong", [False, True])
@@ -117,8 +115,9 @@ def test_ok():
 
 def test_dispatch_by_k(monkeypatch):
     """w8a8_gemm sends its persistent-config calls to the Gluon kernel in the form measured fastest there
-    (csrc_triton/w8a8_gemm.py, USE_WGMMA): ping-pong at K <= PINGPONG_MAX_K with or without a residual, the
-    256 x 128 form at longer K with a residual, the Triton kernel at longer K without; same results every way."""
+    (csrc_triton/w8a8_gemm.py, _wgmma_form): ping-pong at K <= PINGPONG_MAX_K with or without a residual, the
+    256 x 128 form at longer K with a residual, the Triton kernel at longer K without, and never with wgmma=False;
+    same results every way."""
     import csrc_triton.w8a8_gemm_wgmma as gw
 
     calls = []
@@ -132,3 +131,4 @@ def test_dispatch_by_k(monkeypatch):
         assert [{k: v for k, v in kw.items() if k != "out"} for kw in calls] == want
         torch.testing.assert_close(with_res, _triton(a, b, a_s, b_s, bias, res), rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(plain, _triton(a, b, a_s, b_s, bias, None), rtol=2e-3, atol=2e-3)
+        assert len(calls) == len(want)  # wgmma=False (_triton) never reached the Gluon kernel

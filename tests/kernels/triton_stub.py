@@ -3,10 +3,8 @@ launch is a Python callable.
 
 With both in place a JITFunction call on CPU tensors runs all of Triton's Python side (binding,
 specialisation, cache key, launch metadata) and ends in the callable instead of cuLaunchKernelEx. Used by
-the prefill-salience bench's --host timing (scripts/benches/prefill_salience.py) and the launch tests
-(tests/kernels/test_prefill_salience_launch.py, tests/kernels/test_launch.py:
-`record_launches`). It sits in scripts/, on the path of every bench, so the
-benches run without tests/; not in scripts/benches/, whose every module bench_kernels.py runs as a bench.
+the launch tests (test_launch.py, test_prefill_salience_launch.py: `record_launches`), which import it
+from this folder (pytest puts a test's folder on the path).
 """
 
 import torch
@@ -76,19 +74,17 @@ def comparable(launch: tuple) -> tuple:
     return name, grid, stream, function, packed, args
 
 
-def check_direct_launch(monkeypatch, launch_module, launches: list, call, name: str) -> int:
-    """`call` once through Triton's dispatch (launch_module.DIRECT_LAUNCH off), then twice with the direct
-    launch on, recording into `launches` (record_launches): asserts that the first of the two goes through
-    dispatch and the second launches directly with the same grid, stream, kernel and arguments as Triton's.
-    Returns the number of launches one call makes."""
-    monkeypatch.setattr(launch_module, "DIRECT_LAUNCH", False)
+def check_direct_launch(launches: list, call, name: str) -> int:
+    """`call(direct=False)` once (every launch through Triton's dispatch), then `call(direct=True)` twice,
+    recording into `launches` (record_launches): asserts that the first of the two goes through dispatch and
+    the second launches directly with the same grid, stream, kernel and arguments as Triton's. Returns the
+    number of launches one call makes."""
     del launches[:]
-    call()
+    call(direct=False)
     via_triton = list(launches)
-    monkeypatch.setattr(launch_module, "DIRECT_LAUNCH", True)
     del launches[:]
-    call()
-    call()
+    call(direct=True)
+    call(direct=True)
     n = len(via_triton)
     assert [v for _, v, *_ in via_triton] == ["triton"] * n, name
     assert [v for _, v, *_ in launches] == ["triton"] * n + ["direct"] * n, name

@@ -1,6 +1,6 @@
 """Vision-only checkpoints: a folder with config.json and model.safetensors holding `vision.*` tensors.
 
-Used for standalone vision encoders (the real DINOv2-small imported by scripts/import_dinov2.py, and
+Used for standalone vision encoders (the real DINOv2-small imported by `quantize.py import-dinov2`, and
 its W8A8 SmoothQuant versions). config.json: {"format": "tinyvila-vision", "vision": VisionConfig,
 "quant": "none" | "w8a8", "dtype": ...}. Tensor names, shapes and dtypes are those of
 `VisionEncoder(cfg, quant)` prefixed with "vision." (docs/checkpoint_format.md), checked before loading.
@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import VisionConfig
-from .errors import CheckpointError
-from .loader import check_tensors
-from .vision import VisionEncoder
+from tinyvila.config import VisionConfig
+from tinyvila.errors import CheckpointError
+from tinyvila.loader import check_tensors
+from tinyvila.vision import VisionEncoder
 
 FORMAT = "tinyvila-vision"
 
@@ -54,7 +54,7 @@ def read_vision_config(folder: str | os.PathLike) -> tuple[VisionConfig, str, st
     """config.json of a vision checkpoint -> (VisionConfig, quant, dtype)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"{path}: not found; build a vision checkpoint with scripts/import_dinov2.py")
+        raise CheckpointError(f"{path}: not found; build a vision checkpoint with `python scripts/quantize.py import-dinov2`")
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a vision-only checkpoint (format {meta.get('format')!r}, want {FORMAT!r})")

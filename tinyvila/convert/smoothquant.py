@@ -6,7 +6,7 @@ w = max over those linears' rows of |W[:, c]|; s = clamp(a^alpha / w^(1-alpha), 
 LN.weight /= s, LN.bias /= s and W[:, c] *= s: exact in float, it moves activation outliers into the
 weights. Done for norm1 -> wqkv and norm2 -> fc1 of every layer (wo and fc2 are quantized unsmoothed).
 Then every linear is quantized per output channel (tinyvila/quant.py's W8A8 format).
-Used by `scripts/quantize.py smoothquant-vision` and scripts/eval_vision_quality.py.
+CLI: `python scripts/quantize.py smoothquant-vision SRC DST`; also used by scripts/eval_vision_quality.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
+from tinyvila.convert.progress import Progress
 from tinyvila.image import preprocess
 from tinyvila.quant import quantize_w8
 from tinyvila.vision import VisionEncoder
+from tinyvila.convert.vision_checkpoint import load_vision, save_vision
 
 DEFAULT_ALPHA = 0.5  # measured on DINOv2-small (docs/benchmarks.md); SmoothQuant's and llm-awq's SigLIP default
 QUANT_LINEARS = ("attn.wqkv", "attn.wo", "mlp.fc1", "mlp.fc2")
@@ -103,39 +105,35 @@ def w8a8_state_dict(enc: VisionEncoder, dtype: torch.dtype | None = None) -> dic
     return out
 
 
-def calibration_batches(files: list[Path], cfg, batch: int = 4):
+def calibration_batches(files: list[Path], cfg, batch: int = 4, progress: Progress | None = None):
     """Preprocessed pixel batches of the files, `batch` images at a time."""
     for i in range(0, len(files), batch):
         yield preprocess([str(f) for f in files[i:i + batch]], cfg)
+        if progress is not None:
+            progress.update(len(files[i:i + batch]))
 
 
 def smoothquant(enc: VisionEncoder, files: list[Path], alpha: float | None = DEFAULT_ALPHA,
-                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                dtype: torch.dtype | None = None, progress: bool = False) -> dict[str, torch.Tensor]:
     """Calibrates `enc` on `files`, smooths it in place with `alpha` and returns its W8A8 `vision.*`
     state dict; alpha=None skips calibration and smoothing (plain round-to-nearest W8A8)."""
     if alpha is not None:
-        smooth(enc, collect_act_scales(enc, calibration_batches(files, enc.cfg)), alpha)
+        bar = Progress(len(files), "calibrate", unit="image") if progress else None
+        try:
+            smooth(enc, collect_act_scales(enc, calibration_batches(files, enc.cfg, progress=bar)), alpha)
+        finally:
+            if bar is not None:
+                bar.close()
     return w8a8_state_dict(enc, dtype)
 
 
-# -- `scripts/quantize.py smoothquant-vision` ------------------------------------------------------------
-def args_smoothquant_vision(p) -> None:
-    p.add_argument("src", type=Path, help="fp32/fp16 vision checkpoint folder (e.g. from scripts/import_dinov2.py)")
-    p.add_argument("dst", type=Path, help="W8A8 vision checkpoint folder to write")
-    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="migration strength in [0, 1]")
-    p.add_argument("--no-smooth", action="store_true", help="plain round-to-nearest W8A8, no calibration")
-    p.add_argument("--calib", type=Path, help="folder of calibration images (default: scikit-image's photos)")
-    p.add_argument("--n-calib", type=int, default=8, help="calibration images used (the first N)")
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
-                   help="storage dtype of the float tensors")
-
-
-def run_smoothquant_vision(a) -> Path:
-    from tinyvila.vision_checkpoint import load_vision, save_vision
-
-    enc = load_vision(a.src, dtype=torch.float32)
+def smoothquant_vision(src: str | Path, dst: str | Path, *, alpha: float | None = DEFAULT_ALPHA,
+                       calib: str | Path | None = None, n_calib: int = 8, dtype: str = "float16") -> Path:
+    """A dense vision checkpoint -> its W8A8 version calibrated on the first `n_calib` images of `calib`
+    (default: the bundled photos); alpha=None is plain round-to-nearest W8A8. Returns `dst`."""
+    enc = load_vision(src, dtype=torch.float32)
     if enc.quant != "none":
-        raise ValueError(f"{a.src}: already quantized ({enc.quant}); start from a dense checkpoint")
-    files = image_files(a.calib)[:a.n_calib]
-    sd = smoothquant(enc, files, None if a.no_smooth else a.alpha, getattr(torch, a.dtype))
-    return save_vision(a.dst, enc.cfg, sd, quant="w8a8", dtype=a.dtype)
+        raise ValueError(f"{src}: already quantized ({enc.quant}); start from a dense checkpoint")
+    files = image_files(calib)[:n_calib]
+    sd = smoothquant(enc, files, alpha, getattr(torch, dtype), progress=True)
+    return save_vision(dst, enc.cfg, sd, quant="w8a8", dtype=dtype)

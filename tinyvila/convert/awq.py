@@ -1,19 +1,17 @@
-"""AWQ and round-to-nearest W4 quantization of a tinyvila LLM (the `awq` subcommand of quantize.py).
+"""AWQ and round-to-nearest W4 quantization of a tinyvila LLM.
 
-    PYTHONPATH=. python scripts/quantize.py awq checkpoints/smollm2-135m checkpoints/smollm2-135m-awq --group-size 64
+    python scripts/quantize.py awq checkpoints/smollm2-135m checkpoints/smollm2-135m-awq --group-size 64
 
 AWQ (Lin et al., as llm-awq / AutoAWQ implement it; ../shared/reference/quant_and_models.md sec. 2),
 block by block on calibration text: per-channel scales searched on a grid of 20 for the layer groups
 attn_norm -> wqkv, v rows of wqkv -> wo (only without GQA), mlp_norm -> w13, up rows of w13 -> w2
 (loss = MSE of the group's output), folded into the preceding norm or rows; then a weight-clipping
-search per linear; then `quant.quantize_w4`. `--method rtn` is the same quantizer without either search.
+search per linear; then `quant.quantize_w4`. `method="rtn"` is the same quantizer without either search.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,9 +19,11 @@ import torch
 import torch.nn as nn
 
 from tinyvila import quant
+from tinyvila.convert.progress import Progress
 from tinyvila.errors import CheckpointError
+from tinyvila.kv_cache import KVCache
 from tinyvila.loader import WEIGHTS, _read_tensors, load_model, read_headers, save_checkpoint
-from tinyvila.text import Block, KVCache, rope_cos_sin
+from tinyvila.text import Block, Pass, rope_cos_sin
 from tinyvila.tokenizer import Tokenizer, load_tokenizer
 
 N_GRID = 20          # scale ratios alpha = 0, 0.05, ..., 0.95 (1.0 is never tried, as in the reference)
@@ -204,7 +204,7 @@ def _capture(block: Block, h: torch.Tensor, cos, sin, cache: KVCache
 
 def _groups(block: Block, inputs: dict, cos, sin, cache: KVCache) -> list[ScaleGroup]:
     H, Hkv, D = block.attn.n_heads, block.attn.n_kv_heads, block.attn.head_dim
-    attn = lambda x: block.attn(x, cos, sin, cache, 0)  # noqa: E731
+    attn = lambda x: block.attn(x, cos, sin, Pass(cache, 0))  # noqa: E731
     groups = [ScaleGroup("attn_norm->wqkv", block.attn_norm, [block.attn.wqkv], inputs["attn.wqkv"], attn)]
     if H == Hkv:  # v rows -> wo only when shapes allow (no GQA), as the reference does
         v_rows = slice((H + Hkv) * D, (H + 2 * Hkv) * D)
@@ -238,32 +238,11 @@ def awq_block(block: Block, h: torch.Tensor, cos, sin, cache: KVCache, G: int, d
 
 
 # -- whole model ---------------------------------------------------------------------------------------------
-class _Progress:
-    def __init__(self, total: int, desc: str):
-        try:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=desc, unit="layer")
-        except ImportError:
-            self.bar = None
-        self.total, self.desc, self.n = total, desc, 0
-
-    def update(self) -> None:
-        self.n += 1
-        if self.bar is not None:
-            self.bar.update()
-        else:
-            print(f"{self.desc}: layer {self.n}/{self.total}", file=sys.stderr)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def quantize_text(text, method: str, G: int, dtype: torch.dtype, tokens: torch.Tensor | None = None,
                   progress: bool = True) -> dict[str, torch.Tensor]:
     """Quantize a dense TextModel (modified in place for AWQ) -> {text.layers.i.<linear>.qweight/scales/
     zeros, text.layers.i.{attn,mlp}_norm.weight (folded)}. tokens (n, T): calibration ids (AWQ only)."""
-    bar = _Progress(len(text.layers), method) if progress else None
+    bar = Progress(len(text.layers), method, unit="layer") if progress else None
     h = cos = sin = cache = None
     if method == "awq":
         with torch.no_grad():
@@ -323,20 +302,3 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, method: str = "awq"
               and p.suffix != ".safetensors" and not p.name.startswith(WEIGHTS)}
     return save_checkpoint(dst, qcfg, sd, extras, overwrite=overwrite)
 
-
-# -- subcommand ---------------------------------------------------------------------------------------------
-def args_awq(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", type=Path, help="dense tinyvila checkpoint (fp16/bf16/fp32; VLM or text-only)")
-    p.add_argument("dst", type=Path, help="W4A16 checkpoint folder to write")
-    p.add_argument("--method", choices=("awq", "rtn"), default="awq", help="awq (default) or round-to-nearest")
-    p.add_argument("--group-size", type=int, choices=quant.W4_GROUP_SIZES, default=128)
-    p.add_argument("--calib", type=Path, help="calibration text file (default: pydoc_data.topics, calib split)")
-    p.add_argument("--n-samples", type=int, default=8, help="calibration sequences (default 8)")
-    p.add_argument("--seqlen", type=int, default=256, help="tokens per calibration sequence (default 256)")
-    p.add_argument("--device", help="where the search runs (default: cuda if available)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing dst")
-
-
-def run_awq(a: argparse.Namespace) -> Path:
-    return quantize_checkpoint(a.src, a.dst, method=a.method, group_size=a.group_size, calib=a.calib,
-                               n_samples=a.n_samples, seqlen=a.seqlen, device=a.device, overwrite=a.overwrite)

