@@ -1,10 +1,10 @@
 """Helpers shared by several kernels of csrc_triton; no kernel of its own.
 
-The interpreter flag (read once, here), device capabilities and TMA alignment, the row-wise int8 quantizer
-that quant_per_token, layer_norm_quant and gelu_quant end with, the packed-W4 argument checks, unpacking and
-dense reference of the W4A16 kernels, the argument checks of rope_qkv and of its fused form in the qkv GEMV,
-and the plain PyTorch W8A8 GEMM that both int8 GEMMs are checked against. Kernel files import shared pieces
-from here (or public helpers of pdl.py, rounding.py, launch.py), never another kernel file's private names.
+The interpreter flag (read once, here), device capabilities and TMA alignment, the row-wise int8 quantizer that
+quant_per_token, layer_norm_quant and gelu_quant end with, the packed-W4 argument checks, unpacking and dense
+reference of the W4A16 kernels, the argument checks of rope_qkv (and its fused qkv GEMV), and the plain PyTorch
+W8A8 GEMM that both int8 GEMMs are checked against. Kernel files import shared pieces from here (or public helpers
+of pdl.py, rounding.py, launch.py), never another kernel file's private names.
 """
 
 from __future__ import annotations
@@ -45,11 +45,10 @@ ROW_MAX_K = 16384  # a row lives in registers; far above any ViT width (so400m M
 def quantize_int8(v):
     """fp32 values already scaled by 127 / amax -> int8 clamp(round_half_even(v), -127, 127).
 
-    Clamping first keeps |v| < 2**22 and keeps the caller's multiply from being contracted into the
-    add below (an FMA would round the unrounded product: another result at near-ties). Adding
-    1.5 * 2**23 rounds to an integer, half to even, in fp32 (the spacing there is exactly 1) and
-    leaves that integer in two's complement in the low mantissa bits, so the low byte is the int8:
-    no float->int conversion instruction, which runs at 1/8 of the FMA rate on NVIDIA GPUs.
+    Clamping first keeps |v| < 2**22 and keeps the caller's multiply from being contracted into the add below (an
+    FMA would round the unrounded product: another result at near-ties). Adding 1.5 * 2**23 rounds to an integer,
+    half to even, in fp32 (the spacing there is exactly 1) and leaves that integer in two's complement in the low
+    mantissa bits, so the low byte is the int8: no float->int conversion (1/8 of the FMA rate on NVIDIA GPUs).
     """
     v = tl.minimum(tl.maximum(v, -127.0), 127.0)
     return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
@@ -57,8 +56,7 @@ def quantize_int8(v):
 
 @triton.jit
 def row_block(ptr, rows, stride, M, K: tl.constexpr, START: tl.constexpr, BLOCK: tl.constexpr):
-    """Columns START .. START + BLOCK of `rows` (ROWS,) as fp32 (ROWS, BLOCK), zeros outside the
-    matrix; with its mask and column offsets (BLOCK,)."""
+    """Columns START .. START + BLOCK of `rows` (ROWS,) as fp32 (ROWS, BLOCK), zeros outside; + mask, offsets."""
     offs = START + tl.arange(0, BLOCK)
     mask = (rows[:, None] < M) & (offs[None, :] < K)
     x = tl.load(ptr + rows[:, None] * stride + offs[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -75,8 +73,7 @@ def row_scales(amax):
 
 @triton.jit
 def per_row(v, ROWS: tl.constexpr):
-    """A per-row value ready to broadcast against (ROWS, BLOCK) tiles: (ROWS, 1), or the scalar itself when
-    ROWS == 1 (see rsum)."""
+    """A per-row value to broadcast against (ROWS, BLOCK) tiles: (ROWS, 1), or the scalar itself if ROWS == 1."""
     if ROWS == 1:
         return v
     else:
@@ -85,10 +82,9 @@ def per_row(v, ROWS: tl.constexpr):
 
 @triton.jit
 def rsum(x, ROWS: tl.constexpr):
-    """Row sums of (ROWS, BLOCK): (ROWS,), or a scalar when ROWS == 1 (the GPU launch). A head and a tail block
-    have different layouts, so their (ROWS,) results do too, and Triton converts between them through shared
-    memory and shuffles wherever they meet (sm_90a, layer_norm_quant K = 1152: ~150 of 830 instructions); a
-    scalar broadcasts into any layout as it is."""
+    """Row sums of (ROWS, BLOCK): (ROWS,), or a scalar when ROWS == 1 (the GPU launch). A head and a tail block have
+    different layouts, so their (ROWS,) results do too, and Triton converts between them through shared memory
+    wherever they meet; a scalar broadcasts into any layout as it is (docs/perf_notes.md)."""
     if ROWS == 1:
         return tl.sum(x)
     else:
@@ -111,23 +107,17 @@ def store_q(y, mask, offs, rows, q_ptr, stride_qm, inv, ROWS: tl.constexpr):
 
 
 def row_meta(K: int, device: torch.device, split: bool | None = None) -> dict:
-    """ROWS per program, BLOCK_K (a power of two <= K) + BLOCK_T (the tail's power of two, 0 if
-    none), num_warps of the row kernels. split=False: one next_pow2(K) block; None: the default (split)."""
+    """ROWS per program, BLOCK_K (a power of two <= K) + BLOCK_T (the tail's power of two, 0 if none), num_warps of
+    the row kernels. split=False: one next_pow2(K) block; None: the default (split)."""
     narrow = K <= 2048
     split = True if split is None else split
     head = 1 << (K.bit_length() - 1) if split else triton.next_power_of_2(K)
     tail = triton.next_power_of_2(K - head) if K > head else 0
     if device.type == "cuda":
-        # One row per program: many small programs per SM hide the load -> reduce -> store latency
-        # chain (the H200 sweep, docs/perf_notes.md W2). These kernels are instruction-bound, not
-        # memory-bound (sm_90 SASS, K=1152: 4 warps a row cost 2.6x the warp-instructions of one warp,
-        # in cross-warp reductions and per-thread overhead), so a row of <= 2048 gets one warp. Wide
-        # rows (gelu_quant's 4304) get 4 warps (one warp would need 255 registers). Every row is a
-        # head + tail (4304 = 4096 + 256, 208 of it live), no padded next_pow2 block: with K a constant
-        # the compiler drops only part of a padded block's dead lanes (sm_90a, 4 warps, K=4304: 48 of 64
-        # elements a thread computed; head + tail: 34), and the instruction count per element falls for
-        # all three row kernels (gelu_quant, layer_norm_quant, quant_per_token; scripts/benches/w8a8.py
-        # --offline-rows). TINYVILA_W8A8_ROW_SWEEP measures the alternatives.
+        # One row per program (many small programs per SM hide the load -> reduce -> store chain). The kernels are
+        # instruction-bound, so a row of <= 2048 gets one warp; wide rows (gelu_quant's 4304) get 4 (one warp would
+        # need 255 registers). Every row is a head + tail, no padded next_pow2 block, whose dead lanes the compiler
+        # drops only in part (docs/perf_notes.md; TINYVILA_W8A8_ROW_SWEEP measures the alternatives).
         return dict(ROWS=1, BLOCK_K=head, BLOCK_T=tail, num_warps=1 if narrow else (4 if head <= 8192 else 8))
     # The interpreter's cost is per program: ~8K elements a program keeps CPU tests fast.
     rows = 1 << (max(1, min(64, 8192 // (head + tail))).bit_length() - 1)  # a power of two
@@ -142,9 +132,8 @@ def launch_meta(K: int, device: torch.device, meta: dict | None = None) -> dict:
 
 def launch_rows(x: torch.Tensor, name: str, meta: dict | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-    """Shared checks/allocation of the row-wise quantizing launchers: x (..., K) -> x2 (M, K),
-    q (M, K) int8, scale (M,) fp32, launch kwargs (`meta` overrides ROWS / num_warps, and SPLIT=False
-    asks for one padded block; benchmarks)."""
+    """Shared checks/allocation of the row-wise quantizing launchers: x (..., K) -> x2 (M, K), q (M, K) int8,
+    scale (M,) fp32, launch kwargs (`meta` overrides ROWS / num_warps; SPLIT=False: one padded block)."""
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"{name}: x must be fp16, bf16 or fp32, got {x.dtype}")
     K = x.shape[-1]
@@ -203,10 +192,9 @@ def check_w4_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     return M, N, K, G
 
 
-# unpack_k_order (q in K order, as fp32) serves w4a16_dequant; the GEMV kernels use their magic planes
-# (csrc_triton/_w4a16_gemv_operands.py). 8 nibbles of one int32 word -> 8 exact fp32 values. Nibbles i and i+4
-# sit at bits 4i and 4i+16, so one shift and one lop3 ((w & 0x000F000F) | 0x64006400) give the fp16 pair
-# (1024 + q_i, 1024 + q_{i+4}); subtracting 1024 in f16x2 is exact, and cvt.f32.f16 widens exactly.
+# unpack_k_order (q in K order, as fp32) serves w4a16_dequant (the GEMVs: _w4a16_gemv_operands.py). Nibbles i and
+# i+4 of a word sit at bits 4i and 4i+16, so one shift and one lop3 ((w & 0x000F000F) | 0x64006400) give the fp16
+# pair (1024 + q_i, 1024 + q_{i+4}); subtracting 1024 in f16x2 is exact, and cvt.f32.f16 widens exactly.
 _UNPACK_ASM = tl.constexpr("""{
 .reg .b32 t, p, m, c;
 .reg .b16 lo, hi;
@@ -253,8 +241,8 @@ def unpack_k_order(words, UNPACK: tl.constexpr):
         q5 = ((words >> 20) & 0xF).to(tl.float32)
         q6 = ((words >> 24) & 0xF).to(tl.float32)
         q7 = ((words >> 28) & 0xF).to(tl.float32)  # arithmetic shift: the mask drops the sign bits
-    # interleave(a, b) puts a at even and b at odd positions of the last axis, so three levels give
-    # position 8 j + i = nibble i of word j, with each thread's values kept in its own registers.
+    # interleave(a, b): a at even, b at odd positions of the last axis; three levels give position 8 j + i = nibble i
+    # of word j, with each thread's values kept in its own registers.
     even = tl.interleave(tl.interleave(q0, q4), tl.interleave(q2, q6))
     odd = tl.interleave(tl.interleave(q1, q5), tl.interleave(q3, q7))
     return tl.interleave(even, odd)
@@ -270,8 +258,8 @@ def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 # -- RoPE + KV-cache write (rope_qkv, w4a16_gemv_rope) -------------------------------------------------------------
 def check_rope_qkv(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads) -> int:
-    """Validates rope_qkv's arguments (metadata only: no device sync); returns D. qkv may be a stand-in with
-    the GEMV output's shape, dtype and device (the fused qkv GEMV checks before it computes qkv)."""
+    """Validates rope_qkv's arguments (metadata only: no device sync); returns D. qkv may be a stand-in with the
+    GEMV output's shape, dtype and device (the fused qkv GEMV checks before it computes qkv)."""
     if qkv.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"rope_qkv: qkv must be fp16 or bf16, got {qkv.dtype}")
     B, T, W = qkv.shape
@@ -298,8 +286,8 @@ def check_rope_qkv(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads) 
 def w8a8_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain PyTorch: exact int32 product (torch._int_mm on CPU, float64 elsewhere: both exact), then
-    the kernels' fp32 epilogue (acc * a_scale[m] * b_scale[n] + bias[n] + residual, one rounding)."""
+    """Plain PyTorch: exact int32 product (torch._int_mm on CPU, float64 elsewhere: both exact), then the kernels'
+    fp32 epilogue (acc * a_scale[m] * b_scale[n] + bias[n] + residual, one rounding)."""
     if a.device.type == "cpu":
         acc = torch._int_mm(a, b.t())  # (M, N) int32; the CPU build has no shape limits
     else:

@@ -1,12 +1,11 @@
 """The W4 GEMV's epilogues (csrc_triton/w4a16_gemv.py and its fused forms): a program's fp32 tile -> its outputs.
 
-`finish` takes the tile of a K split: with split-K the partials meet in a workspace and the last program of a
-row block to arrive sums them in split order; PRENORM scales each row by its RMSNorm factor (`prenorm_*`: the
-producer's sums of squares); then `_store_y` stores by EPI: 0 the plain GEMV (y + bias rounded once); 1 the
-residual add and the next RMSNorm's share (w4a16_gemv_norm.py); 2 SwiGLU of the gate/up rows
-(w4a16_gemv_silu.py, silu_mul.silu_mul_math); 3 RoPE of q and k and the KV-cache write (w4a16_gemv_rope.py,
-rope_qkv's arithmetic). Every fused form rounds as the separate launches it replaces do, so it gives their bits.
-Device functions only: the kernels and the launcher are in w4a16_gemv.py.
+`finish` takes the tile of a K split: with split-K the partials meet in a workspace and the last program of a row
+block to arrive sums them in split order; PRENORM scales each row by its RMSNorm factor (`prenorm_*`); then
+`_store_y` stores by EPI: 0 the plain GEMV (y + bias rounded once); 1 the residual add and the next RMSNorm's share
+(w4a16_gemv_norm.py); 2 SwiGLU of the gate/up rows (w4a16_gemv_silu.py); 3 RoPE of q and k and the KV-cache write
+(w4a16_gemv_rope.py). Every fused form rounds as the separate launches it replaces do, so it gives their bits.
+Device functions only.
 """
 
 from __future__ import annotations
@@ -40,8 +39,8 @@ def prenorm_parts(pin_ptr, NP, M, BLOCK_M: tl.constexpr, NPB: tl.constexpr):
 
 @triton.jit
 def prenorm_finish(parts, norm_d, eps):
-    """RMSNorm's inverse root of each row, (BM,) fp32: r[m] = rsqrt(sum_p parts[p, m] / D + eps). Every program
-    sums the same values in the same order, so all agree on r bit for bit."""
+    """RMSNorm's inverse root of each row, (BM,) fp32: r[m] = rsqrt(sum_p parts[p, m] / D + eps). Every program sums
+    the same values in the same order, so all agree on r bit for bit."""
     return tl.rsqrt(tl.sum(parts, axis=0) / norm_d + eps)
 
 
@@ -53,9 +52,9 @@ def prenorm_rows(pin_ptr, NP, norm_d, eps, M, BLOCK_M: tl.constexpr, NPB: tl.con
 
 @triton.jit
 def _store_kv_rows(pair, b, t, kh, vh, m_ok, d, k_lo, k_hi, v_lo, v_hi, is_k, is_v, HALF_D: tl.constexpr):
-    """k halves (rotated) of KV head kh and v halves (raw) of KV head vh, rows (b, t) of tokens m (BM,), dims d
-    and d + D/2 (BN/2,), into one cache pair at its slots: pair = (k_ptr, v_ptr, slot_ptr, 3 k strides (b, h, s),
-    3 v strides). A program holds k rows or v rows, never both (is_k, is_v: scalar)."""
+    """k halves (rotated) of KV head kh and v halves (raw) of KV head vh, rows (b, t) of tokens m (BM,), dims d and
+    d + D/2 (BN/2,), into one cache pair at its slots: pair = (k_ptr, v_ptr, slot_ptr, 3 k strides (b, h, s), 3 v
+    strides). A program holds k rows or v rows, never both (is_k, is_v: scalar)."""
     k_ptr, v_ptr, slot_ptr, skb, skh, sks, svb, svh, svs = pair
     slot = tl.load(slot_ptr + t, mask=m_ok, other=0).to(tl.int64)  # (BM,) slot of each token's position
     k_dst = (k_ptr + b * skb + kh * skh + slot * sks)[:, None] + d[None, :]  # (BM, BN/2)
@@ -68,16 +67,14 @@ def _store_kv_rows(pair, b, t, kh, vh, m_ok, d, k_lo, k_hi, v_lo, v_hi, is_k, is
 
 @triton.jit
 def _rope_halves_as_rope_qkv(x1, x2, c1, c2, s1, s2, dtype: tl.constexpr):
-    """rope_qkv.rope_halves as the rope_qkv kernel computes it, for the RoPE epilogue: (x1, x2, cos and sin halves,
-    all fp32 holding dtype values) -> (o1, o2) fp32 holding dtype values.
-    Interpreter: rope_halves itself (ops.rope's roundings of each product and of the sum).
+    """rope_qkv.rope_halves as the rope_qkv kernel computes it: (x1, x2, cos and sin halves, all fp32 holding dtype
+    values) -> (o1, o2) fp32 holding dtype values. Interpreter: rope_halves itself (ops.rope's roundings).
     GPU: what rope_halves compiles to in the rope_qkv kernel (sm_90a, triton 3.6: LLVM narrows the fp32 ops on
-    widened 16-bit values to 16-bit ops, and the backend then contracts the first product of each sum into it,
-    so that product is never rounded), written out so that no compiler choice is left:
+    widened 16-bit values to 16-bit ops, then the first product of each sum is contracted, never rounded), written
+    out so that no compiler choice is left:
         o1 = fma(x1, cos1, -rn(x2 sin1))        o2 = fma(x2, cos2, rn(x1 sin2))    (fma.rn.{f16,bf16}, one rounding)
-    Compiled from rope_halves here, the choice followed the layouts instead: where x1 and x2 reached it through
-    different layout conversions (x1 as 16-bit values, x2 as fp32: M >= 3, two 16-row tiles per warp, no split),
-    x1 sin2 was fused in place of x2 cos2, and q and k differed from GEMV + rope_qkv by an ulp (H200, BLOCK_N 128).
+    Compiled from rope_halves here, the choice followed the layouts instead: where x1 and x2 arrived through different
+    layout conversions, x1 sin2 was fused in place of x2 cos2, and q and k differed from GEMV + rope_qkv by an ulp.
     (-1.0 * p, not -p: Triton's unary minus is 0 - p, which would turn -0 into +0; LLVM makes it an fneg.)"""
     if INTERPRET_JIT:
         o1, o2 = rope_halves(x1, x2, c1, c2, s1, s2, dtype)
@@ -91,12 +88,11 @@ def _rope_halves_as_rope_qkv(x1, x2, c1, c2, s1, s2, dtype: tl.constexpr):
 @triton.jit
 def _store_rope(out, offs_m, rows, pid_n, M, bias_ptr, q_ptr, HAS_BIAS: tl.constexpr, rope, D: tl.constexpr,
                 SECOND: tl.constexpr):
-    """EPI 3: out (BM, BN) fp32 of rows `rows` = [head h dims d | head h dims d + D/2] (d = c BN/2 + i, the
-    program's chunk c of the head; w4a16_gemv.mma_tile's row map) -> y = out + bias cast to the dtype exactly as
-    the plain GEMV stores it, then as csrc_triton/rope_qkv.py does with y as its qkv: q heads [0, H) rotated to
-    q (B, H, T, D) contiguous; k heads [H, H + Hkv) rotated and v heads [H + Hkv, H + 2 Hkv) raw to k/v caches
-    (B, Hkv, S, D) at slots[t], and to the second pair at its own slots when SECOND. Token m = b T + t. rope = ((cos, sin (T, D),
-    T, cos/sin row strides, H, Hkv), first cache pair, second cache pair) (see _store_kv_rows)."""
+    """EPI 3: out (BM, BN) fp32 of rows `rows` = [head h dims d | head h dims d + D/2] (d = c BN/2 + i, the program's
+    chunk c of the head; mma_tile's row map) -> y = out + bias cast to the dtype as the plain GEMV stores it, then
+    as rope_qkv.py does with y as its qkv: q heads [0, H) rotated to q (B, H, T, D) contiguous; k heads [H, H + Hkv)
+    rotated and v heads [H + Hkv, H + 2 Hkv) raw to k/v caches (B, Hkv, S, D) at slots[t], and to the second pair
+    when SECOND. Token m = b T + t. rope = ((cos, sin (T, D), T, cos/sin row strides, H, Hkv), cache pair, pair 2)."""
     BM: tl.constexpr = out.shape[0]
     HALF: tl.constexpr = out.shape[1] // 2
     dt: tl.constexpr = q_ptr.dtype.element_ty
@@ -137,16 +133,12 @@ def _store_y(y_ptr, bias_ptr, out, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl
              g_ptr, xg_ptr, pout_ptr, EPI: tl.constexpr, rope=None, ROPE_D: tl.constexpr = 0,
              SECOND: tl.constexpr = False):
     """out (BM, BN) fp32 (+ bias) -> y rows offs_m < M, columns offs_n < N, rounded once to y's dtype.
-    EPI 1 (the residual stream's add and the next RMSNorm's share of it): y = o rounded to the dtype
-    (o = out + bias, as EPI 0 stores it), h = res + y (fp32 sum rounded once: PyTorch's add) goes to y_ptr,
-    xg = gamma * h (rounded once) to xg_ptr (same strides), and the row block's sum of h^2 per row to
-    pout[pid_n, m] (stride 8), for the consumer's prenorm_rows.
-    EPI 2 (SwiGLU, the fused gate/up projection): the tile's columns are BN / 2 gate rows then the same BN / 2
-    up rows (w4a16_gemv.mma_tile's row map); y (M, N / 2) = silu(gate) * up of the rounded outputs, PyTorch's
-    roundings (csrc_triton/silu_mul.py), columns pid_n BN / 2 + j. No bias (the launcher checks).
-    EPI 3 (RoPE and the KV-cache write, the fused qkv projection): offs_n are the tile's rows
-    (w4a16_gemv.mma_tile's row map: BN / 2 dims of one head's first half, then the same dims of its second
-    half); see _store_rope."""
+    EPI 1 (residual add + the next RMSNorm's share): y = o rounded to the dtype (o = out + bias, as EPI 0 stores
+    it), h = res + y (fp32 sum rounded once: PyTorch's add) goes to y_ptr, xg = gamma * h (rounded once) to xg_ptr
+    (same strides), and the row block's sum of h^2 per row to pout[pid_n, m] (stride 8), for prenorm_rows.
+    EPI 2 (SwiGLU): the tile's columns are BN / 2 gate rows then the same BN / 2 up rows (mma_tile's row map);
+    y (M, N / 2) = silu(gate) * up of the rounded outputs, PyTorch's roundings (silu_mul.py), columns
+    pid_n BN / 2 + j. No bias (the launcher checks). EPI 3 (RoPE + KV-cache write): see _store_rope."""
     if EPI == 3:
         _store_rope(out, offs_m, offs_n, pid_n, M, bias_ptr, y_ptr, HAS_BIAS, rope, ROPE_D, SECOND)
         return
@@ -184,9 +176,7 @@ def finish(out, offs_m, offs_n, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, 
            SECOND: tl.constexpr = False):
     """out (BM, BN): this program's fp32 sum for rows offs_m, output columns offs_n (any order) -> y.
     PRENORM: x was gamma * h of an RMSNorm left unnormalised, so out (linear in x) is scaled by each row's
-    r = rsqrt(mean(h^2) + eps) (prenorm_finish; the mma kernel loads the sums before its K loop and reduces them
-    after it, so their round trip hides under the weights' and the first weight loads do not wait for it) before
-    the bias. EPI: see _store_y.
+    r = rsqrt(mean(h^2) + eps) (prenorm_finish) before the bias. EPI: see _store_y.
     SPLIT (SPLIT_K > 1): partials go to ws (SPLIT_K, M, N) fp32; the last program of row block pid_n to arrive (an
     acq_rel counter) sums them in split order, so the result does not depend on the arrival order."""
     if PRENORM:

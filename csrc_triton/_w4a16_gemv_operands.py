@@ -1,12 +1,11 @@
-"""The W4 GEMV's operands (csrc_triton/w4a16_gemv.py): packed nibbles to exact "magic" values, and a K step of
-the "mma" kernel's weights, x, scales and zero-point terms in mma.sync's register layouts.
+"""The W4 GEMV's operands (csrc_triton/w4a16_gemv.py): packed nibbles to exact "magic" values, and a K step of the
+"mma" kernel's weights, x, scales and zero-point terms in mma.sync's register layouts. Device functions only.
 
-Magic values: one lop3 (w & mask) | magic drops two nibbles of a word into the mantissas of a 16-bit pair, v =
-m + q u exactly (fp16: m = 16 at even k, 1 at odd k, u = 1/64; bf16: m = 16, u = 1/8); `magic_planes` is the
-PTX on the GPU and plain shifts and masks under the interpreter, the same values. The "fma" kernel widens them
-to fp32; the "mma" kernel feeds them to the tensor cores in the order that is exactly mma's operand layout
-(`mma_operand`), against x laid out as mma's B (`x_shared`), so no shuffle or shared-memory round trip is added.
-Device functions only: the kernels and their launcher are in w4a16_gemv.py.
+Magic values: one lop3 (w & mask) | magic drops two nibbles of a word into the mantissas of a 16-bit pair, v = m + q u
+exactly (fp16: m = 16 at even k, 1 at odd k, u = 1/64; bf16: m = 16, u = 1/8); `magic_planes` is the PTX on the GPU
+and plain shifts and masks under the interpreter, the same values. The "fma" kernel widens them to fp32; the "mma"
+kernel feeds them to the tensor cores in exactly mma's operand layout (`mma_operand`), against x laid out as mma's
+B (`x_shared`), so no shuffle or shared-memory round trip is added.
 """
 
 from __future__ import annotations
@@ -16,14 +15,12 @@ import triton.language as tl
 
 # -- magic unpack and scales (both kernels) ------------------------------------------------------------------
 def _magic_asm(out: str, magic: tuple[int, ...]) -> str:
-    """PTX for one word ($8) -> its 8 nibbles as v = m + q u ($0..$7 = nibbles 0..7), two per lop3
-    (src & mask) | magic. fp16 (two magics: 16.0 and 1.0): nibbles 0/4 and, after a shift by 8, 2/6 sit at
-    bits 0-3 of each half, under 16.0; 1/5 and 3/7 at bits 4-7, under 1.0. bf16 (one magic, 16.0) has only
-    7 mantissa bits, so every nibble pair is first shifted to bits 0-3 (by 0, 4, 8, 12).
-    out == "f32": each 16-bit value widened exactly by cvt.f32.f16 ($8 the word); out == "pairs": the lop3
-    results themselves, $i = (v_i, v_{i + 4}) as one 32-bit register ($4 the word), split into 16-bit
-    planes by _word_halves. Handing ptxas whole 32-bit results (rather than "=h" halves from a mov.b32 {lo, hi})
-    lets it use them as mma's operand registers directly: no IMAD.MOV re-pairing (docs/perf_notes.md)."""
+    """PTX for one word ($8) -> its 8 nibbles as v = m + q u ($0..$7 = nibbles 0..7), two per lop3 (src & mask) |
+    magic. fp16 (magics 16.0 and 1.0): nibbles 0/4 and, after a shift by 8, 2/6 sit at bits 0-3 of each half, under
+    16.0; 1/5 and 3/7 at bits 4-7, under 1.0. bf16 (one magic, 16.0) has only 7 mantissa bits, so every nibble pair
+    is first shifted to bits 0-3 (by 0, 4, 8, 12). out == "f32": each 16-bit value widened exactly by cvt.f32.f16;
+    out == "pairs": the lop3 results, $i = (v_i, v_{i + 4}) as one 32-bit register ($4 the word), split by
+    _word_halves. Whole 32-bit results (not "=h" halves) let ptxas use them as mma's operand registers directly."""
     word = "$4" if out == "pairs" else "$8"
     lines = [".reg .b32 t, p;", ".reg .b16 lo, hi;"] if out == "f32" else [".reg .b32 t;"]
     if len(magic) == 2:  # (shift, mask, magic) for nibble pairs (0, 4), (1, 5), (2, 6), (3, 7)
@@ -50,17 +47,15 @@ MAGIC_BF16 = tl.constexpr(_magic_asm("pairs", (0x41804180,)))  # bf16 pairs 16.0
 
 @triton.jit
 def _word_halves(p, dtype):
-    """int32 words -> their low and high 16-bit halves as `dtype`, a bitcast each (no mask: the int16 cast
-    drops the high bits and the shifted-in sign bits). For a 16-bit tensor viewed as int32: the elements at even
-    and odd positions (little-endian)."""
+    """int32 words -> their low and high 16-bit halves as `dtype`, a bitcast each (no mask: the int16 cast drops the
+    high bits and the shifted-in sign bits). For a 16-bit tensor viewed as int32: its even and odd elements."""
     return p.to(tl.int16).to(dtype, bitcast=True), (p >> 16).to(tl.int16).to(dtype, bitcast=True)
 
 
 @triton.jit
 def magic_planes(words, dtype, UNPACK: tl.constexpr):
-    """(R, W) int32 words -> 8 (R, W) tensors v_i = m_i + q_i u of nibble i in `dtype`, all exact: fp32 and
-    fp16 u = 1/64, m = 16 at even i and 1 at odd i; bf16 u = 1/8, m = 16. UNPACK=1: the PTX block (GPU);
-    0: plain shifts and masks (interpreter), the same values."""
+    """(R, W) int32 words -> 8 (R, W) tensors v_i = m_i + q_i u of nibble i in `dtype`, all exact (fp32 as fp16).
+    UNPACK=1: the PTX block (GPU); 0: plain shifts and masks (interpreter), the same values."""
     if UNPACK == 1:
         if dtype == tl.float32:
             v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
@@ -89,8 +84,8 @@ def magic_planes(words, dtype, UNPACK: tl.constexpr):
 
 @triton.jit
 def load_scales(s_ptr, idx, mask, dtype: tl.constexpr, S_PAIRS: tl.constexpr, MASKED: tl.constexpr):
-    """scales[idx] as fp32. S_PAIRS: s_ptr is the scales viewed as int32 (two 16-bit scales per word), so the
-    load is 4 bytes wide and Triton can stage it through shared memory with cp.async like the others."""
+    """scales[idx] as fp32. S_PAIRS: s_ptr is the scales viewed as int32 (two per word): a 4-byte load, which
+    Triton can stage through shared memory with cp.async like the others."""
     if S_PAIRS:
         if MASKED:
             pair = tl.load(s_ptr + (idx >> 1), mask=mask, other=0)
@@ -107,20 +102,17 @@ def load_scales(s_ptr, idx, mask, dtype: tl.constexpr, S_PAIRS: tl.constexpr, MA
 
 
 # -- the mma kernel's K step (G = 128) ------------------------------------------------------------------------
-# mma.sync's A operand (m16n8k16, here kWidth 4) wants thread (g, t) (g = lane / 4, t = lane % 4) to hold
-# rows g and g + 8 of a 16-row tile and, per 32 dot positions, positions 4t..4t+3 and 16+4t..16+4t+3. With
-# the dot's k order p = 64 j1 + 32 j0 + 16 c0 + 8 j3 + 4 j2 + 2 c1 + e for nibble c + 4e (c = c0 + 2 c1) of
-# word j = j0 + 2 j1 + 4 j2 + 8 j3 (k = 8 j + c + 4 e), a thread's 32 positions of a group are exactly the
-# 8 nibbles of 4 consecutive words 4t..4t+3 of one row (one 16-byte shared-memory read), and adjacent p
-# (e = 0, 1) are nibbles c and c + 4: the 16-bit pair one lop3 makes. So the unpacked values are born in
-# mma's register layout: Triton loads the words tile from shared memory straight into that layout, and the
-# joins, reshapes and the permute below only rename registers (sm_90 TTGIR: no layout conversion, no
-# shared-memory round trip for A). In this order positions 4t..4t+3 hold nibbles c0, c0 + 4, c0 + 2, c0 + 6;
-# with c0 and c1 swapped (c0, c0 + 4, c0 + 1, c0 + 5) ptxas needed more moves to assemble the operand quads
-# (offline sm_90a SASS, gate_up tile: 131 instead of 87 IMAD per K step). A K step's A holds its GPS groups
-# side by side, group jg at 128 jg + p (jg is a register index). Rows are in memory order (the shared-memory
-# read can serve any row to any thread); the words tile is group-major, (GPS, BN, 16), so its rows are 64
-# bytes apart in shared memory and the 8 rows a warp reads at once fall in distinct banks.
+# mma.sync's A operand (m16n8k16, here kWidth 4) wants thread (g, t) (g = lane / 4, t = lane % 4) to hold rows g
+# and g + 8 of a 16-row tile and, per 32 dot positions, positions 4t..4t+3 and 16+4t..16+4t+3. With the dot's k
+# order p = 64 j1 + 32 j0 + 16 c0 + 8 j3 + 4 j2 + 2 c1 + e for nibble c + 4e (c = c0 + 2 c1) of word
+# j = j0 + 2 j1 + 4 j2 + 8 j3 (k = 8 j + c + 4 e), a thread's 32 positions of a group are exactly the 8 nibbles of
+# 4 consecutive words 4t..4t+3 of one row (one 16-byte shared-memory read), and adjacent p (e = 0, 1) are nibbles c
+# and c + 4: the 16-bit pair one lop3 makes. So the unpacked values are born in mma's register layout, and the
+# joins, reshapes and permute below only rename registers (sm_90 TTGIR: no layout conversion, no shared-memory round
+# trip for A). Positions 4t..4t+3 hold nibbles c0, c0 + 4, c0 + 2, c0 + 6: with c0 and c1 swapped ptxas needed more
+# moves to assemble the operand quads. A K step's A holds its GPS groups side by side, group jg at 128 jg + p (jg a
+# register index). Rows are in memory order; the words tile is group-major, (GPS, BN, 16), so its rows are 64 bytes
+# apart in shared memory and the 8 rows a warp reads at once fall in distinct banks.
 @triton.jit
 def mma_operand(words, dtype, UNPACK: tl.constexpr):
     """(GPS, BN, 16) words (group jg of each row) -> A (BN, 128 GPS) magic values, k order 128 jg + p."""
@@ -133,20 +125,17 @@ def mma_operand(words, dtype, UNPACK: tl.constexpr):
     return tl.reshape(t, (BN, 128 * GPS))
 
 
-# The x operand: GPS dots of (BN, 128) x (128, 8) per K step, all with one B = x of the step's groups side by
-# side (column jg BM + m: row m of x over group jg). Dot jg's column block jg is group jg's sum; its other
-# columns (W_jg x_j) are dropped by a select. B is 1024 values per step, and Triton loads it from the
-# cp.async'd x tile straight into mma's operand layout (4 LDS.128 + 16 PRMT per thread; sm_90 TTGIR: no
-# layout conversion): a thread of mma's B layout holds 32 consecutive x values of its column's group, so
-# the x tile needs no shuffle. (One dot against a block-diagonal B of all GPS groups went through shared
-# memory again and was slower: docs/perf_notes.md.)
+# The x operand: GPS dots of (BN, 128) x (128, 8) per K step, all with one B = x of the step's groups side by side
+# (column jg BM + m: row m of x over group jg). Dot jg's column block jg is group jg's sum; its other columns
+# (W_jg x_j) are dropped by a select. Triton loads B from the cp.async'd x tile straight into mma's operand layout
+# (no layout conversion): a thread of mma's B layout holds 32 consecutive x values of its column's group, so the x
+# tile needs no shuffle. (A block-diagonal B of all GPS groups was slower: docs/perf_notes.md.)
 @triton.jit
 def x_shared(pairs, dtype, BLOCK_M: tl.constexpr, GPS: tl.constexpr):
-    """x of GPS groups as (BM, 64 GPS) int32 pairs in K order -> B (128, 8) in mma_operand's k order: row p,
-    column jg BM + m holds x[m] at the k of position p of group jg; columns >= GPS BM repeat the others
-    (finite; shared_x_dots discards their sums). x is loaded contiguously (4-byte elements, which Triton
-    pipelines with cp.async like the weights) and permuted here in registers: gathering it in p order would
-    take 2-byte loads that cannot be pipelined, i.e. one exposed memory round trip per K step."""
+    """x of GPS groups as (BM, 64 GPS) int32 pairs in K order -> B (128, 8) in mma_operand's k order: row p, column
+    jg BM + m holds x[m] at the k of position p of group jg; columns >= GPS BM repeat the others (finite;
+    shared_x_dots discards their sums). x is loaded contiguously (4-byte elements: pipelined with cp.async) and
+    permuted here in registers: gathering it in p order would take 2-byte loads that cannot be pipelined."""
     lo, hi = _word_halves(pairs, dtype)
     x = tl.reshape(tl.join(lo, hi), (BLOCK_M, GPS, 2, 2, 2, 2, 2, 2, 2))  # [m, jg, j3, j2, j1, j0, e, c1, c0]
     x = tl.permute(x, (4, 5, 8, 2, 3, 7, 6, 1, 0))  # [j1, j0, c0, j3, j2, c1, e, jg, m]: p, then columns
@@ -159,8 +148,8 @@ def x_shared(pairs, dtype, BLOCK_M: tl.constexpr, GPS: tl.constexpr):
 
 @triton.jit
 def _group_operand(a, jg: tl.constexpr, GPS: tl.constexpr):
-    """Group jg's columns (BN, 128) of a step's A (BN, 128 GPS) (k order 128 jg + p; jg is a register index of
-    mma's operand layout, so the splits only rename registers). GPS in {2, 4, 8}."""
+    """Group jg's columns (BN, 128) of a step's A (BN, 128 GPS) (k order 128 jg + p; jg is a register index, so
+    the splits only rename registers). GPS in {2, 4, 8}."""
     BN: tl.constexpr = a.shape[0]
     if GPS == 2:  # [n, b0, p] -> [n, p, b0]
         t = tl.permute(tl.reshape(a, (BN, 2, 128)), (0, 2, 1))
@@ -229,13 +218,11 @@ def _pair_sums(pairs, dtype):
 @triton.jit
 def step_zero_terms(pairs, z_ptr, idx, s8, dtype, U: tl.constexpr, M_ODD: tl.constexpr, BLOCK_M: tl.constexpr,
                     GPS: tl.constexpr):
-    """The x-only terms of one K step's GPS groups in shared_x_dots' column layout, (BN, 8) fp32 in units of
-    u: u b[n, g] X[m, g] - s[n, g] Xm[m, g] in column jg BM + m (zero in the columns of groups >= GPS, whose
-    dot sums are zero too). pairs: the step's x as (BM, 64 GPS) int32 pairs (even k low, odd k high), so
-    X = sum lo + sum hi and Xm = 16 sum lo + M_ODD sum hi; s8: the step's scales (step_scales); zeros of
-    groups idx + jg loaded here (GPS values per row, one load, pipelined like the step's other loads, so no
-    memory round trip outside the pipeline: a per-program prologue over all groups cost the qkv shape's
-    4-step programs 11.7 vs 10.4 us; docs/perf_notes.md)."""
+    """The x-only terms of one K step's GPS groups in shared_x_dots' column layout, (BN, 8) fp32 in units of u:
+    u b[n, g] X[m, g] - s[n, g] Xm[m, g] in column jg BM + m (zero in the columns of groups >= GPS, whose dot sums
+    are zero too). pairs: the step's x as (BM, 64 GPS) int32 pairs (even k low, odd k high), so X = sum lo + sum hi
+    and Xm = 16 sum lo + M_ODD sum hi; s8: the step's scales (step_scales). Zeros of groups idx + jg are loaded
+    here, pipelined with the step's other loads (a per-program prologue was slower: docs/perf_notes.md)."""
     BN: tl.constexpr = idx.shape[0]
     J: tl.constexpr = 8 // BLOCK_M
     x_even, x_odd = _pair_sums(tl.reshape(pairs, (BLOCK_M, GPS, 64)), dtype)  # (BM, GPS)

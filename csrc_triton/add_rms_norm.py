@@ -4,13 +4,12 @@ Per row (D,), with every rounding where PyTorch's fp16/bf16 ops round (csrc_trit
     s      = residual + x                                  (fp32 sum, rounded to the dtype: torch's add)
     y      = (s * rsqrt(mean(s^2) + eps)).to(dtype)        (statistics in fp32)
     normed = weight * y                                    (fp16 x fp16 is exact in fp32: rounded once)
--> (normed, s). The cast to the dtype comes BEFORE the weight, as in HF and ops.rms_norm. `s` equals
-PyTorch's `residual + x` bit for bit; `normed` differs from ops.rms_norm only through the order of
-the fp32 sum of squares and rsqrt's last bits (rarely one ulp of y). residual=None: plain RMSNorm of x
-(s is x itself, nothing stored). In the decoder, layer i's MLP residual add is fused with layer
-i+1's attention norm (tinyvila/text.py), so the residual stream is read and written once per norm.
-x, residual: (..., D) fp16/bf16, same shape and dtype, last dim contiguous; weight (D,) same dtype;
-D <= 32768 (a row lives in registers). One program per row; graph-capturable (no host sync).
+-> (normed, s). The cast to the dtype comes BEFORE the weight, as in HF and ops.rms_norm. `s` equals PyTorch's
+`residual + x` bit for bit; `normed` differs from ops.rms_norm only through the order of the fp32 sum of squares
+and rsqrt's last bits (rarely one ulp of y). residual=None: plain RMSNorm of x (s is x itself, nothing stored).
+In the decoder, layer i's MLP residual add is fused with layer i+1's attention norm (tinyvila/text.py).
+x, residual: (..., D) fp16/bf16, same shape and dtype, last dim contiguous; weight (D,) same dtype; D <= 32768 (a
+row lives in registers). One program per row; graph-capturable (no host sync).
 """
 
 from __future__ import annotations
@@ -74,8 +73,7 @@ class _Plan(NamedTuple):
     launch: Launch | None
 
 
-# Plans per distinct call (shapes, strides, dtypes, device, eps, options, the pdl flag): a prefill makes
-# the same few calls every layer, so each pays Triton's dispatch only once (csrc_triton/launch.py).
+# Plans per distinct call (shapes, strides, dtypes, device, eps, options, the pdl flag): dispatch paid once (launch.py).
 _PLANS = Plans()
 
 

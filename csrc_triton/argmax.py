@@ -2,17 +2,15 @@
 
     i = argmax_j x[j]: the first maximal index; NaN counts as larger than every number (its first index wins)
 
-Two launches, no host sync, no allocation beyond two small per-device buffers, so a decode step can be
-captured in a CUDA graph: `_block_kernel` (one program per BLOCK values) writes each block's maximum, the
-first index holding it and the first NaN index; `_final_kernel` (one program) reduces those partials with
-the same rules. Why: PyTorch's one-stage argmax of the 128256 Llama-3 logits took 27.5 us of a ~2.6 ms decode
-step on the H200 (docs/perf_notes.md).
+Two launches, no host sync, no allocation beyond two small per-device buffers, so a decode step can be captured
+in a CUDA graph: `_block_kernel` (one program per BLOCK values) writes each block's maximum, the first index holding
+it and the first NaN index; `_final_kernel` (one program) reduces those partials with the same rules. Why: PyTorch's
+one-stage argmax was slower (docs/perf_notes.md).
 
-`argmax_step` is the tail of a greedy decode step in the same two launches: its final program (`_step_kernel`)
-also writes i as the next input token and into the step's record out[count], then adds 1 to count and to
-every entry of two counter vectors (the step's int64 cache slot / packed row / RoPE position, and its int32
-attention lengths). In PyTorch that bookkeeping is ~6 more tiny kernels per graph-replayed step (each its
-runtime plus a launch gap); `argmax_step_ref` is exactly those PyTorch ops.
+`argmax_step` is the tail of a greedy decode step in the same two launches: its final program (`_step_kernel`) also
+writes i as the next input token and into the step's record out[count], then adds 1 to count and to every entry of
+two counter vectors (the step's int64 cache slot / packed row / RoPE position, and its int32 attention lengths),
+~6 tiny PyTorch kernels fewer per step; `argmax_step_ref` is exactly those PyTorch ops.
 """
 
 from __future__ import annotations

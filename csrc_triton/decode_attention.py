@@ -2,36 +2,29 @@
 
     o[b, h] = softmax(scale * q[b, h] . K[b, g]ᵀ over slots 0..lengths[b]-1) @ V[b, g],  g = h // n_rep
 
-q (B, H, D), k/v (B, Hkv, L_max, D) fp16/bf16 with unit stride along D, lengths (B,) int32 on the
-device (read by the kernel, so a CUDA graph can replay the step as the length grows; 1 <= length <=
-L_max is checked only by `decode_attention_ref`). Flash-decoding: program (b, g, s) streams split s of
-the keys once for all n_rep query heads of KV head g, keeping an online max/sum in fp32, and writes an
-fp32 partial output with its log-sum-exp. The split merge is fused: each program then bumps the
-int32 arrival counter of its (b, g); the last of the n_splits programs to arrive (whichever it is)
-reads the partials back from L2, merges them and resets the counter to 0 for the next call, so the
-step is ONE launch with no host sync (a graph replays it; `fused=False` keeps the older second merge
-kernel for comparison). The split count (from L_max and the SM count: a few programs per SM keep HBM
-busy) is a runtime argument, so a new buffer size never recompiles; split boundaries come from the
-device length. K, V are read once. D <= 256.
+q (B, H, D), k/v (B, Hkv, L_max, D) fp16/bf16 with unit stride along D, lengths (B,) int32 on the device (read by
+the kernel, so a CUDA graph can replay the step as the length grows; 1 <= length <= L_max is checked only by
+`decode_attention_ref`). Flash-decoding: program (b, g, s) streams split s of the keys once for all n_rep query
+heads of KV head g, keeping an online max/sum in fp32, and writes an fp32 partial output with its log-sum-exp. The
+split merge is fused: each program then bumps the int32 arrival counter of its (b, g); the last of the n_splits
+programs to arrive reads the partials back from L2, merges them and resets the counter to 0 for the next call, so
+the step is ONE launch with no host sync (`fused=False` keeps the older second merge kernel for comparison). The
+split count (from L_max and the SM count) is a runtime argument, so a new buffer size never recompiles; split
+boundaries come from the device length. K, V are read once. D <= 256.
 
-The counters live in a per-device int32 workspace allocated (zeroed) on the first call, which must
-therefore happen outside a CUDA graph capture; calls on one device must not overlap on two streams.
+The counters live in a per-device int32 workspace allocated (zeroed) on the first call, which must therefore happen
+outside a CUDA graph capture; calls on one device must not overlap on two streams.
 
-The fixed cost of a call (~4.5 us of the 5.7 us at 1K on the H200: PDL wait -> length load -> query load,
-shared-memory store and barrier -> first K/V loads -> tiles -> partial stores -> release + atomic -> LSE loads
--> partial loads -> output store) is shortened by changes first measured as switches and now kept
-unconditionally (all on was the best at every length measured or behind only a different prefetch count,
-docs/benchmarks.md): the grid is (Hkv, splits, B), so the length load waits on no integer division; the
-length, split bounds and addresses are computed before the PDL wait; the query is loaded inside the key loop,
-staged with each tile's K/V (cp.async) rather than stored to shared memory behind a barrier; the merging
-program loads every split's LSE and partial in one round trip (up to MERGE_S splits). One switch stays a
-launch parameter, chosen with the tile config by buffer length (CONFIG_BY_LENGTH): how many K/V tiles of
-each split are asked into L2 before the PDL wait (`prefetch`).
+The fixed cost of a call is shortened (docs/perf_notes.md): the grid is (Hkv, splits, B), so the length load waits
+on no integer division; the length, split bounds and addresses are computed before the PDL wait; the query is
+staged with each tile's K/V (cp.async) rather than stored to shared memory behind a barrier; the merging program
+loads every split's LSE and partial in one round trip (up to MERGE_S splits). `prefetch` (chosen by buffer length,
+CONFIG_BY_LENGTH): how many K/V tiles of each split are asked into L2 before the PDL wait.
 
 Contract of the early length read: `lengths` was written before the last kernel launched WITHOUT programmatic
 dependent launch started (such a launch waits for everything before it to complete). In the decode step the
-previous step's ops.argmax_step writes it and the next step's embedding gather (a PyTorch kernel) runs before
-any layer, so it holds at every layer's attention.
+previous step's ops.argmax_step writes it and the next step's embedding gather (a PyTorch kernel) runs before any
+layer, so it holds at every layer's attention.
 """
 
 from __future__ import annotations
@@ -52,25 +45,17 @@ CTAS_PER_SM = 4
 MIN_SPLIT = 128  # keys per split at least: below that the per-program prologue/epilogue dominates
 MERGE_ELEMS = 8192  # fp32 partial elements the merging program holds per step (64 registers at 4 warps)
 # Launch config by buffer length L_max (the only length known on the host: the real one is on the device):
-# (largest L_max, block_n, num_warps, num_stages, programs per SM, prefetched tiles), first row that covers
-# L_max. Tiles: the H200 sweep (scripts/benches/decode_attention.py, PDL on, graph-replayed, whole tiles
-# unmasked, splits in one wave; docs/benchmarks.md): 128-key tiles, 3 stages, one program per SM up to 32K
-# keys; above that 64-key tiles and 4 stages. Prefetched tiles: 2 was the best at 1K and 32K keys, none at 8K
-# (and at ~8.2K keys of a packed buffer), hence none for buffers of [6K, 16K) slots, 2 otherwise. The buffer
-# length stands for the keys: a packed decode buffer holds the kept rows plus the turn's room (KVCache.pack),
-# so keeping 0.25 of 32K is an ~8.2K buffer; 16K is not measured (the bound is where the 8K and 32K results
-# meet, to be confirmed). Buffers of [2K, 6K) slots: 64-key tiles, 3 stages, no prefetch: the sweeps timed
-# single calls, and inside the decode step (scripts/profile_decode.py --variants attncfg=...) this tile was
-# faster at 2.3K keys (its program takes 74 KB of shared memory, a 128-key one 140 KB, a W4 GEMV program ~75
-# KB, so more of them share an SM with the GEMVs under PDL); at 1K keys it was within noise, so buffers below
-# 2K keep the sweep's tile.
+# (largest L_max, block_n, num_warps, num_stages, programs per SM, prefetched tiles), first row that covers L_max.
+# From the H200 sweeps (scripts/benches/decode_attention.py; docs/benchmarks.md): 128-key tiles, 3 stages up to 32K
+# keys, above that 64-key tiles and 4 stages; prefetch 2 tiles, none for [6K, 16K) (the buffer length stands for
+# the keys: a packed buffer holds the kept rows plus the turn's room; 16K unmeasured). [2K, 6K): 64-key tiles, no
+# prefetch, timed inside the decode step (a 74 KB program shares an SM with the GEMVs under PDL; docs/perf_notes.md).
 CONFIG_BY_LENGTH = ((2047, 128, 4, 3, 1, 2), (6143, 64, 4, 3, 1, 0), (16383, 128, 4, 3, 1, 0),
                     (32768, 128, 4, 3, 1, 2), (None, 64, 4, 4, 1, 2))
 
 
 def default_config(max_len: int) -> tuple[int, int, int, int, int]:
-    """(block_n, num_warps, num_stages, programs per SM, prefetched tiles) for a buffer of max_len slots
-    (CONFIG_BY_LENGTH)."""
+    """(block_n, num_warps, num_stages, programs per SM, prefetched tiles) for max_len slots (CONFIG_BY_LENGTH)."""
     for bound, *cfg in CONFIG_BY_LENGTH:
         if bound is None or max_len <= bound:
             return tuple(cfg)
@@ -81,9 +66,9 @@ def default_config(max_len: int) -> tuple[int, int, int, int, int]:
 def _merge_splits(o_part_ptr, lse_ptr, out_ptr, s_outb, s_outh, b, g, H, N_SPLITS,
                   N_REP: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
                   MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[b, h] = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the splits of the n_rep heads
-    of group g. Loads bypass L1 (.cg): the partials were written by other SMs during this launch.
-    Up to MERGE_S splits are merged from one round trip of loads; more take the stepped merge."""
+    """out[b, h] = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the splits of the n_rep heads of group g.
+    Loads bypass L1 (.cg): the partials were written by other SMs during this launch. Up to MERGE_S splits are
+    merged from one round trip of loads; more take the stepped merge."""
     offs_r = tl.arange(0, BLOCK_R)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -91,8 +76,7 @@ def _merge_splits(o_part_ptr, lse_ptr, out_ptr, s_outb, s_outh, b, g, H, N_SPLIT
     d_ok = offs_d < D
     row0 = (b * H + g * N_REP + offs_r) * N_SPLITS  # (BLOCK_R,) first partial of each head
     if BLOCK_S <= MERGE_S:
-        # Every LSE and partial in ONE step: the loads do not depend on each other, so they share one
-        # L2 round trip (the stepped form loads the LSEs for the max first, then the partials).
+        # Every LSE and partial in ONE step: independent loads share one L2 round trip (stepped: LSEs first).
         ok = r_ok[:, None] & (offs_s < N_SPLITS)[None, :]  # (BLOCK_R, BLOCK_S)
         lse = tl.load(lse_ptr + row0[:, None] + offs_s[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
         parts = tl.load(o_part_ptr + (row0[:, None, None] + offs_s[None, :, None]) * D + offs_d[None, None, :],
@@ -145,8 +129,8 @@ def _load_q(ptrs, ok, UPCAST: tl.constexpr):
 
 @triton.jit
 def _attend(q, kt, v, m_i, l_i, acc, scale_log2, offs_n, n_valid, UPCAST: tl.constexpr):
-    """One online-softmax step over a tile of keys; columns >= n_valid (a partial last tile) score -inf.
-    The running max is kept in scaled log2 units, so each score costs one FFMA before its exp2."""
+    """One online-softmax step over a tile of keys; columns >= n_valid (a partial last tile) score -inf. The
+    running max is kept in scaled log2 units, so each score costs one FFMA before its exp2."""
     if UPCAST:  # the CPU interpreter multiplies bf16 wrongly; it runs the dots in fp32 instead
         kt = kt.to(tl.float32)
     s = tl.dot(q, kt)  # (BLOCK_H, BLOCK_N) raw scores
@@ -165,8 +149,7 @@ def _attend(q, kt, v, m_i, l_i, acc, scale_log2, offs_n, n_valid, UPCAST: tl.con
 
 @triton.jit
 def _program(HKV):
-    """(b, g, b * HKV + g, split) of this program. The grid is (Hkv, splits, B), so no integer division
-    by the runtime HKV stands before the length load."""
+    """(b, g, b * HKV + g, split) of this program; no integer division stands before the length load."""
     g = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -186,10 +169,10 @@ def _split_rows(length, split, N_SPLITS, BLOCK_N: tl.constexpr):
 @triton.jit
 def _prefetch_l2(base, stride_n, start, end, D: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
                  LINES: tl.constexpr, ELEMS: tl.constexpr, ASM: tl.constexpr):
-    """prefetch.global.L2 of every 128-byte line of rows [start, min(end, start + TILES * BLOCK_N)) (LINES
-    lines of ELEMS elements per row, padded to a power of two). A prefetch has no effect on what any load
-    returns (L2 is the point of coherence; L1 is not filled), so it may run before the PDL wait, even
-    over the row the preceding kernel writes: the HBM reads overlap that kernel's tail."""
+    """prefetch.global.L2 of every 128-byte line of rows [start, min(end, start + TILES * BLOCK_N)) (LINES lines of
+    ELEMS elements per row, padded to a power of two). A prefetch has no effect on what any load returns (L2 is the
+    point of coherence; L1 is not filled), so it may run before the PDL wait, even over the row the preceding
+    kernel writes: the HBM reads overlap that kernel's tail."""
     idx = tl.arange(0, BLOCK_N * LINES)
     col = (idx % LINES) * ELEMS
     row = start + idx // LINES
@@ -211,8 +194,8 @@ def _decode_attention_kernel(
     FUSED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
     PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_ELEMS: tl.constexpr, ASM: tl.constexpr,
 ):
-    # Before the PDL wait: only what the preceding kernel cannot have written. The length is one of
-    # those by contract (module docstring); the split's rows and the L2 prefetch come from it.
+    # Before the PDL wait: only what the preceding kernel cannot have written: the length, by contract (module
+    # docstring); the split's rows and the L2 prefetch come from it.
     b, g, bg, split = _program(HKV)
     length = tl.load(len_ptr + b)
     start, end = _split_rows(length, split, N_SPLITS, BLOCK_N)
@@ -238,8 +221,8 @@ def _decode_attention_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     k_base = k_ptr + b.to(tl.int64) * skb + g * skh
     v_base = v_ptr + b.to(tl.int64) * svb + g * svh
-    # Whole tiles first, with no key mask (and no head-dim mask when D == BLOCK_D): only the split that
-    # holds the last key can end in a partial tile, which the masked step after the loop takes.
+    # Whole tiles first, with no key mask (nor head-dim mask when D == BLOCK_D): only the split that holds the last
+    # key can end in a partial tile, which the masked step after the loop takes.
     full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
     # Loop-invariant int32 offsets inside a tile; the tile's base is a scalar (uniform) pointer.
     k_off = offs_n[None, :] * skl + offs_d[:, None]  # (BLOCK_D, BLOCK_N)
@@ -247,8 +230,7 @@ def _decode_attention_kernel(
     for n0 in range(start, full_end, BLOCK_N):
         kt = _load_tile(k_base + n0 * skl + k_off, d_ok[:, None], D == BLOCK_D)
         v = _load_tile(v_base + n0 * svl + v_off, d_ok[None, :], D == BLOCK_D)
-        # q is pipelined with the tile (cp.async), not a round trip before the first tile's loads; the
-        # mask (always true) depends on n0 only so that the load is not hoisted out of the loop
+        # q is pipelined with the tile (cp.async); the mask (always true) depends on n0 so the load is not hoisted
         qn = _load_q(q_ptrs, q_ok & (n0 >= start), UPCAST)
         m_i, l_i, acc = _attend(qn, kt, v, m_i, l_i, acc, scale_log2, offs_n, BLOCK_N, UPCAST)
     if full_end < end:
@@ -320,8 +302,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """The per-device int32 arrival counters (all 0 between launches: the merging program resets
-    its own). Allocated and zeroed eagerly: inside a graph capture a fresh zero-fill would not run."""
+    """The per-device int32 arrival counters (all 0 between launches: the merging program resets its own).
+    Allocated and zeroed eagerly: inside a graph capture a fresh zero-fill would not run."""
     key = str(device)
     cnt = _COUNTERS.get(key)
     if cnt is None or cnt.numel() < n:
@@ -336,9 +318,8 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def default_splits(max_len: int, n_programs: int, device: torch.device, ctas_per_sm: int = CTAS_PER_SM) -> int:
-    """Splits so that B*Hkv*splits programs fill every SM about `ctas_per_sm` times, each split
-    keeping >= MIN_SPLIT keys (at most 256 splits). Rounded down: one program more than the SMs hold
-    at once would run in a second wave (8 KV heads x 17 splits on 132 SMs at one program per SM did)."""
+    """Splits so that B*Hkv*splits programs fill every SM about `ctas_per_sm` times, each split keeping >= MIN_SPLIT
+    keys (at most 256 splits). Rounded down: one program more than the SMs hold would run in a second wave."""
     want = max(1, ctas_per_sm * _sm_count(device) // max(n_programs, 1))
     return int(min(want, max(1, -(-max_len // MIN_SPLIT)), 256))
 
@@ -366,11 +347,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
                      prefetch: int | None = None, *, pdl: bool = True) -> torch.Tensor:
     """q (B, H, D) x k, v (B, Hkv, L_max, D), lengths (B,) int32 on q's device -> (B, H, D) in q's dtype.
 
-    `out` (like q) receives the result when given (a captured graph's fixed output buffer).
-    block_n, num_warps, num_stages, n_splits, fused (merge in the same launch) and prefetch (K/V tiles
-    of each split asked into L2 before the PDL wait) are tuning knobs; left None they come from the buffer
-    length (default_config: the H200 sweeps of scripts/benches/decode_attention.py, DECODE_SWEEP=decode
-    and DECODE_SWEEP=prefetch). pdl: programmatic dependent launch where the device has it (csrc_triton/pdl.py).
+    `out` (like q) receives the result when given (a captured graph's fixed output buffer). block_n, num_warps,
+    num_stages, n_splits, fused (merge in the same launch) and prefetch (K/V tiles of each split asked into L2
+    before the PDL wait) are tuning knobs; left None they come from the buffer length (default_config).
+    pdl: programmatic dependent launch where the device has it (csrc_triton/pdl.py).
     """
     _check(q, k, v, lengths, out)
     B, H, D = q.shape

@@ -1,16 +1,15 @@
 """Dense fp16/bf16 GEMV for decode: y (M, N) = x (M, K) @ W^T, M <= 8, W (N, K) with unit stride along K.
 
-Used for the LLM's output layer (lm_head, or the tied embedding matrix): at Llama-3-8B shapes (N = 128256,
-K = 4096) it reads 1.05 GB per token, the largest single read of a W4A16 decode step, which cuBLAS's
-GEMV ran at ~3.3 TB/s (0.8 of the copy bandwidth) in a W4A16 decode profile (docs/perf_notes.md).
+Used for the LLM's output layer (lm_head, or the tied embedding matrix): at Llama-3-8B shapes it reads 1.05 GB per
+token, the largest single read of a W4A16 decode step (why not cuBLAS: docs/perf_notes.md).
 
 Each program owns BLOCK_N rows of W and walks K in BLOCK_K steps: the W tile (BLOCK_N, BLOCK_K) is the
 register operand A of the tensor cores' mma, x^T (BLOCK_K, 16) zero-padded past M the operand B, an fp32
 accumulator (BLOCK_N, 16); Triton stages both through shared memory with cp.async (STAGES deep), so the
 only per-weight work is the staged load, and the multiply-adds go to the otherwise idle tensor cores.
-No split-K: N / BLOCK_N programs (~1000-2000 for a vocabulary) already fill the GPU many times over.
-No autotuning and no allocation beyond y, so a call can be captured in a CUDA graph. Reduction order
-along K differs from cuBLAS: results agree to fp32-accumulation rounding, not bit for bit.
+No split-K: N / BLOCK_N programs (~1000-2000 for a vocabulary) already fill the GPU many times over. No autotuning
+and no allocation beyond y, so a call can be captured in a CUDA graph. Reduction order along K differs from
+cuBLAS: results agree to fp32-accumulation rounding, not bit for bit.
 """
 
 from __future__ import annotations

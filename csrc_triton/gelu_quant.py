@@ -1,14 +1,13 @@
 """GELU fused with per-token int8 quantization: the input of fc2 in W8A8 ViTs.
 
-Per row h (K,), in fp32: g = GELU(h) with KIND "gelu" (exact: 0.5 h (1 + erf(h / sqrt 2))),
-"gelu_tanh" (0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))) or "quick_gelu" (h * sigmoid(1.702 h));
-then quantized per token as quant_per_token's kernel (scale = amax / 127, round half to even,
-clamp +-127). The tanh and quick forms are computed as h / (1 + 2**t) (0.5 (1 + tanh u) = sigmoid(2u)),
-with MUFU ex2 and rcp on the GPU (~2 and ~1 ulp; no libdevice, which the interpreter lacks): within a few
-fp32 ulps of torch's GELU, so int8 values differ from the reference only at near-ties. The kernels are
-instruction-bound (2 B read + 1 B written per element), so the per-element work is kept minimal.
-h: (..., K) fp16/bf16/fp32 (fc1's output). Out: q (..., K) int8, scale (...,) fp32. Whole rows per program
-(head + tail blocks, as quant_per_token).
+Per row h (K,), in fp32: g = GELU(h) with KIND "gelu" (exact: 0.5 h (1 + erf(h / sqrt 2))), "gelu_tanh"
+(0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))) or "quick_gelu" (h * sigmoid(1.702 h)); then quantized per token
+as quant_per_token's kernel (scale = amax / 127, round half to even, clamp +-127). The tanh and quick forms are
+computed as h / (1 + 2**t) (0.5 (1 + tanh u) = sigmoid(2u)), with MUFU ex2 and rcp on the GPU (~2 and ~1 ulp; no
+libdevice, which the interpreter lacks): within a few fp32 ulps of torch's GELU, so int8 values differ from the
+reference only at near-ties. The kernels are instruction-bound, so the per-element work is kept minimal.
+h: (..., K) fp16/bf16/fp32 (fc1's output). Out: q (..., K) int8, scale (...,) fp32. Whole rows per program (head +
+tail blocks, as quant_per_token).
 """
 
 from __future__ import annotations
@@ -74,9 +73,8 @@ def _gelu(h, KIND: tl.constexpr):
 def _gelu_quant_kernel(h_ptr, q_ptr, scale_ptr, M, stride_hm, stride_qm, K: tl.constexpr, KIND: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
     # Row = head block + tail block, as quant_per_token; GELU(0) = 0, so padding lanes stay 0.
-    # ROWS == 1 (the GPU launch) reduces to scalars: per-row (ROWS,) maxima of the head and the tail carry
-    # the two blocks' different layouts, and to combine them Triton moved the head's whole tile into the
-    # tail's layout, computing its GELU twice (sm_90a: 4 MUFU an element instead of 2).
+    # ROWS == 1 (the GPU launch) reduces to scalars: per-row maxima carry the two blocks' different layouts, and
+    # to combine them Triton moved the head's whole tile into the tail's layout, computing its GELU twice.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     h, mask, offs = row_block(h_ptr, rows, stride_hm, M, K, 0, BLOCK_K)
     g = _gelu(h, KIND)

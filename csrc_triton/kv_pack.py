@@ -2,15 +2,13 @@
 
     dst[..., g, i, :] = src[..., g, idx[..., g, i], :]   for i < idx.shape[-1]
 
-src (..., Hkv, S, D) the full K or V cache: one layer (B, Hkv, S, D) or all of them at once
-(n_layers, B, Hkv, S, D); idx (..., Hkv, L) int32 slots, per head in increasing order
-([non-retrievable prefix | selected retrievable | the rest] is simply the kept slots in order);
-dst (..., Hkv, L_cap, D) with L_cap >= L, same dtype; only rows 0..L-1 are written. src and dst may
-also be (K, V) pairs of tensors with equal shapes and strides: both are packed by the same launch
-(one launch per question for the whole model). Keys were rotated at their logical positions when
-cached, so packing copies bits and never re-rotates. Program (o, g, l-block, pair) copies BLOCK_L
-rows of one head; the leading dims (...) must flatten into one (views, as the cache's stacked
-layers do); any dtype, D <= 256, unit stride along D.
+src (..., Hkv, S, D) the full K or V cache: one layer (B, Hkv, S, D) or all of them at once (n_layers, B, Hkv, S,
+D); idx (..., Hkv, L) int32 slots, per head in increasing order; dst (..., Hkv, L_cap, D) with L_cap >= L, same
+dtype; only rows 0..L-1 are written. src and dst may also be (K, V) pairs of tensors with equal shapes and strides:
+both are packed by the same launch (one launch per question for the whole model). Keys were rotated at their
+logical positions when cached, so packing copies bits and never re-rotates. Program (o, g, l-block, pair) copies
+BLOCK_L rows of one head; the leading dims (...) must flatten into one (views, as the cache's stacked layers do);
+any dtype, D <= 256, unit stride along D.
 """
 
 from __future__ import annotations
@@ -71,9 +69,8 @@ class _Plan(NamedTuple):
     idx_copy: bool
 
 
-# Plans per distinct call (every tensor's shape, strides, dtype and device, block_l): a question packs once, but
-# its eager host time counts (retrieval plus packing compete with a turn's decode), so it skips Triton's
-# per-call dispatch like the prefill launchers (csrc_triton/launch.py).
+# Plans per distinct call (every tensor's shape, strides, dtype and device, block_l): a question packs once, but its
+# eager host time counts, so it skips Triton's per-call dispatch like the prefill launchers (launch.py).
 _PLANS = Plans()
 
 

@@ -1,16 +1,13 @@
 """Eager Triton launches without Triton's per-call dispatch: `Launch` (reference: `launch_ref`), `Plans`.
 
-Why: an eager launch through `kernel[grid](...)` spends tens of microseconds of host time binding the
-arguments, specialising them, hashing the cache key and building launch metadata: at one SigLIP frame the
-salience kernels run for microseconds, and a follow-up question's eager prefill (~14 launches per layer x 32
-layers) is host-bound. A launcher builds its launches once per distinct call (its plan: checks, tiles, grid,
-scalar arguments, constexprs, options) and keeps them in a bounded `Plans` table; each `Launch` then goes
-through Triton's dispatch only once per (device, debug flag, tensor alignments) and afterwards calls the
-compiled kernel's C launcher directly. Why that is exact: see `Launch`. The interpreter, pre-run hooks and
-launch hooks (profilers) always take Triton's dispatch, and so does every call with `direct=False` (the
-launchers' `direct` argument: benches time both, tests compare). Used by prefill_salience, w4a16_gemm,
-w4a16_dequant, add_rms_norm, silu_mul, rope_qkv, retrieval_salience, kv_pack; `--host` timings:
-scripts/benches/prefill_salience.py --host.
+Why: an eager launch through `kernel[grid](...)` spends tens of microseconds of host time binding the arguments,
+specialising them, hashing the cache key and building launch metadata: at one SigLIP frame the salience kernels run
+for microseconds, and a follow-up question's eager prefill is host-bound. A launcher builds its launches once per
+distinct call (its plan: checks, tiles, grid, scalar arguments, constexprs, options) and keeps them in a bounded
+`Plans` table; each `Launch` then goes through Triton's dispatch only once per (device, debug flag, tensor
+alignments) and afterwards calls the compiled kernel's C launcher directly. Why that is exact: see `Launch`. The
+interpreter, pre-run hooks and launch hooks (profilers) always take Triton's dispatch, and so does every call with
+`direct=False` (benches time both, tests compare). `--host` timings: scripts/benches/prefill_salience.py --host.
 """
 
 from __future__ import annotations

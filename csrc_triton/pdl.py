@@ -9,17 +9,12 @@ stream serialization) a kernel may start as soon as every program of its predece
 `launch_dependents`; it then must `wait` (griddepcontrol.wait: the predecessor has completed and its
 memory is visible) before it reads anything the predecessor wrote or writes anything at all.
 
-Every PDL kernel here calls `enter` first: `wait`, then `launch_dependents` (the W4 GEMV may call the
-latter after its K loop instead: its TRIGGER). So nothing is read or
-written before the predecessor is done (waiting is transitive: each kernel waits for its predecessor,
-which waited for its own), and the next kernel may be scheduled onto free SM slots while this one runs:
-what PDL saves is the launch latency and ramp-up between consecutive kernels, not any memory ordering.
-Kernels launched without PDL (cuBLAS, PyTorch ops) keep plain stream order in both directions.
-
-Measured on the H200 (docs/perf_notes.md): the graph-replayed vila-8b W4A16 decode step at 1K context went
-from 3.15 to 2.98 ms per token. Also tried and removed: each W4 GEMV program prefetching its weights into L2
-(cp.async.bulk.prefetch.L2) before the wait and a few K steps ahead in its loop: slower at every distance (e.g.
-3.41 ms per token at 4 steps ahead).
+Every PDL kernel here calls `enter` first: `wait`, then `launch_dependents` (the W4 GEMV may call the latter
+after its K loop instead: its TRIGGER). So nothing is read or written before the predecessor is done (waiting is
+transitive: each kernel waits for its predecessor, which waited for its own), and the next kernel may be scheduled
+onto free SM slots while this one runs: what PDL saves is the launch latency and ramp-up between consecutive
+kernels, not any memory ordering. Kernels launched without PDL (cuBLAS, PyTorch ops) keep plain stream order in
+both directions. Measurements (and the L2 weight prefetch tried and removed): docs/perf_notes.md.
 
 Not a kernel of its own: device-side helpers every decode-step kernel calls. A launcher takes `pdl: bool = True`
 and passes `**options(device, pdl)` (the kernel's PDL constexpr and Triton's launch_pdl option): PDL when asked

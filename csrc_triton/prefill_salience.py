@@ -2,26 +2,20 @@
 
     s[b, n] = 1 / (H * M) * sum_h sum_{m < M} exp(scale * q[b, h, m] . k[b, h, n] - lse[b, h, m])
 
-q (B, H, T, D), k (B, H, N, D), fp16/bf16/fp32, any strides with unit stride along D (views of a
-fused qkv projection work as they are); rows m < M = n_query (all T, or the first few: CLIP's CLS /
-summary tokens); B frames independent. Result (B, N) fp32; extra memory O(B*H*(M+N)), never M x N.
-Pass 1 (`_row_lse_kernel`, a FlashAttention forward without V) gives each row's LSE (log2 units,
-negated, as pass 2's exponent adds it). It first sums 2^logit with NO running max: the
-max costs an FMNMX per score plus a shuffle, exp2 and rescale per row and tile (offline sm_90a, D = 80:
-6.1 -> 4.6 instructions per score in the loop); the sum is exact to fp32 rounding while it stays in
-[2^-60, 2^100) (no term overflowed, underflowed terms negligible; see _SUM_LO), which holds unless a
-row's logits exceed ~100 - log2 N or all lie below ~-60 (log2 units): then that block of rows reruns
-with the running max. Ordinary attention logits (tens) never leave the range.
-Pass 2 (`_prefill_salience_kernel`) keeps a tile of keys resident and streams the query rows past
-it, computing S^T = K Q^T so the column sum is a cheap in-thread row sum (summing down the rows of
-Q K^T costs a cross-warp reduction per tile; that layout was 2-2.7x slower on the H200). Fused: the salience layer's
-attention already has the LSE (tinyvila.ops.attention_lse), so the encoder passes it and pays only
-pass 2, one QK^T. D not a power of two (SigLIP 72) = a 64 slice plus a masked 16 slice (2 dots).
-exp2 with log2(e) folded into the scale; full streamed tiles unmasked, only a partial last tile masked.
-Measured on the H200 and not kept (docs/perf_notes.md): exponentials in fp16 pairs (ptxas
-splits ex2.f16x2 into two MUFU ops), a fraction of the exponentials as a polynomial on the FMA pipe
-(FlashAttention-4's trick: slower at every fraction tried), row sums on the tensor cores, two overlapped
-half-tiles, wider or deeper tiles.
+q (B, H, T, D), k (B, H, N, D), fp16/bf16/fp32, any strides with unit stride along D (views of a fused qkv
+projection work as they are); rows m < M = n_query (all T, or the first few: CLIP's CLS / summary tokens); B frames
+independent. Result (B, N) fp32; extra memory O(B*H*(M+N)), never M x N.
+Pass 1 (`_row_lse_kernel`, a FlashAttention forward without V) gives each row's LSE (log2 units, negated, as pass
+2's exponent adds it). It first sums 2^logit with NO running max (the max costs an FMNMX per score plus a shuffle,
+exp2 and rescale per row and tile); the sum is exact to fp32 rounding while it stays in [2^-60, 2^100) (see
+_SUM_LO), which holds unless a row's logits exceed ~100 - log2 N or all lie below ~-60 (log2 units): then that
+block of rows reruns with the running max. Ordinary attention logits (tens) never leave the range.
+Pass 2 (`_prefill_salience_kernel`) keeps a tile of keys resident and streams the query rows past it, computing
+S^T = K Q^T so the column sum is a cheap in-thread row sum (down the rows of Q K^T it is a cross-warp reduction per
+tile). Fused: the salience layer's attention already has the LSE (tinyvila.ops.attention_lse), so the encoder
+passes it and pays only pass 2, one QK^T. D not a power of two (SigLIP 72) = a 64 slice plus a masked 16 slice (2
+dots). exp2 with log2(e) folded into the scale; full streamed tiles unmasked, only a partial last tile masked.
+Alternatives measured and not kept: docs/perf_notes.md.
 """
 
 from __future__ import annotations
@@ -61,11 +55,10 @@ def _load_resident(ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constexpr, D1:
 @triton.jit
 def _dot_streamed(a0, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr):
-    """(R, S) fp32 = resident rows . streamed rows `offs`, the streamed tile loaded transposed (D, S).
-    MASKED: rows with ok False read as 0 (a partial tile); otherwise no row mask at all (full tiles).
-    With a D1 slice its (small) dot is issued first: Triton waits for the first dot of the chain before
-    issuing the second, and waiting on 2 wgmmas instead of 8 is the shorter stall (H200, graph-replayed: 16K
-    standalone 3.418 -> 3.368 ms, 4K 0.225 -> 0.220, SigLIP frames equal; docs/perf_notes.md)."""
+    """(R, S) fp32 = resident rows . streamed rows `offs`, the streamed tile loaded transposed (D, S). MASKED: rows
+    with ok False read as 0 (a partial tile); otherwise no row mask at all (full tiles). With a D1 slice its (small)
+    dot is issued first: Triton waits for the first dot of the chain before issuing the second, and waiting on 2
+    wgmmas instead of 8 is the shorter stall (docs/perf_notes.md)."""
     d0 = tl.arange(0, D0)
     if MASKED:
         b0 = tl.load(ptr + offs[None, :] * stride + d0[:, None], mask=ok[None, :], other=0.0)
@@ -91,9 +84,9 @@ def _dot_streamed(a0, a1, ptr, offs, ok, stride, D: tl.constexpr, D0: tl.constex
 
 @triton.jit
 def _sum_update(s, m_i, l_i, scale_log2, RUNNING_MAX: tl.constexpr):
-    """One tile's step of _row_sum_exp2 over raw logits s (R, S) (-inf where masked). RUNNING_MAX: the
-    online-softmax step in log2 units (the max is taken on the raw logits, scale_log2 > 0, so each exponent is
-    one FFMA, s * scale_log2 - m); else the plain sum, m_i untouched."""
+    """One tile's step of _row_sum_exp2 over raw logits s (R, S) (-inf where masked). RUNNING_MAX: the online-softmax
+    step in log2 units (the max is taken on the raw logits, scale_log2 > 0, so each exponent is one FFMA,
+    s * scale_log2 - m); else the plain sum, m_i untouched."""
     if RUNNING_MAX:
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)  # finite: every tile holds a valid key
         p = tl.exp2(s * scale_log2 - m_new[:, None])
@@ -106,11 +99,9 @@ def _sum_update(s, m_i, l_i, scale_log2, RUNNING_MAX: tl.constexpr):
 def _row_sum_exp2(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
                   RUNNING_MAX: tl.constexpr):
-    """(m, l) of the resident rows with log2 sum_n 2^(scale_log2 q.k_n) = m + log2(l): full streamed tiles
-    unmasked, then a masked last tile. RUNNING_MAX: m the running max (any logits); else m = 0 and l the sum with
-    no max subtracted, per score one FMUL, one exp2 and one FADD (the running max costs an FMNMX per score and a
-    shuffle, rescale and exp2 per row and tile), valid only when the caller checks the sums' range
-    (_row_lse_kernel)."""
+    """(m, l) of the resident rows with log2 sum_n 2^(scale_log2 q.k_n) = m + log2(l): full streamed tiles unmasked,
+    then a masked last tile. RUNNING_MAX: m the running max (any logits); else m = 0 and l the sum with no max
+    subtracted (one FMUL, exp2 and FADD per score), valid only when the caller checks the sums' range."""
     m_i = tl.full([BLOCK_R], -float("inf") if RUNNING_MAX else 0.0, tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     n_full = N - N % BLOCK_S
@@ -129,12 +120,11 @@ def _row_sum_exp2(q0, q1, k_ptr, m_ok, skn, N, scale_log2, D: tl.constexpr, D0: 
     return m_i, l_i
 
 
-# The unshifted sum is kept when every resident row's lies in [2^-60, 2^100). Then no term overflowed (each
-# is below 2^100) and a term that underflowed (below 2^-126, flushed or denormal) is under 2^-66 of its row's
-# sum, N of them under 2^-46 of it for N <= 2^20: every other term is an exp2 of the same argument as in the
-# max-shifted sum, less the row's max, so the two sums (the shifted one scaled back by 2^max) agree to fp32 and
-# exp2 rounding. Otherwise (logits above ~100 - log2 N or all below ~-60, in log2 units, or NaN) the block
-# reruns with the running max.
+# The unshifted sum is kept when every resident row's lies in [2^-60, 2^100). Then no term overflowed (each is below
+# 2^100) and a term that underflowed (below 2^-126, flushed or denormal) is under 2^-66 of its row's sum, N of them
+# under 2^-46 of it for N <= 2^20: every other term is an exp2 of the same argument as in the max-shifted sum, less
+# the row's max, so the two sums (the shifted one scaled back by 2^max) agree to fp32 and exp2 rounding. Otherwise
+# (logits above ~100 - log2 N or all below ~-60, in log2 units, or NaN) the block reruns with the running max.
 _SUM_LO = tl.constexpr(2.0 ** -60)
 _SUM_HI = tl.constexpr(2.0 ** 100)
 
@@ -143,9 +133,8 @@ _SUM_HI = tl.constexpr(2.0 ** 100)
 def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N, scale_log2,
                     D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Pass 1: out[bh, m] = -lse2, lse2 = log2 sum_n 2^(scale_log2 q.k) (log2 units, negated: pass 2 adds
-    it in its FFMA) for BLOCK_R resident rows: first the sum with no running max (_row_sum_exp2),
-    the online form only for a block whose sums leave the safe range."""
+    """Pass 1: out[bh, m] = -lse2, lse2 = log2 sum_n 2^(scale_log2 q.k) (negated: pass 2 adds it in its FFMA) for
+    BLOCK_R resident rows: first the sum with no running max, the online form only for a block out of range."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     sqm, skn = sqm * ALIGN, skn * ALIGN  # strides arrive divided by ALIGN (see prefill_salience)
@@ -167,8 +156,8 @@ def _row_lse_kernel(q_ptr, k_ptr, lse_ptr, sqb, sqh, sqm, skb, skh, skn, H, M, N
 
 @triton.jit
 def _neg_lse2(ptr, ok, NEG_LSE2: tl.constexpr, MASKED: tl.constexpr):
-    """-LSE in log2 units of a tile's rows (MASKED: rows with ok False read -inf, so exp2 gives exactly 0).
-    Pass 1 writes it so, which saves one op per column and tile; a caller's natural-log LSE takes an FMUL."""
+    """-LSE in log2 units of a tile's rows (MASKED: rows with ok False read -inf, so exp2 gives exactly 0). Pass 1
+    writes it so, which saves one op per column and tile; a caller's natural-log LSE takes an FMUL."""
     if MASKED:
         lse = tl.load(ptr, mask=ok, other=-float("inf") if NEG_LSE2 else float("inf"))
     else:
@@ -184,10 +173,9 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
                              D1: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                              ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
                              NEG_LSE2: tl.constexpr):
-    """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q - lse2[m]), BLOCK_R resident keys; lse2
-    = the LSE in log2 units: -lse2 as pass 1 writes it (NEG_LSE2) or log2(e) x the caller's natural-log LSE.
-    Full tiles of query rows unmasked; a partial last tile's rows past M get -lse2 = -inf, so exp2 gives
-    exactly 0 and no extra select is needed."""
+    """Pass 2: out[bh, n] = inv_count * sum_m exp2(scale_log2 k.q - lse2[m]), BLOCK_R resident keys; lse2 = the LSE
+    in log2 units: -lse2 as pass 1 writes it (NEG_LSE2) or log2(e) x the caller's natural-log LSE. Full tiles of
+    query rows unmasked; a partial last tile's rows past M get -lse2 = -inf, so exp2 gives exactly 0."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     sqm, skn = sqm * ALIGN, skn * ALIGN
@@ -214,8 +202,8 @@ def _prefill_salience_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, sqb, sqh, sqm, skb,
 
 
 def _split_head_dim(D: int) -> tuple[int, int]:
-    """D -> (D0, D1): D0 the largest power of two <= D (at least 16, tl.dot's minimum), D1 a power
-    of two >= 16 covering the rest (0 when D0 covers D). 72 -> (64, 16), 80 -> (64, 16), 64 -> (64, 0)."""
+    """D -> (D0, D1): D0 the largest power of two <= D (at least 16, tl.dot's minimum), D1 a power of two >= 16
+    covering the rest (0 when D0 covers D). 72 -> (64, 16), 80 -> (64, 16), 64 -> (64, 0)."""
     d0 = max(16, 1 << (D.bit_length() - 1))
     rest = D - d0
     return d0, 0 if rest <= 0 else max(16, 1 << (rest - 1).bit_length())
@@ -241,22 +229,17 @@ def _check(q: torch.Tensor, k: torch.Tensor, n_query: int | None, lse: torch.Ten
     return M
 
 
-# (resident rows, streamed rows, num_warps, num_stages) for both passes. The H200 sweep
-# (docs/perf_notes.md, 2026-11-29) found 128 resident x 64 streamed rows on one warpgroup the best
-# standalone config at every shape (1-64 SigLIP frames, N = 4K-64K), and the best or within 10% fused.
+# (resident rows, streamed rows, num_warps, num_stages) for both passes: the best of the H200 sweep at every shape
+# (docs/perf_notes.md).
 DEFAULT_TILES = (128, 64, 4, 3)
 # Register caps (pass 1, pass 2) at DEFAULT_TILES, so 4 programs still share an SM (4 x 128 threads x 120 <= 64K
-# registers; shared memory allows 4 too). Uncapped, ptxas gives pass 1 (the unshifted loop plus its running-max
-# rerun) 150; offline sm_90a, D = 72 and 80: no spills at 120 (at 96: 43 spill instructions, 2 in the loop at
-# D = 72). Pass 2: 115, its own count. On the H200 the full-tiles-unmasked kernels at these caps beat the
-# original masked ones everywhere (16K 3.54 vs 3.80 ms, 4K 0.251 vs 0.269, 8 SigLIP frames 0.090 vs 0.095).
+# registers). Uncapped, ptxas gives pass 1 (the unshifted loop plus its running-max rerun) 150; no spills at 120
+# (sm_90a, D = 72 and 80). Pass 2: 115, its own count.
 MAXNREG: tuple[int, int] | None = (120, 115)
 
 
-# Per-call host work (at 1 SigLIP frame the kernels run for microseconds, so a call costs what the host
-# spends launching it). Everything the launcher derives from a call's shapes, strides, dtypes
-# and options (checks, tiles, grids, constexprs, scalar arguments) is a _Plan built once per distinct
-# call; each launch then skips Triton's per-call dispatch after its first (csrc_triton/launch.py).
+# Per-call host work (at 1 SigLIP frame a call costs what the host spends launching it): a _Plan built once per
+# distinct call; each launch then skips Triton's per-call dispatch after its first (launch.py).
 _PLANS = Plans()  # distinct calls kept (an encoder makes a handful); past its limit the table starts over
 
 
@@ -281,9 +264,8 @@ def _plan(q, k, n_query, lse, scale, tiles) -> _Plan:
     res, stream, warps, stages = tiles or DEFAULT_TILES
     streamed_m = min(stream, max(16, triton.next_power_of_2(M)))  # summary mode: 1..few rows (dot needs 16)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-    # Triton only learns that an int argument is a multiple of 16; SigLIP's strides (72, 729*72) are
-    # multiples of 8, i.e. 16-byte rows. Passing stride // 8 and multiplying by a constexpr 8 inside
-    # tells the compiler, which then issues 16-byte (cp.async) loads instead of 2-byte ones.
+    # Triton only learns that an int argument is a multiple of 16; SigLIP's strides (72, 729*72) are multiples of 8.
+    # Passing stride // 8, times a constexpr 8 inside, lets it issue 16-byte (cp.async) loads instead of 2-byte ones.
     align = 8 if all(st % 8 == 0 for st in strides) else 1
     strides = tuple(st // align for st in strides)
     meta = dict(D=D, D0=d0, D1=d1, PRECISION=precision, UPCAST=upcast, ALIGN=align, num_warps=warps,
@@ -308,12 +290,11 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
                      tiles: tuple[int, int, int, int] | None = None, direct: bool = True) -> torch.Tensor:
     """Mean attention each key receives: q (B, H, T, D), k (B, H, N, D) -> (B, N) fp32.
 
-    n_query: average over the first n_query rows only (summary tokens); default all T rows.
-    lse: (B, H, n_query) fp32 natural-log log-sum-exp of each row's scaled logits (unit stride along
-    rows), when the caller's attention already computed it: then only pass 2 runs. scale: default
-    D ** -0.5. tiles: (resident, streamed, num_warps, num_stages) instead of DEFAULT_TILES (sweeps; the
-    register caps MAXNREG apply at DEFAULT_TILES only). direct: after a plan's first launch, skip Triton's
-    dispatch (csrc_triton/launch.py; False: every launch through it, the A/B).
+    n_query: average over the first n_query rows only (summary tokens); default all T rows. lse: (B, H, n_query)
+    fp32 natural-log log-sum-exp of each row's scaled logits, when the caller's attention already computed it: then
+    only pass 2 runs. scale: default D ** -0.5. tiles: (resident, streamed, num_warps, num_stages) instead of
+    DEFAULT_TILES (MAXNREG applies at DEFAULT_TILES only). direct: after a plan's first launch, skip Triton's
+    dispatch (launch.py).
     """
     # Everything _plan reads, the module switches included (benches and tests set them).
     key = (q.shape, k.shape, q.stride(), k.stride(), q.dtype, k.dtype, n_query,
@@ -332,8 +313,8 @@ def prefill_salience(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = 
 
 def prefill_salience_ref(q: torch.Tensor, k: torch.Tensor, *, n_query: int | None = None,
                          lse: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Materialised softmax(q k^T * scale) then the mean over rows and heads, in fp32 (or fp64 for
-    fp64 inputs): q (B, H, T, D), k (B, H, N, D) -> (B, N). `lse` is accepted and ignored."""
+    """Materialised softmax(q k^T * scale) then the mean over rows and heads, in fp32 (or fp64 for fp64 inputs):
+    q (B, H, T, D), k (B, H, N, D) -> (B, N). `lse` is accepted and ignored."""
     M = q.shape[2] if n_query is None else n_query
     dt = torch.promote_types(q.dtype, torch.float32)
     scale = scale if scale is not None else q.shape[-1] ** -0.5

@@ -2,13 +2,12 @@
 
 Per row (token), in fp32:  amax = max(max|x|, 1e-5);  scale = amax / 127;
 q = clamp(round_half_even(x * (127 / amax)), -127, 127)   (127 / amax correctly rounded, like torch).
-So q * scale ~= x with |error| <= scale / 2, and the row's largest |x| maps to +-127 (symmetric:
--128 is never produced). Rounding is half-to-even, i.e. torch.round; `row_scales` + `store_q`
-(csrc_triton/_common.py) are the shared device functions that the fused LayerNorm+quant and GELU+quant
-kernels end with too, so every producer of int8 activations rounds identically. x: fp16/bf16/fp32, last dim
-contiguous. Used for the input of the attention output projection (wo); each program holds whole rows in
-registers (K <= ROW_MAX_K = 16384), as a power-of-two head plus a tail block (`row_block`). K is a
-compile-time constant (a few widths per model).
+So q * scale ~= x with |error| <= scale / 2, and the row's largest |x| maps to +-127 (symmetric: -128 is never
+produced). Rounding is half-to-even, i.e. torch.round; `row_scales` + `store_q` (_common.py) are the shared device
+functions that the fused LayerNorm+quant and GELU+quant kernels end with too, so every producer of int8 activations
+rounds identically. x: fp16/bf16/fp32, last dim contiguous. Used for the input of the attention output projection
+(wo); each program holds whole rows in registers (K <= ROW_MAX_K = 16384), as a power-of-two head plus a tail block
+(`row_block`). K is a compile-time constant (a few widths per model).
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ from ._common import launch_rows, quantize_rows_ref, rmax_abs, row_block, row_sc
 @triton.jit
 def _quant_per_token_kernel(x_ptr, q_ptr, scale_ptr, M, stride_xm, stride_qm, K: tl.constexpr,
                             ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
-    # A row is a power-of-two head of BLOCK_K columns plus a tail block (BLOCK_T > 0) when K is not
-    # a power of two (1152 = 1024 + 128): no lanes idle on padding (next_pow2(1152) = 2048 would
-    # leave 44% of them computing nothing; the row kernels are instruction-bound, docs/perf_notes.md).
+    # A row is a power-of-two head of BLOCK_K columns plus a tail block (BLOCK_T > 0) when K is not a power of two
+    # (1152 = 1024 + 128): no lanes idle on padding (the row kernels are instruction-bound, docs/perf_notes.md).
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     x, mask, offs = row_block(x_ptr, rows, stride_xm, M, K, 0, BLOCK_K)
     amax = rmax_abs(x, ROWS)  # (ROWS,), a scalar when ROWS == 1

@@ -2,28 +2,24 @@
 
     s[b, g, j] += sum_{h in group g} sum_t exp(scale * q[b, h, t] . k[b, g, idx[j]] - lse[b, h, t])
 
-q (B, H, T, D) the question's post-RoPE queries (fp16/bf16/fp32, any strides, unit stride along D);
-k (B, Hkv, S, D) the cache; idx (N,) int32 cache slots of the retrievable tokens, or a range of
-consecutive slots (the keys are then read as one contiguous block, no slot loaded); lse (B, H, T) fp32
-natural-log log-sum-exp of each query row's (scaled) attention logits, from the prefill attention.
-The result (B, Hkv, N) fp32 is each token's normalised attention summed over the rows and the n_rep
-query heads of its KV group; passing `out` accumulates into it (a question prefilled in chunks).
-Every retrievable token precedes every question row, so no causal mask applies.
+q (B, H, T, D) the question's post-RoPE queries (fp16/bf16/fp32, any strides, unit stride along D); k (B, Hkv, S, D)
+the cache; idx (N,) int32 cache slots of the retrievable tokens, or a range of consecutive slots (the keys are then
+read as one contiguous block, no slot loaded); lse (B, H, T) fp32 natural-log log-sum-exp of each query row's
+(scaled) attention logits, from the prefill attention. The result (B, Hkv, N) fp32 is each token's normalised
+attention summed over the rows and the n_rep query heads of its KV group; passing `out` accumulates into it (a
+question prefilled in chunks). Every retrievable token precedes every question row, so no causal mask applies.
 
-impl "gather" (_retrieval_salience_kernel): program (b, g, chunk) streams TILES tiles of BLOCK_N keys;
-the group's n_rep*T query rows (flattened as (head, t)) meet each key tile in one (BLOCK_M, D) x
-(D, BLOCK_N) tl.dot when they fit in BLOCK_M (the query tile and its lse are then loaded once per
-program), else in a loop of row blocks. Per logit the work is one FMA (scale, minus the pre-scaled
-lse: log2 units), one exp2 and one add, and the exp2 (MUFU) is the floor: no matrix is materialised
-and no atomics are needed. Padded rows take lse = +inf, so they contribute exp2(-inf) = 0 without a
-mask. The kernel pipelines its own loads (keys of tile j+1 and slots of tile j+2 in flight while tile
-j is computed), so it runs with num_stages=1. D <= 256.
+impl "gather" (_retrieval_salience_kernel): program (b, g, chunk) streams TILES tiles of BLOCK_N keys; the group's
+n_rep*T query rows (flattened as (head, t)) meet each key tile in one (BLOCK_M, D) x (D, BLOCK_N) tl.dot when they
+fit in BLOCK_M (the query tile and its lse are then loaded once per program), else in a loop of row blocks. Per
+logit: one FMA (scale, minus the pre-scaled lse: log2 units), one exp2 (MUFU, the floor) and one add; no matrix is
+materialised and no atomics are needed. Padded rows take lse = +inf, so they contribute exp2(-inf) = 0 without a
+mask. The kernel pipelines its own loads, so it runs with num_stages=1. D <= 256.
 
-impl "pipe" (_retrieval_salience_pipe_kernel): the rows as two resident halves, so that the tensor
-cores multiply one half while the MUFU exponentiates the other (FlashAttention-3's intra-warpgroup
-overlap; the one-block kernel runs its wgmma and its exp2 block one after the other), key loads left
-to Triton's cp.async pipeline, adds to `out` as atomic reductions. At most 2 * PIPE_HALF = 256 rows
-per launch: longer questions run as several launches.
+impl "pipe" (_retrieval_salience_pipe_kernel): the rows as two resident halves, so that the tensor cores multiply
+one half while the MUFU exponentiates the other (FlashAttention-3's intra-warpgroup overlap), key loads left to
+Triton's cp.async pipeline, adds to `out` as atomic reductions. At most 2 * PIPE_HALF = 256 rows per launch:
+longer questions run as several launches.
 """
 
 from __future__ import annotations
@@ -40,26 +36,20 @@ from ._common import INTERPRET
 from .launch import Launch, Plans, tensor_key
 
 LOG2E = 1.4426950408889634
-# The most programs per SM the gather kernel's default tiles plan for (its whole waves use what fits, at most
-# this: 256 rows fit two per SM, sm_90a 248 registers x 128 threads and 80 KB of shared memory), and the most
-# key tiles per program.
+# The most programs per SM the gather kernel's default tiles plan for (its whole waves use what fits, at most this),
+# and the most key tiles per program.
 PROGRAMS_PER_SM = 4
 MAX_TILES = 64
-# The dot's orientation (see _tile_mass) and its default tile. KEY_ROWS: keys are the rows of S^T = K Q^T,
-# so summing over the question is in-thread (the layout that made the prefill salience's column pass
-# 2-2.7x faster). H200 sweep (DECODE_SWEEP=retrieval of scripts/benches/decode_attention.py; 64-token
-# question, 32K keys, graph-replayed): S = Q K^T with 32-key tiles and 8 warps 78.8 us, S^T with 64-key
-# tiles and 4 warps 51.5 us (8 warps: 70.1; 128-key tiles: 64.6).
+# The dot's orientation (see _tile_mass) and its default tile. KEY_ROWS: keys are the rows of S^T = K Q^T, so
+# summing over the question is in-thread; the fastest in the H200 sweep (DECODE_SWEEP=retrieval of
+# scripts/benches/decode_attention.py; docs/perf_notes.md).
 KEY_ROWS = True
 KEY_BLOCK = 64
 KEY_WARPS = 4
-# The kernels (IMPLS) and the "pipe" kernel's defaults: rows per half, keys per tile, warps, Triton pipeline
-# stages, programs per SM its default tiles aim at. sm_90a at D=128, 256 rows: 237-244 registers, 97-112 KB
-# of shared memory (gathered / span), so 2 programs fit per SM. A call that names no impl runs "gather" when
-# a KV group's question rows (n_rep * T) fit one 256-row block, else "pipe", each in whole waves of the
-# programs that fit per SM. H200 (graph-replayed, 32K keys, 32 query / 8 KV heads; docs/perf_notes.md): T=64
-# gather 50.9 us in 7-tile chunks (2.2 waves), 41.1 in one wave, pipe 44.1; T=16 26.1 / 20.9 (4 per SM) / 22.8;
-# T=256 (1024 rows) gather 343 / 276, pipe 179.
+# The kernels (IMPLS) and the "pipe" kernel's defaults: rows per half, keys per tile, warps, Triton pipeline stages,
+# programs per SM its default tiles aim at (2 fit at D=128). A call that names no impl runs "gather" when a KV
+# group's question rows (n_rep * T) fit one 256-row block, else "pipe", each in whole waves of the programs that
+# fit per SM (the faster of the two on each side; docs/perf_notes.md).
 IMPLS = ("gather", "pipe")
 DEFAULT_IMPL = None  # None: the rule above; "gather" / "pipe": always that kernel
 PIPE_HALF = 128
@@ -72,8 +62,8 @@ PIPE_PER_SM = 2
 @triton.jit
 def _row_block(q_ptr, lse_ptr, b, g, m0, T, sqb, sqh, sqt, slb, slh, slt, N_REP: tl.constexpr,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Query rows m0..m0+BLOCK_M-1 of group g, (head, t) flattened -> q (BLOCK_M, BLOCK_D) and
-    lse in log2 units (BLOCK_M,), +inf on padded rows."""
+    """Query rows m0..m0+BLOCK_M-1 of group g, (head, t) flattened -> q (BLOCK_M, BLOCK_D), lse in log2 units
+    (BLOCK_M,), +inf on padded rows."""
     r = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = r < N_REP * T
@@ -87,8 +77,8 @@ def _row_block(q_ptr, lse_ptr, b, g, m0, T, sqb, sqh, sqt, slb, slh, slt, N_REP:
 
 @triton.jit
 def _slots(offs_n, ok, ptrs, SPAN: tl.constexpr):
-    """Cache slots of the retrievable tokens offs_n (ok: < N): idx[offs_n] (ptrs: their addresses in
-    idx), or offs_n itself when SPAN (the launcher then passes the cache from the span's first slot on)."""
+    """Cache slots of the retrievable tokens offs_n (ok: < N): idx[offs_n] (ptrs: their addresses in idx), or
+    offs_n itself when SPAN (the launcher then passes the cache from the span's first slot on)."""
     if SPAN:
         return offs_n
     return tl.load(ptrs, mask=ok, other=0)
@@ -96,8 +86,7 @@ def _slots(offs_n, ok, ptrs, SPAN: tl.constexpr):
 
 @triton.jit
 def _key_tile(k_base, slot, ok, offs_d, d_ok, skl, KEY_ROWS: tl.constexpr):
-    """Keys at cache slots `slot` (BLOCK_N,), 0 where not `ok`: (BLOCK_N, BLOCK_D) when KEY_ROWS, else
-    transposed (BLOCK_D, BLOCK_N)."""
+    """Keys at cache slots `slot` (BLOCK_N,), 0 where not `ok`: (BLOCK_N, BLOCK_D) if KEY_ROWS, else transposed."""
     if KEY_ROWS:
         kt = tl.load(k_base + slot[:, None].to(tl.int64) * skl + offs_d[None, :],
                      mask=ok[:, None] & d_ok[None, :], other=0.0)
@@ -111,10 +100,9 @@ def _key_tile(k_base, slot, ok, offs_d, d_ok, skl, KEY_ROWS: tl.constexpr):
 def _tile_mass(q, lse2, kt, scale_log2, PRECISION: tl.constexpr, UPCAST: tl.constexpr, KEY_ROWS: tl.constexpr):
     """sum over the query rows of exp2(scale_log2 * q k - lse2) for each key of the tile -> (BLOCK_N,).
 
-    KEY_ROWS: kt is (BLOCK_N, D) and the dot is S^T = K Q^T (BLOCK_N, BLOCK_M), so the sum over query rows
-    runs along each thread's own accumulator row (in-thread adds and a quad shuffle); otherwise kt is
-    (D, BLOCK_N), S = Q K^T (BLOCK_M, BLOCK_N) and the sum runs down the rows, across warps (through shared
-    memory, every tile)."""
+    KEY_ROWS: kt is (BLOCK_N, D) and the dot is S^T = K Q^T (BLOCK_N, BLOCK_M), so the sum over query rows runs
+    along each thread's own accumulator row (in-thread adds and a quad shuffle); otherwise kt is (D, BLOCK_N),
+    S = Q K^T (BLOCK_M, BLOCK_N) and the sum runs down the rows, across warps (through shared memory, every tile)."""
     if UPCAST:  # the CPU interpreter multiplies bf16 wrongly; it runs the dot in fp32 instead
         q, kt = q.to(tl.float32), kt.to(tl.float32)
     else:
@@ -130,10 +118,9 @@ def _tile_mass(q, lse2, kt, scale_log2, PRECISION: tl.constexpr, UPCAST: tl.cons
 
 @triton.jit
 def _program(k_ptr, skb, skh, HKV, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Where program (b * Hkv + g, chunk) works: batch b, KV group g, its key chunk, the head-dim offsets
-    (BLOCK_D,) and their mask (< D), and k_base, the address of k[b, g] (the batch offset in 64 bits:
-    B * Hkv * S * D can pass 2^31). Triton inlines it: both kernels compile to the same code as when each
-    spelled it out (sm_90a SASS compared)."""
+    """Where program (b * Hkv + g, chunk) works: batch b, KV group g, its key chunk, the head-dim offsets (BLOCK_D,)
+    and their mask (< D), and k_base, the address of k[b, g] (the batch offset in 64 bits: B * Hkv * S * D can pass
+    2^31)."""
     bg = tl.program_id(0)
     chunk = tl.program_id(1)
     b = bg // HKV
@@ -156,9 +143,8 @@ def _retrieval_salience_kernel(
     b, g, chunk, offs_d, d_ok, k_base = _program(k_ptr, skb, skh, HKV, D, BLOCK_D)
     if ONE_BLOCK:  # all n_rep*T rows in one tile: loaded once, reused by every key tile
         q, lse2 = _row_block(q_ptr, lse_ptr, b, g, 0, T, sqb, sqh, sqt, slb, slh, slt, N_REP, D, BLOCK_M, BLOCK_D)
-    # A software pipeline of its own (launched with num_stages=1): the keys of tile j+1 and the
-    # slots of tile j+2 are requested before tile j is computed. Triton's pipeliner cannot run the
-    # slot -> key gather ahead like this (it waits for each tile's keys at the top of its iteration).
+    # A software pipeline of its own (num_stages=1): the keys of tile j+1 and the slots of tile j+2 are requested
+    # before tile j is computed. Triton's pipeliner cannot run the slot -> key gather ahead like this.
     n0 = chunk * TILES * BLOCK_N
     offs = tl.arange(0, BLOCK_N)
     slot = _slots(n0 + offs, n0 + offs < N, idx_ptr + n0 + offs, SPAN)
@@ -190,15 +176,14 @@ def _retrieval_salience_kernel(
 
 @triton.jit
 def _keys(k_base, idx_ptr, offs_n, n_ok, offs_d, d_ok, skl, SPAN: tl.constexpr):
-    """Key tile (BLOCK_N, BLOCK_D) at cache slots idx[offs_n], or offs_n itself when SPAN (the launcher
-    passes the cache from the span's first slot on, and no slot is read); 0 where not n_ok."""
+    """Key tile (BLOCK_N, BLOCK_D) at cache slots idx[offs_n], or offs_n itself when SPAN; 0 where not n_ok."""
     return _key_tile(k_base, _slots(offs_n, n_ok, idx_ptr + offs_n, SPAN), n_ok, offs_d, d_ok, skl, True)
 
 
 @triton.jit
 def _scores_t(kt, q, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """S^T = K q^T (BLOCK_N, HALF) fp32. A separate step from the exponents so that the wgmma is issued
-    here and Triton's wait lands at the first read of the result (after the other half's exp2 block)."""
+    """S^T = K q^T (BLOCK_N, HALF) fp32. A separate step from the exponents so that the wgmma is issued here and
+    Triton's wait lands at the first read of the result (after the other half's exp2 block)."""
     if UPCAST:  # the CPU interpreter multiplies bf16 wrongly; it runs the dot in fp32 instead
         kt = kt.to(tl.float32)
     return tl.dot(kt, tl.trans(q), input_precision=PRECISION, out_dtype=tl.float32)
@@ -206,9 +191,9 @@ def _scores_t(kt, q, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _put(ptrs, mass, ok, ACCUMULATE: tl.constexpr):
-    """Store a tile's masses, or add them to `out`: a relaxed atomic reduction at L2 (no load of the old
-    values to wait for), the same fp32 round-to-nearest add as old + mass (denormals flushed) and
-    deterministic, since one program owns each element within a launch."""
+    """Store a tile's masses, or add them to `out`: a relaxed atomic reduction at L2 (no load of the old values to
+    wait for), the same fp32 round-to-nearest add as old + mass (denormals flushed) and deterministic, since one
+    program owns each element within a launch."""
     if ACCUMULATE:
         tl.atomic_add(ptrs, mass, mask=ok, sem="relaxed")
     else:
@@ -223,16 +208,11 @@ def _retrieval_salience_pipe_kernel(
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPAN: tl.constexpr,
 ):
-    """impl "pipe": the group's rows (at most 2 * HALF) as two resident halves a and b, and the tensor
-    cores' work on one half overlapping the exponentials of the other (FlashAttention-3's intra-warpgroup
-    overlap). Iteration j issues the wgmma of tile j's half a, then sums the exponentials of tile j-1's
-    half b and stores tile j-1, then issues half b's wgmma and sums half a's exponentials: each
-    (BLOCK_N, HALF) accumulator is half of the one-block kernel's, so two fit in the same registers.
-    The key loads are left to Triton's pipeliner (cp.async, num_stages deep; gathered rows too, the slots
-    a stage ahead). Adding to `out` is an atomic reduction: no load of the old values to wait for.
-    Whether the exponentials really issue under the wgmma is ptxas's choice: sm_90a, D=128, 64-key
-    tiles, 4 warps, 3 stages, 256 rows: 62 and 52-61 of each half's 64 MUFU per thread do (stores and
-    adds, gathered and span; 2 stages put none there for a span with `out`), 30/19 of 32 at 128 rows."""
+    """impl "pipe": the group's rows (at most 2 * HALF) as two resident halves a and b. Iteration j issues the wgmma
+    of tile j's half a, then sums the exponentials of tile j-1's half b and stores tile j-1, then issues half b's
+    wgmma and sums half a's exponentials: each (BLOCK_N, HALF) accumulator is half of the one-block kernel's, so two
+    fit in the same registers. The key loads are left to Triton's pipeliner (cp.async, num_stages deep; the slots a
+    stage ahead). Whether the exponentials really issue under the wgmma is ptxas's choice (most do at 3 stages)."""
     b, g, chunk, offs_d, d_ok, k_base = _program(k_ptr, skb, skh, HKV, D, BLOCK_D)
     o_base = out_ptr + b * sob + g * soh
     qa, la = _row_block(q_ptr, lse_ptr, b, g, 0, T, sqb, sqh, sqt, slb, slh, slt, N_REP, D, HALF, BLOCK_D)
@@ -268,10 +248,8 @@ def _sm_count(index: int) -> int:
 
 
 def wave_tiles(n_tiles: int, n_groups: int, device: torch.device, per_sm: int) -> int:
-    """Key tiles per program so that the n_groups * chunks programs make one whole wave of at most
-    `per_sm` programs on every SM (rounded up, so no partial second wave: at 32K keys, 8 groups and 132
-    SMs, 2 per SM -> 16 tiles, 256 programs; the session-5 rule, 4 per SM rounded down, gave 7 tiles, 592
-    programs = 2.2 waves of the 2 that fit). A runtime argument: a new N never recompiles."""
+    """Key tiles per program so that the n_groups * chunks programs make one whole wave of at most `per_sm`
+    programs on every SM (rounded up: no partial second wave). A runtime argument: a new N never recompiles."""
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 8
     return max(1, min(MAX_TILES, triton.cdiv(n_tiles * n_groups, per_sm * sms)))
@@ -308,9 +286,8 @@ class _Plan(NamedTuple):
     provisional: bool  # its tiles assumed programs per SM that _RESIDENT learns at the first launch: not kept
 
 
-# Plans per distinct call (every tensor's shape, strides, dtype and device, the span, the options and the
-# module switches read): a prefill makes the same call every layer, so it pays Triton's dispatch, the
-# checks and the tile choice once (csrc_triton/launch.py).
+# Plans per distinct call (every tensor's shape, strides, dtype and device, the span, the options and the module
+# switches read): a prefill makes the same call every layer, so it pays dispatch, checks and tiles once (launch.py).
 _PLANS = Plans()
 
 
@@ -321,21 +298,15 @@ def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | ran
                        impl: str | None = None, per_sm: int | None = None, *, direct: bool = True) -> torch.Tensor:
     """q (B, H, T, D), k (B, Hkv, S, D), idx (N,), lse (B, H, T) fp32 -> (B, Hkv, N) fp32 (added to `out`).
 
-    idx may be a range (start, stop) of consecutive cache slots (an image's span): the keys are then read
-    as one contiguous block and no slot is loaded. impl (default DEFAULT_IMPL): "gather", the one-block
-    kernel (_retrieval_salience_kernel), or "pipe", the two-half kernel whose wgmma of one half overlaps
-    the other half's exponentials (_retrieval_salience_pipe_kernel; a question of more than 256 rows per
-    group runs as several launches, each reading every key).
-
-    Default impl (None): "gather" when a KV group's n_rep * T question rows fit 256, else "pipe" (IMPLS'
-    comment has the measurements). Tuning knobs, swept by scripts/benches/retrieval_variants.py and
-    scripts/benches/decode_attention.py (DECODE_SWEEP=retrieval): block_m (gather: rows per row block,
-    default all of a group's n_rep*T rows up to 256; pipe: rows per half, default 128), block_n, tiles (key
-    tiles per program; default: whole waves of `per_sm` programs per SM, by default the programs of the
-    compiled kernel that fit, at most PROGRAMS_PER_SM for gather), num_warps, num_stages (gather: 1, it
-    pipelines its own loads; pipe: Triton's pipeline depth), key_rows (gather: the dot's orientation). The
-    gather tile (KEY_ROWS, KEY_BLOCK, KEY_WARPS) comes from the H200 sweep in KEY_ROWS' comment
-    (docs/benchmarks.md). direct: after a plan's first launch, skip Triton's dispatch (csrc_triton/launch.py)."""
+    idx may be a range (start, stop) of consecutive cache slots (an image's span). impl (default DEFAULT_IMPL, else
+    the rule in IMPLS' comment): "gather" or "pipe" (module docstring; a question of more than 256 rows per group
+    runs as several launches, each reading every key). Tuning knobs, swept by scripts/benches/retrieval_variants.py
+    and scripts/benches/decode_attention.py (DECODE_SWEEP=retrieval): block_m (gather: rows per row block, default
+    all of a group's n_rep*T rows up to 256; pipe: rows per half, default 128), block_n, tiles (key tiles per
+    program; default: whole waves of `per_sm` programs per SM, by default the programs of the compiled kernel that
+    fit, at most PROGRAMS_PER_SM for gather), num_warps, num_stages (gather: 1, it pipelines its own loads; pipe:
+    Triton's pipeline depth), key_rows (gather: the dot's orientation). direct: after a plan's first launch, skip
+    Triton's dispatch (launch.py)."""
     key = (tensor_key(q), tensor_key(k), (idx.start, idx.stop, idx.step) if isinstance(idx, range) else tensor_key(idx),
            tensor_key(lse), scale, tensor_key(out), block_m, block_n, tiles, num_warps, num_stages, key_rows, impl,
            per_sm, DEFAULT_IMPL, KEY_ROWS, KEY_BLOCK, KEY_WARPS, PIPE_HALF, PIPE_BLOCK, PIPE_WARPS, PIPE_STAGES,
@@ -406,14 +377,13 @@ def _plan(q, k, idx, lse, scale, out, block_m, block_n, tiles, num_warps, num_st
     return _Plan((B, Hkv, N), span, ((0, T, launch, key),), provisional)
 
 
-# Programs per SM each compiled configuration (gather or pipe) fits, filled by retrieval_salience after its
-# first launch; plans built before that are provisional (not kept).
+# Programs per SM each compiled configuration fits, filled after its first launch; plans built before: provisional.
 _RESIDENT: dict[tuple, int] = {}
 
 
 def _resident(compiled, num_warps: int, device: torch.device) -> int:
-    """Programs of a compiled kernel that fit on one SM at once: registers (64K per SM, allocated per
-    warp in units of 256), shared memory (1 KB reserved per program) and threads."""
+    """Programs of a compiled kernel that fit on one SM at once: registers (64K per SM, allocated per warp in units
+    of 256), shared memory (1 KB reserved per program) and threads."""
     props = torch.cuda.get_device_properties(device)
     by_regs = 65536 // (triton.cdiv(max(compiled.n_regs, 1) * 32, 256) * 256 * num_warps)
     smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
@@ -424,9 +394,9 @@ def _resident(compiled, num_warps: int, device: torch.device) -> int:
 
 def _pipe(q, k, N, scale, accumulate, common, strides, half_max, block_n, tiles, num_warps, num_stages, per_sm,
           span) -> _Plan:
-    """impl "pipe": launches of at most 2 * half_max rows per group (question chunks of whole tokens);
-    the first writes `out` (unless accumulating), the others add to it. Default tiles: one whole wave
-    at the programs per SM that fit (known once a configuration has compiled; PIPE_PER_SM before)."""
+    """impl "pipe": launches of at most 2 * half_max rows per group (question chunks of whole tokens); the first
+    writes `out` (unless accumulating), the others add to it. Default tiles: one whole wave at the programs per SM
+    that fit (known once a configuration has compiled; PIPE_PER_SM before)."""
     B, H, T, _ = q.shape
     Hkv = k.shape[1]
     n_rep = H // Hkv

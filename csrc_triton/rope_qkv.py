@@ -1,19 +1,15 @@
 """RoPE of q and k fused with the KV-cache write: the fused q/k/v projection's output in, rotated q out.
 
-qkv (B, T, (H + 2 Hkv) D) holds per token [q heads | k heads | v heads], D each (the checkpoint's
-fused wqkv). Rotate-half RoPE (HF Llama layout: dim d pairs with d + D/2) with cos, sin (T, D) in
-the activation dtype, computed with ops.rope's roundings (x*cos, rot(x)*sin and their sum each
-rounded to the dtype, as PyTorch's three fp16 ops do; csrc_triton/rounding.py): bit for bit equal
-to ops.rope's under the interpreter; on the GPU some elements come out an ulp or two away (H200,
-2026-11-29): the compiler fuses one product of each sum into an FMA (see rope_halves); the tests bound it:
+qkv (B, T, (H + 2 Hkv) D) holds per token [q heads | k heads | v heads], D each (the checkpoint's fused wqkv).
+Rotate-half RoPE (HF Llama layout: dim d pairs with d + D/2) with cos, sin (T, D) in the activation dtype, computed
+with ops.rope's roundings (rounding.py): bit for bit ops.rope's under the interpreter; on the GPU some elements come
+out an ulp or two away (one product of each sum is fused into an FMA: see rope_halves); the tests bound it:
     out[:D/2] = x1*cos1 - x2*sin1        out[D/2:] = x2*cos2 + x1*sin2
-Rotated k and raw v go to k_cache, v_cache (B, Hkv, S, D) at sequence slot slots[t] (T,) (any int
-dtype, read on the device, so a captured decode graph can advance it without re-capture; the caller
-checks slots < S), and optionally also into a second cache pair at its own slots (a SparseVILA
-turn's packed decode buffer, which receives every new token too). Returns rotated q as (B, H, T, D),
-contiguous. One program per (token, group of heads of [q heads | k heads]); a k head also copies its
-v head. This replaces split, three view/transposes, two ropes (~4 elementwise launches each) and two
-cache copies by one launch.
+Rotated k and raw v go to k_cache, v_cache (B, Hkv, S, D) at sequence slot slots[t] (T,) (any int dtype, read on
+the device, so a captured decode graph can advance it without re-capture; the caller checks slots < S), and
+optionally also into a second cache pair at its own slots (a SparseVILA turn's packed decode buffer). Returns
+rotated q as (B, H, T, D), contiguous. One program per (token, group of heads of [q heads | k heads]); a k head also
+copies its v head. One launch replaces split, three view/transposes, two ropes and two cache copies.
 dtypes: fp16/bf16; D even, D <= 1024; cache last dim contiguous.
 """
 
@@ -34,13 +30,12 @@ from .rounding import round_to
 
 @triton.jit
 def rope_halves(x1, x2, c1, c2, s1, s2, dtype: tl.constexpr):
-    """Rotate-half RoPE of the pairs (x1, x2) = (dim d, dim d + D/2), all fp32 -> (o1, o2) fp32 holding
-    dtype values: ops.rope's three PyTorch ops, each result rounded to the dtype (x*cos, rot(x)*sin, the sum);
-    round(-a) = -round(a), so the first half's sum with the rounded (-x2*sin1) is the difference below.
-    That is what runs under the interpreter. On the GPU the casts do not keep the products apart: LLVM narrows
-    the fp32 ops on widened 16-bit values to 16-bit ops, and the backend contracts the first product of each
-    sum into an FMA (sm_90a, triton 3.6): o1 = fma(x1, cos1, -rn(x2 sin1)), o2 = fma(x2, cos2, rn(x1 sin2)).
-    The qkv GEMV's RoPE epilogue (csrc_triton/_w4a16_gemv_epilogue.py, EPI 3) writes that form out explicitly."""
+    """Rotate-half RoPE of the pairs (x1, x2) = (dim d, dim d + D/2), all fp32 -> (o1, o2) fp32 holding dtype
+    values: ops.rope's three PyTorch ops, each result rounded to the dtype (x*cos, rot(x)*sin, the sum); round(-a) =
+    -round(a), so the first half's sum with the rounded (-x2*sin1) is the difference below. That is what runs under
+    the interpreter. On the GPU LLVM narrows the fp32 ops on widened 16-bit values to 16-bit ops, and the backend
+    contracts the first product of each sum into an FMA (sm_90a, triton 3.6): o1 = fma(x1, cos1, -rn(x2 sin1)),
+    o2 = fma(x2, cos2, rn(x1 sin2)). The qkv GEMV's RoPE epilogue (EPI 3) writes that form out explicitly."""
     o1 = round_to(round_to(x1 * c1, dtype) - round_to(x2 * s1, dtype), dtype)
     o2 = round_to(round_to(x2 * c2, dtype) + round_to(x1 * s2, dtype), dtype)
     return o1, o2

@@ -1,14 +1,12 @@
 """SwiGLU on the fused gate/up projection: (..., 2F) -> (..., F) = silu(gate) * up, one launch.
 
-gate_up holds [gate | up] per row (the checkpoint's fused w13, gate rows first). PyTorch's rounding,
-bit for bit on the GPU:  a = (g / (1 + exp(-g))).to(dtype)  (F.silu: fp32 math, correctly rounded
-division, CUDA's expf),  out = (a * up).to(dtype)  (an fp16 x fp16 product is exact in fp32: rounded
-once, as torch's mul). On the GPU the kernel uses libdevice's expf and div_rn, the functions
-PyTorch's CUDA silu compiles to (tl.exp and `/` would be the approximate ex2/div.full). Under the
-interpreter exp is numpy's, which may differ from PyTorch CPU's vectorised exp in the last fp32 bit,
-so there an output can rarely be one ulp off the reference. gate_up: (..., 2F) fp16/bf16, last dim
-contiguous. Grid: (rows, column blocks); blocks shrink at decode (M = 1) so F = 14336 still spreads
-over ~100 programs.
+gate_up holds [gate | up] per row (the checkpoint's fused w13, gate rows first). PyTorch's rounding, bit for bit on
+the GPU:  a = (g / (1 + exp(-g))).to(dtype)  (F.silu: fp32 math, correctly rounded division, CUDA's expf),
+out = (a * up).to(dtype)  (an fp16 x fp16 product is exact in fp32: rounded once, as torch's mul). On the GPU the
+kernel uses libdevice's expf and div_rn, the functions PyTorch's CUDA silu compiles to (tl.exp and `/` would be the
+approximate ex2/div.full). Under the interpreter exp is numpy's, which may differ from PyTorch CPU's in the last
+fp32 bit, so there an output can rarely be one ulp off. gate_up: (..., 2F) fp16/bf16, last dim contiguous.
+Grid: (rows, column blocks); blocks shrink at decode (M = 1) so F = 14336 still spreads over ~100 programs.
 """
 
 from __future__ import annotations

@@ -40,9 +40,8 @@ def _w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, K8, NG, G: tl.const
     tl.store(w_ptr + rows * K + offs_k[None, :], w, mask=n_mask & (offs_k < K)[None, :])
 
 
-# Plans per distinct call (shapes, strides, dtypes, devices of every tensor, out's too): a prefill of
-# DEQUANT_MIN_M rows or more makes the same few calls every layer, so each pays Triton's dispatch once
-# (csrc_triton/launch.py). A plan: (N, K, its launch).
+# Plans per distinct call (shapes, strides, dtypes, devices of every tensor, out's too): a long prefill makes the
+# same few calls every layer, so each pays Triton's dispatch once (launch.py). A plan: (N, K, its launch).
 _PLANS = Plans()
 
 

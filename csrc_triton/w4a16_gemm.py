@@ -1,29 +1,28 @@
 """W4A16 GEMM for prefill: y (M, N) = x (M, K) @ W^T + bias, W packed as in tinyvila/quant.py.
 
-Layouts and dtypes as in w4a16_gemv.py: x (M, K) fp16/bf16 (unit stride along K), qweight int32 (N, K/8)
-with nibble i of word j = q[n, 8j + i], scales (N, K/G) in x's dtype, zeros fp32 (N, K/G), G in {32, 64, 128}.
+Layouts and dtypes as in w4a16_gemv.py: x (M, K) fp16/bf16 (unit stride along K), qweight int32 (N, K/8) with
+nibble i of word j = q[n, 8j + i], scales (N, K/G) in x's dtype, zeros fp32 (N, K/G), G in {32, 64, 128}.
 
-Orientation: a program computes the transposed tile y^T (BLOCK_N, BLOCK_M) = W_tile (BLOCK_N, BK) @ x_tile^T,
-so the dequantized weights are wgmma's *register* operand A (never stored to shared memory) and the small
-activation tile is the shared-memory operand B, whose width BLOCK_M (MMA's N: 16..256) fits short prompts.
-K order: a dot does not care in which order it sums over k, so each K tile (BK = 8 BLOCK_W = BW words per
-row) is summed in the order the nibbles leave the words: position p = c * 2BW + 2j + e holds k = 8j + 2c + e
-(word j, nibble pair c, nibble e of the pair). In that order the thread that holds words j = t (mod 4) of
-a row computes exactly its own fragment of A, so the dequantized tile needs no data exchange at all; x is
-gathered in the same order as 4-byte pairs by cp.async (pipelined, num_stages deep).
-Dequantization, exact: one LOP3 (after at most one shift, shared by two nibbles) puts nibble q into the
-mantissa of 1.0f at bit 12 or 16: f = 1 + q 2^-11 (or 2^-7). One FMA then gives (2^7 for the latter)
-w = f * (2^11 s) + (b - 2^11 s) = q s + b with an exact product and one rounding to fp32, as the
-reference's fp32 q * s + b, whenever b - 2^11 s is exact in fp32: always for b = -z s with an integer zero
-point z in [0, 15] ((z + 2^11) s has <= 23 significant bits), i.e. every format we build or import;
-otherwise off by <= 2^-12 |s| before the final rounding. w is then rounded once to x's dtype, like `_ref`.
-Split-K (SPLIT_K > 1, for prompts whose tiles do not fill the GPU): each split writes its fp32 partial
-tile to a workspace; the last split of a tile (an atomic counter per tile) sums the partials in split
-order (deterministic), adds the bias and stores y, then resets the counter for the next call.
-Paths: on CUDA, M >= DEQUANT_MIN_M dequantizes W once (w4a16_dequant, into a workspace reused across
-calls) and calls cuBLAS; so do K not divisible by 64. Tiles: a fixed table (CONFIG_TABLE, from the H200
-sweep in scripts/benches/w4a16.py) keyed by (M bucket, N, K), else `rule_config`; never autotuned at call
-time. `warmup` compiles every bucket's kernel ahead of the first prompt.
+Orientation: a program computes the transposed tile y^T (BLOCK_N, BLOCK_M) = W_tile (BLOCK_N, BK) @ x_tile^T, so
+the dequantized weights are wgmma's *register* operand A (never stored to shared memory) and the small activation
+tile is the shared-memory operand B, whose width BLOCK_M (MMA's N: 16..256) fits short prompts.
+K order: a dot does not care in which order it sums over k, so each K tile (BK = 8 BLOCK_W = BW words per row) is
+summed in the order the nibbles leave the words: position p = c * 2BW + 2j + e holds k = 8j + 2c + e (word j,
+nibble pair c, nibble e of the pair). In that order the thread that holds words j = t (mod 4) of a row computes
+exactly its own fragment of A, so the dequantized tile needs no data exchange; x is gathered in the same order as
+4-byte pairs by cp.async (pipelined, num_stages deep).
+Dequantization, exact: one LOP3 (after at most one shift, shared by two nibbles) puts nibble q into the mantissa of
+1.0f at bit 12 or 16: f = 1 + q 2^-11 (or 2^-7). One FMA then gives (2^7 for the latter)
+w = f * (2^11 s) + (b - 2^11 s) = q s + b with an exact product and one rounding to fp32, as the reference's fp32
+q * s + b, whenever b - 2^11 s is exact in fp32: always for b = -z s with an integer zero point z in [0, 15]
+((z + 2^11) s has <= 23 significant bits), i.e. every format we build or import; otherwise off by <= 2^-12 |s|
+before the final rounding. w is then rounded once to x's dtype, like `_ref`.
+Split-K (SPLIT_K > 1, for prompts whose tiles do not fill the GPU): each split writes its fp32 partial tile to a
+workspace; the last split of a tile (an atomic counter per tile) sums the partials in split order
+(deterministic), adds the bias and stores y, then resets the counter for the next call.
+Paths: on CUDA, M >= DEQUANT_MIN_M dequantizes W once (w4a16_dequant, into a reused workspace) and calls cuBLAS;
+so do K not divisible by 64. Tiles: CONFIG_TABLE (H200 sweep, scripts/benches/w4a16.py) keyed by (M bucket, N, K),
+else `rule_config`; never autotuned at call time. `warmup` compiles every bucket's kernel ahead of the first prompt.
 Limits: K % G == 0; any M, N. One CUDA stream at a time (the split-K counters are shared per device).
 """
 
@@ -40,12 +39,10 @@ from ._common import INTERPRET, check_w4_args, dequantize_ref
 from .launch import Launch, Plans, tensor_key
 from .w4a16_dequant import w4a16_dequant
 
-# From this many rows on (CUDA), W is dequantized once into an (N, K) workspace and cuBLAS runs the
-# GEMM (w4a16_dequant: ~2.5 bytes of traffic per weight, then the fp16 GEMM at full tensor-core rate).
-# Below it, the fused kernel: it reads 0.5 byte per weight and dequantizes each weight once per
-# BLOCK_M rows, which is cheaper while a few row tiles cover the prompt. H200 sweep 2026-11-29
-# (TINYVILA_W4_GEMM_SWEEP=16,64,256, Llama-3-8B shapes summed over 32 layers): fused 3.5 / 5.85 / 16.5 ms
-# at M = 16 / 64 / 256 against dequant + cuBLAS 10.4 / 11.6 / 14.5 ms, so the crossover is below 256.
+# From this many rows on (CUDA), W is dequantized once into an (N, K) workspace and cuBLAS runs the GEMM
+# (~2.5 bytes of traffic per weight, then the fp16 GEMM at full rate). Below it, the fused kernel reads 0.5 byte
+# per weight and dequantizes each weight once per BLOCK_M rows: cheaper while a few row tiles cover the prompt
+# (crossover below 256 rows on the H200: TINYVILA_W4_GEMM_SWEEP, docs/benchmarks.md).
 DEQUANT_MIN_M = 256
 
 
@@ -65,8 +62,7 @@ class Config(NamedTuple):
                 f"x{self.num_warps}s{self.num_stages}")
 
 
-# (M bucket, N, K) -> Config for the H200, from the sweep of 2026-11-29 (TINYVILA_W4_GEMM_SWEEP prints this
-# dict; fp16, group 128, Llama-3-8B shapes). Other shapes and buckets use `rule_config`.
+# (M bucket, N, K) -> Config for the H200 (TINYVILA_W4_GEMM_SWEEP prints this dict; fp16, group 128, Llama-3-8B).
 CONFIG_TABLE: dict[tuple[int, int, int], Config] = {
     (16, 4096, 4096): Config(16, 64, 16, 4, 4, 4),
     (16, 4096, 14336): Config(16, 64, 16, 8, 4, 3),
@@ -85,10 +81,8 @@ CONFIG_TABLE: dict[tuple[int, int, int], Config] = {
 
 @triton.jit
 def _mantissa(v, MASK: tl.constexpr, UNPACK: tl.constexpr):
-    """(v & MASK) | 0x3F800000 (1.0f) as fp32. UNPACK=1 (GPU): one lop3 in inline PTX, for which ptxas keeps
-    1.0f's bits in a register; from plain Triton ops it emits two LOP3s (one immediate per instruction),
-    and passing the constant as a runtime argument instead changes Triton's layout choice for the whole
-    tile (it then goes through shared memory). UNPACK=0 (interpreter): the plain ops, same bits."""
+    """(v & MASK) | 0x3F800000 (1.0f) as fp32. UNPACK=1 (GPU): one lop3 in inline PTX (plain Triton ops give two
+    LOP3s, and the constant as a runtime argument sends the tile through shared memory). UNPACK=0: plain ops."""
     if UNPACK == 1:
         if MASK == 0xF000:
             r = tl.inline_asm_elementwise("lop3.b32 $0, $1, 61440, 1065353216, 0xEA;", "=r,r", [v],
@@ -103,8 +97,8 @@ def _mantissa(v, MASK: tl.constexpr, UNPACK: tl.constexpr):
 
 @triton.jit
 def _nibble(words, i: tl.constexpr, UNPACK: tl.constexpr):
-    """Nibble i of each word as the fp32 1 + q 2^-11 (i in 0, 2, 3, 6: q moved to bits 12..15) or 1 + q 2^-7
-    (i in 1, 4, 5, 7: q at bits 16..19). Four shifts serve the eight nibbles (CSE'd across calls)."""
+    """Nibble i of each word as the fp32 1 + q 2^-11 (i in 0, 2, 3, 6: q moved to bits 12..15) or 1 + q 2^-7 (i in
+    1, 4, 5, 7: q at bits 16..19). Four shifts serve the eight nibbles (CSE'd across calls)."""
     if i == 0:
         f = _mantissa(words << 12, 0xF000, UNPACK)
     elif i == 1:
@@ -126,8 +120,8 @@ def _nibble(words, i: tl.constexpr, UNPACK: tl.constexpr):
 
 @triton.jit
 def _weight(words, i: tl.constexpr, UNPACK: tl.constexpr, s_lo, b_lo, s_hi, b_hi, dtype: tl.constexpr):
-    """Dequantized nibble i of each word in `dtype`: f * (2^11 s) + (b - 2^11 s) = q s + b (2^7 for the
-    nibbles at bits 16..19), one fp32 FMA, one rounding to dtype."""
+    """Nibble i of each word dequantized: f * (2^11 s) + (b - 2^11 s) = q s + b (2^7 at bits 16..19), one fp32 FMA,
+    one rounding to dtype."""
     f = _nibble(words, i, UNPACK)
     if i == 1 or i == 4 or i == 5 or i == 7:
         w = f * s_hi + b_hi
@@ -139,8 +133,8 @@ def _weight(words, i: tl.constexpr, UNPACK: tl.constexpr, s_lo, b_lo, s_hi, b_hi
 @triton.jit
 def _dequant_tile(words, s, b, UNPACK: tl.constexpr, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_W: tl.constexpr):
-    """(BN, BW) packed words, s and b fp32 (BN,) or (BN, BW) -> (BN, 8 BW) weights in the K order
-    p = c * 2BW + 2j + e <-> k = 8j + 2c + e. The joins, the permute and the reshapes only rename registers."""
+    """(BN, BW) packed words, s and b fp32 (BN,) or (BN, BW) -> (BN, 8 BW) weights in the K order p = c * 2BW + 2j + e
+    <-> k = 8j + 2c + e. The joins, the permute and the reshapes only rename registers."""
     if len(s.shape) == 1:  # one group per row: broadcast along the tile
         s = s[:, None]
         b = b[:, None]
@@ -164,11 +158,10 @@ def _dequant_tile(words, s, b, UNPACK: tl.constexpr, dtype: tl.constexpr, BLOCK_
 
 @triton.jit
 def _group_meta(s_ptr, z_ptr, meta_rows, k0, offs_w, G: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Scales (as fp32) and zeros of the K tile starting at k0: (BN,) when the tile lies in one group
-    (a 1-D load takes the layout its use wants; a 2-D one would pin its own and cost a shuffle of the
-    dequantized tile), else (BN, BW), one per word (a word's 8 nibbles always share a group). The fp16
-    scale load is too narrow for cp.async, so it stays a plain load in the loop (L1 hits after the first
-    tile of a row); loading scale pairs as int32 instead made Triton route the tile through shared memory."""
+    """Scales (as fp32) and zeros of the K tile starting at k0: (BN,) when the tile lies in one group (a 1-D load
+    takes the layout its use wants; a 2-D one would cost a shuffle of the dequantized tile), else (BN, BW), one per
+    word (a word's nibbles share a group). The fp16 scale load stays a plain load in the loop (too narrow for
+    cp.async; as int32 pairs, Triton routed the tile through shared memory)."""
     GW: tl.constexpr = G // 8  # words per group
     if BLOCK_W <= GW:
         off = meta_rows + k0 // G
@@ -177,16 +170,15 @@ def _group_meta(s_ptr, z_ptr, meta_rows, k0, offs_w, G: tl.constexpr, BLOCK_W: t
     return tl.load(s_ptr + off).to(tl.float32), tl.load(z_ptr + off)
 
 
-# M and SPLIT_K are not specialized (Triton would compile a variant per divisibility of M, and make
-# SPLIT_K = 1 a constant): one compiled kernel serves every prompt length and split of a tile config.
+# M and SPLIT_K are not specialized (Triton would compile a variant per divisibility of M, and make SPLIT_K = 1 a
+# constant): one compiled kernel serves every prompt length and split of a tile config.
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
                        K8, NG, SPLIT_K, G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, UNPACK: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    # UPCAST_DOT (interpreter + bf16 only): Triton 3.6's interpreter multiplies bf16 tiles as raw uint16,
-    # so both operands are widened to fp32 first (exact) and the product is that of the bf16 tiles.
-    # Grid (row tiles, column tiles, splits): row tiles vary fastest, so the programs that read one weight
-    # tile run together and it comes from HBM once.
+    # UPCAST_DOT (interpreter + bf16 only): Triton 3.6's interpreter multiplies bf16 tiles as raw uint16, so both
+    # operands are widened to fp32 first (exact). Grid (row tiles, column tiles, splits): row tiles vary fastest, so
+    # the programs that read one weight tile run together and it comes from HBM once.
     BLOCK_K: tl.constexpr = 8 * BLOCK_W
     Q: tl.constexpr = 2 * BLOCK_W
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -195,8 +187,8 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_w = tl.arange(0, BLOCK_W)
     p = tl.arange(0, BLOCK_K)
-    # The K order of _dequant_tile, k = 8j + 2c + e. Written in this form, Triton's axis analysis sees runs of
-    # 2 contiguous, 4-byte aligned elements and copies x with 4-byte cp.async (other forms give 2-byte loads).
+    # The K order of _dequant_tile, k = 8j + 2c + e, in the form whose runs of 2 contiguous, 4-byte aligned elements
+    # Triton's axis analysis sees: x is copied with 4-byte cp.async (other forms give 2-byte loads).
     kk = p % 2 + 8 * ((p // 2) % BLOCK_W) + 2 * (p // Q)
     xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + kk[:, None]  # (BK, BM): x tile, transposed
     qw_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * K8 + offs_w[None, :]  # (BN, BW)
@@ -230,15 +222,14 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt
         part_offs = rows[None, :].to(tl.int64) * N + cols[:, None]
         tile_elems = M.to(tl.int64) * N
         tl.store(ws_ptr + pid_k * tile_elems + part_offs, acc, mask=mask)
-        # Every thread's partial is written (barrier) before one thread's release-acquire increment
-        # publishes them; the split that sees count SPLIT_K - 1 is the last and owns the tile.
+        # Every thread's partial is written (barrier) before one thread's release-acquire increment publishes them;
+        # the split that sees count SPLIT_K - 1 is the last and owns the tile.
         tl.debug_barrier()
         tile = pid_n * tl.num_programs(0) + pid_m
         count = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if count == SPLIT_K - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            # Fixed order: the same sum whichever split came last. A runtime loop with one load at a time
-            # (unrolled, the loads of all partials would be live at once and spill).
+            # Fixed order: the same sum whichever split came last. A runtime loop (unrolled, all loads live: spills).
             for k in tl.range(0, SPLIT_K, num_stages=1):
                 total += tl.load(ws_ptr + k * tile_elems + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
             _store_tile(total, y_ptr, out_offs, mask, bias_ptr, cols, N, HAS_BIAS)
@@ -265,10 +256,9 @@ def _sm_count(device_index: int) -> int:
 
 
 def config_ok(cfg: Config) -> bool:
-    """Whether a config compiles well for sm_90 (checked offline with Triton 3.6's ptxas, fp16 and bf16):
-    one warpgroup per 64 weight rows (BLOCK_N = 16 num_warps; otherwise Triton moves the dequantized tile
-    through shared memory), BLOCK_W 8 or 16, and no register spills in the main loop (128-row tiles need
-    BLOCK_W 8 or 8 warps; 256-row tiles BLOCK_W 8 and 8 warps)."""
+    """Whether a config compiles well for sm_90 (Triton 3.6's ptxas, fp16 and bf16): one warpgroup per 64 weight rows
+    (BLOCK_N = 16 num_warps; else the dequantized tile goes through shared memory), BLOCK_W 8 or 16, and no register
+    spills in the main loop (128-row tiles need BLOCK_W 8 or 8 warps; 256-row tiles BLOCK_W 8 and 8 warps)."""
     if cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps or cfg.block_w not in (8, 16):
         return False
     if cfg.block_m == 128:
@@ -279,8 +269,7 @@ def config_ok(cfg: Config) -> bool:
 
 
 def split_for(tiles: int, n_k: int, target: int) -> int:
-    """Split-K factor: doubles while the grid stays within `target` programs and each split keeps >= 4 K
-    steps to pipeline."""
+    """Split-K factor: doubles while the grid stays within `target` programs and each split keeps >= 4 K steps."""
     split = 1
     while tiles * split * 2 <= target and n_k // (split * 2) >= 4:
         split *= 2
@@ -288,10 +277,10 @@ def split_for(tiles: int, n_k: int, target: int) -> int:
 
 
 def rule_config(M: int, N: int, K: int, n_sm: int = 132) -> Config:
-    """Tiles by rule, for shapes the table lacks. One row tile covers the prompt up to 256 rows (each
-    weight is dequantized once per row tile); 64 weight rows per program below 64 prompt rows (more,
-    smaller programs in flight for the memory-bound case), else 128 (two warpgroups). Split-K until the
-    grid reaches 2 programs per SM (1 from 128 rows: those programs fill an SM's registers)."""
+    """Tiles by rule, for shapes the table lacks. One row tile covers the prompt up to 256 rows (each weight is
+    dequantized once per row tile); 64 weight rows per program below 64 prompt rows (more, smaller programs for the
+    memory-bound case), else 128 (two warpgroups). Split-K until the grid reaches 2 programs per SM (1 from 128 rows:
+    those programs fill an SM's registers)."""
     bm = min(m_bucket(M), 256)
     if bm <= 32:
         bn, warps, bw, stages = 64, 4, 16, 4
@@ -317,10 +306,9 @@ def pick_config(M: int, N: int, K: int, device: torch.device) -> Config:
 
 
 def fit_config(cfg: Config, K: int, G: int) -> Config:
-    """Adapts a config to K and G: BLOCK_W at most one group (G / 8 words; a tile spanning groups gets
-    per-word scales, whose 2-D loads make Triton move the dequantized tile through shared memory) and
-    at least 8 (a nibble pair then spans one 16-deep MMA step), a divisor of K's words, and SPLIT_K at most
-    the number of K steps."""
+    """Adapts a config to K and G: BLOCK_W at most one group (G / 8 words; per-word scales' 2-D loads send the
+    dequantized tile through shared memory) and at least 8 (a nibble pair then spans one 16-deep MMA step), a
+    divisor of K's words, and SPLIT_K at most the number of K steps."""
     bw = max(8, min(cfg.block_w, G // 8))
     while bw > 8 and (K // 8) % bw:
         bw //= 2
@@ -334,11 +322,10 @@ _RETIRED: list[torch.Tensor] = []  # such buffers once outgrown: never freed, si
 
 
 def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
-    """A flat buffer of >= numel elements kept per (name, dtype, device) and grown (x1.5) when too small,
-    so prefill does not allocate per call. Stream-ordered reuse: valid until the next call that asks for it.
-    `zero` buffers (the split-K counters) start at zero and are returned to zero by their users.
-    Under CUDA-graph capture a buffer must already be large enough (run the call once eagerly first), and
-    one handed to a capture is kept alive after it is outgrown (a later, larger eager call)."""
+    """A flat buffer of >= numel elements kept per (name, dtype, device) and grown (x1.5) when too small, so prefill
+    does not allocate per call. Stream-ordered reuse: valid until the next call that asks for it. `zero` buffers
+    (the split-K counters) start at zero and are returned to zero by their users. Under CUDA-graph capture a buffer
+    must already be large enough (run the call once eagerly first); one handed to a capture outlives its growth."""
     key = (name, dtype, device)  # the device itself: str(device) cost ~1 us per call, and eager prefill is host-bound
     buf = _SCRATCH.get(key)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -369,9 +356,8 @@ class _Plan(NamedTuple):
     launch: Launch | None  # the fused kernel's; None on the dequant path or when M == 0
 
 
-# Plans per distinct call (every tensor's shape, strides, dtype and device, out's, the options and the
-# module switches read): a prefill makes the same 4 calls every layer, so each pays Triton's dispatch and
-# the tile choice once (csrc_triton/launch.py).
+# Plans per distinct call (every tensor's shape, strides, dtype and device, the options and the module switches
+# read): a prefill makes the same 4 calls every layer, so each pays dispatch and the tile choice once (launch.py).
 _PLANS = Plans()
 
 
@@ -408,11 +394,10 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                config: Config | None = None, path: str | None = None, unpack: int | None = None,
                direct: bool = True) -> torch.Tensor:
-    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins the fused kernel's tiles (else
-    CONFIG_TABLE / rule_config); `path` forces "fused" or "dequant" (dequantize to a workspace + a dense
-    matmul); default: dequant from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0, fused otherwise.
-    `unpack` picks the nibble unpacking (1: inline PTX, the GPU default; 0: plain ops, same bits).
-    direct: after the first launch, skip Triton's dispatch (csrc_triton/launch.py; both paths)."""
+    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins the fused kernel's tiles (else CONFIG_TABLE /
+    rule_config); `path` forces "fused" or "dequant" (dequantize to a workspace + a dense matmul); default: dequant
+    from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0, fused otherwise. `unpack`: 1 inline PTX (GPU default),
+    0 plain ops, same bits. direct: after the first launch, skip Triton's dispatch (launch.py; both paths)."""
     key = (tensor_key(x), tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(bias), tensor_key(out),
            config, path, unpack, DEQUANT_MIN_M, INTERPRET)
     plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack))
@@ -427,8 +412,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         if bias is None:
             return torch.mm(x, w.T, out=out)
         return torch.addmm(bias, x, w.T, out=out)
-    # Always the same buffer types (a 1-element one when unused): the pointer dtypes are part of the
-    # compiled signature, and one kernel must serve every split.
+    # Same buffer types always (1 element if unused): pointer dtypes are in the signature; one kernel serves all splits.
     split = plan.split_k > 1
     ws = scratch("w4_splitk", plan.split_k * M * N if split else 1, torch.float32, x.device)
     cnt = scratch("w4_counters", plan.counters if split else 1, torch.int32, x.device, zero=True)
@@ -448,9 +432,8 @@ def _buckets(max_m: int) -> list[int]:
 
 def warmup(shapes: list[tuple[int, int]], group_size: int, dtype: torch.dtype, device: torch.device | str,
            bias: bool = False, max_m: int = DEQUANT_MIN_M - 1) -> int:
-    """Compiles the fused kernel of every M bucket up to max_m for each (N, K) in `shapes`, so that the
-    first prompts of a chat do not wait for Triton's compiler (on later runs its disk cache answers).
-    Returns the number of calls made."""
+    """Compiles the fused kernel of every M bucket up to max_m for each (N, K) in `shapes`, so the first prompts of a
+    chat do not wait for Triton's compiler (later runs: its disk cache). Returns the number of calls made."""
     device = torch.device(device)
     calls = 0
     for N, K in shapes:

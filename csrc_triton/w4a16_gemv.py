@@ -1,41 +1,28 @@
 """W4A16 GEMV for decode: y (M, N) = x (M, K) @ W^T + bias, M <= 8, W packed as in tinyvila/quant.py.
 
-Layouts: x (M, K) fp16/bf16 with unit stride along K; qweight int32 (N, K/8), nibble i of word j of
-row n is q[n, 8j + i]; scales (N, K/G) in x's dtype; zeros fp32 (N, K/G); w = q * s + b. G in {32, 64, 128}.
-
-Unpack ("magic" numbers, exact; csrc_triton/_w4a16_gemv_operands.py): one lop3 (w & mask) | magic drops two
-nibbles of a word into the mantissas of a 16-bit pair. fp16: nibbles 0/4 (2/6 after one shift by 8) land at
-bits 0-3 of each half under 16.0 (ulp 2^-6), nibbles 1/5 (3/7) at bits 4-7 under 1.0 (ulp 2^-10): v = m + q u
-with m = 16 at even k, 1 at odd k, u = 1/64; one shift and four lop3 per 8 weights. bf16 (7 mantissa bits):
-every pair is shifted to bits 0-3 under 16.0 (ulp 2^-3): m = 16, u = 1/8. Then, per group g of row n (fp32
-sums, w never rounded):
+Layouts: x (M, K) fp16/bf16 with unit stride along K; qweight int32 (N, K/8), nibble i of word j of row n is
+q[n, 8j + i]; scales (N, K/G) in x's dtype; zeros fp32 (N, K/G); w = q * s + b. G in {32, 64, 128}.
+Nibbles unpack to exact "magic" values v = m + q u (fp16: m = 16 at even k, 1 at odd k, u = 1/64; bf16: m = 16,
+u = 1/8; csrc_triton/_w4a16_gemv_operands.py). Then, per group g of row n (fp32 sums, w never rounded):
 
     sum_k x_k w_k = s (sum q x) + b X = (s / u) (sum_k v_k x_k - Xm) + b X,   X = sum x,  Xm = sum m x.
 
 Two kernels share this math and the epilogue:
-- "mma" (G = 128, K % 128 == 0; the GPU default): the v tile is the *register* operand A of mma.sync, built
-  in the order that is exactly mma's operand layout (mma_operand): Triton reads the words from shared memory
-  straight into it, and the tensor cores do every multiply-add (~1 integer op per weight to unpack). A K step
-  covers GPS groups (64 GPS contiguous bytes of each row) in GPS dots (BLOCK_N, 128) x (128, 8), all against
-  one B holding the step's groups of x side by side (column jg BM + m: row m of x over group jg); dot jg keeps
-  its own group's columns (shared_x_dots), so the per-group scales are one (BN, 8) multiply (step_scales).
-  x is loaded contiguously as int32 pairs (pipelined with cp.async like the weights) and lands in mma's B
-  layout with no shuffle (x_shared); the x-only terms (Xm, X) of each step's groups, with their zero points,
-  are added in that step (step_zero_terms). Addresses are each step's scalar base plus loop-invariant offsets.
-- "fma" (any G): the fp16 magic values (for either x dtype) widened to fp32 (cvt), fp32 FMAs against x,
-  summed per 32-value chunk that one thread holds (4 words: one 16-byte load), scaled per chunk.
-  ~4.2 SASS instructions per weight: the fallback for groups of 32 and 64.
-Split-K (SPLIT_K > 1; row blocks too few to fill the GPU): every program stores an fp32 partial; the
-last to arrive at its row block's counter sums the partials in split order (deterministic, whichever
-arrives last), adds the bias, stores y and resets the counter. No host sync, no autotuning, no per-call
-allocation (workspace and counters persist per device), so a call can be captured in a CUDA graph after
-one eager call of the same shape. One CUDA stream at a time per device (shared counters).
-Epilogues (EPI; csrc_triton/_w4a16_gemv_epilogue.py): 0 plain (here); 1 residual add + the next RMSNorm's
-share (w4a16_gemv_norm.py); 2 SwiGLU (w4a16_gemv_silu.py); 3 RoPE of q and k + the KV-cache write
-(w4a16_gemv_rope.py, its own kernel entry around mma_tile). 2 and 3 (mma only) give each program rows that
-pair up by a row map (mma_tile). All of them launch through `launch_gemv`.
-Configs: a fixed table (GEMV_TABLE, else a rule: gemv_config) from the H200 sweep (scripts/benches/w4a16.py,
-TINYVILA_W4_SWEEP=1); `kernel` ("auto" | "mma" | "fma") picks the inner form where the shape allows.
+- "mma" (G = 128, K % 128 == 0; the GPU default): v is the *register* operand A of mma.sync, born in mma's
+  operand layout, so the tensor cores do every multiply-add (~1 integer op per weight to unpack). A K step covers
+  GPS groups in GPS dots against one B holding the step's x; scales and the x-only terms (Xm, X) are applied per
+  step (the operand layouts: _w4a16_gemv_operands.py).
+- "fma" (any G): the fp16 magic values widened to fp32, fp32 FMAs against x summed per 32-value chunk that one
+  thread holds (one 16-byte load), scaled per chunk; ~4.2 SASS instructions per weight: the fallback for G 32, 64.
+Split-K (SPLIT_K > 1; row blocks too few to fill the GPU): the last program to arrive at its row block's counter
+sums the fp32 partials in split order (deterministic), adds the bias, stores y and resets the counter. No host
+sync, no autotuning, no per-call allocation (workspace and counters persist per device), so a call can be captured
+in a CUDA graph after one eager call of the same shape. One CUDA stream at a time per device (shared counters).
+Epilogues (EPI; csrc_triton/_w4a16_gemv_epilogue.py): 0 plain; 1 residual add + the next RMSNorm's share
+(w4a16_gemv_norm.py); 2 SwiGLU (w4a16_gemv_silu.py); 3 RoPE + the KV-cache write (w4a16_gemv_rope.py); 2 and 3
+(mma only) pair a program's rows by mma_tile's row map. All launch through `launch_gemv`.
+Configs: GEMV_TABLE, else the rule gemv_config (H200 sweep: scripts/benches/w4a16.py, TINYVILA_W4_SWEEP=1);
+`kernel` ("auto" | "mma" | "fma") picks the inner form where the shape allows.
 Limits: M <= 8 (larger M: w4a16_gemm), K % G == 0, N * K / 8 < 2^31.
 """
 
@@ -61,8 +48,7 @@ def _chunk_sums(words, x, s, b, UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, CH:
     """sum_k x_k w_k over each 32-value chunk (4 words, one thread's 16-byte load) of a tile: words
     (BN, 4 CH) int32, x (32 CH,) fp32 in K order, s and b (BN, CH) fp32 -> (BN, CH)."""
     v0, v1, v2, v3, v4, v5, v6, v7 = magic_planes(words, tl.float32, UNPACK)
-    # interleave(a, b) puts a at even and b at odd positions of the last axis, so three levels give
-    # position 8 j + i = nibble i of word j, with each thread's values kept in its own registers.
+    # three interleave levels: position 8 j + i = nibble i of word j, in the thread's own registers (unpack_k_order)
     even = tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6))
     v = tl.interleave(even, tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7)))  # (BN, 32 CH)
     p = tl.sum(tl.reshape(v * x[None, :], (BLOCK_N, CH, 32)), axis=2)  # (BN, CH) sum v x
@@ -80,8 +66,7 @@ def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
                            EVEN: tl.constexpr, FENCE: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_W: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, EPI: tl.constexpr,
                            PRENORM: tl.constexpr, NPB: tl.constexpr, PDL: tl.constexpr):
-    # K8 = K / 8, NG = K / G and W_SPLIT come in as arguments (not computed) so Triton sees their
-    # divisibility by 16 and issues 16-byte loads along the packed rows.
+    # K8 = K / 8, NG = K / G, W_SPLIT are arguments (not computed): Triton sees their divisibility by 16 (16-byte loads)
     BLOCK_K: tl.constexpr = BLOCK_W * 8
     CH: tl.constexpr = BLOCK_W // 4  # 32-value chunks per row and tile
     pid_n = tl.program_id(0)
@@ -107,8 +92,8 @@ def _w4a16_gemv_fma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, CH), dtype=tl.float32)
     for w0 in tl.range(w_lo, w_hi, BLOCK_W, num_stages=STAGES):
-        # (BN, CH): each chunk's group (2^LOG_WPG = G / 8 words per group, a runtime argument so the group
-        # size does not multiply compiled variants; a chunk of 4 words never straddles groups as G >= 32)
+        # (BN, CH): each chunk's group (2^LOG_WPG = G / 8 words per group, a runtime argument: one compiled variant
+        # for all G; a chunk of 4 words never straddles groups as G >= 32)
         meta = offs_n[:, None] * NG + ((w0 + 4 * offs_c) >> LOG_WPG)[None, :]
         if EVEN:
             words = tl.load(w_ptrs)  # (BN, BW)
@@ -147,11 +132,10 @@ def mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
              EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr, TRIGGER: tl.constexpr = 0,
              PDL: tl.constexpr = False, rope=None, ROPE_D: tl.constexpr = 0, SECOND: tl.constexpr = False):
-    """Row block pid_n, K split pid_k of the mma kernel: y (or its split-K partial) for BLOCK_N rows. Each K
-    step: GPS groups' words -> A (mma_operand), GPS dots against the step's x (shared_x_dots), scaled per
-    group and column (step_scales), plus the step's x-only terms (step_zero_terms). WRAP: N % BLOCK_N != 0,
-    so the last row block's plain rows past N wrap around (the launcher sets it; SwiGLU and RoPE tiles never
-    wrap: silu_ok, rope_ok)."""
+    """Row block pid_n, K split pid_k of the mma kernel: y (or its split-K partial) for BLOCK_N rows. Each K step:
+    GPS groups' words -> A (mma_operand), GPS dots against the step's x (shared_x_dots), scaled per group and column
+    (step_scales), plus the x-only terms (step_zero_terms). WRAP: N % BLOCK_N != 0, so the last row block's plain
+    rows past N wrap around (SwiGLU and RoPE tiles never wrap: silu_ok, rope_ok)."""
     dtype = y_ptr.dtype.element_ty
     U_INV: tl.constexpr = 8.0 if dtype == tl.bfloat16 else 64.0  # 1 / u of the magic values (magic_planes)
     M_ODD: tl.constexpr = 16.0 if dtype == tl.bfloat16 else 1.0  # their m at odd k
@@ -177,8 +161,8 @@ def mma_tile(pid_n, pid_k, x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
     g_hi = tl.minimum(g_lo + W_SPLIT // 16, NG)  # this program's groups [g_lo, g_hi), a multiple of GPS
     offs_m = tl.arange(0, BLOCK_M)
     x_mask = (offs_m < M)[:, None]
-    # Each step's addresses: its scalar base plus these loop-invariant offsets. (Pointer tiles advanced by the
-    # loop were each kept twice by the software pipelining: gate_up tile 190 vs 168 registers, offline sm_90a.)
+    # Each step's addresses: its scalar base plus loop-invariant offsets (advanced pointer tiles were kept twice by the
+    # software pipelining: more registers)
     x_offs = offs_m[:, None] * stride_xm + tl.arange(0, 64 * GPS)[None, :]  # (BM, 64 GPS)
     w_offs = (rows[None, :, None] * K8 + 16 * tl.arange(0, GPS)[:, None, None]
               + tl.arange(0, 16)[None, None, :])  # (GPS, BN, 16): group-major, see above
@@ -215,16 +199,11 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
                            SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr, EPI: tl.constexpr,
                            PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr, TRIGGER: tl.constexpr,
                            PDL: tl.constexpr):
-    # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's
-    # 64 GPS bytes are contiguous, so each step reads longer runs of every row, and the per-step costs
-    # (pipeline barriers, B operand through shared memory) are paid once per GPS groups. The launcher
-    # makes every split range whole steps. BLOCK_N rows per program, BLOCK_N / (16 num_warps) 16-row tiles
-    # per warp: the B operand a warp reads from shared memory serves all of its tiles.
-    # One (row block, K split) tile per program (mma_tile). A persistent form (fewer programs looping over
-    # tiles in one flat, pipelined loop of K steps) was measured slower at every Llama-3-8B shape
-    # (docs/perf_notes.md) and removed.
-    # PDL: wait first (nothing is read before the previous kernel is done); TRIGGER says when the next kernel
-    # may start: 0 at once (pdl.enter), 1 after this program's K loop, 2 at its end.
+    # x_ptr: x viewed as int32 pairs (stride_xm in pairs). GPS groups per K step (GPS BM <= 8): a row's 64 GPS
+    # bytes are contiguous, so each step reads longer runs and the per-step costs (pipeline barriers, B through
+    # shared memory) are paid once per GPS groups. BLOCK_N / (16 num_warps) 16-row tiles per warp share the B a
+    # warp reads. One (row block, K split) tile per program: a persistent form was slower (docs/perf_notes.md).
+    # PDL: wait first; TRIGGER: the next kernel may start 0 at once, 1 after this program's K loop, 2 at its end.
     pdl.wait(PDL)
     if TRIGGER == 0:
         pdl.launch_dependents(PDL)
@@ -237,14 +216,12 @@ def _w4a16_gemv_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr,
 
 
 # -- configs and launcher ----------------------------------------------------------------------------------
-# A config: {"kernel": "mma" | "fma", "num_warps", "STAGES" (K steps in flight), "SPLIT_K" (programs per row
-# block), ...}. "mma": "BLOCK_N" rows per program (a multiple of 16 num_warps: 16-row tiles per warp; default
-# 16 num_warps), "GPS" groups of 128 per K step (capped to 8 / BLOCK_M and to a power of two dividing K / 128),
-# "TRIGGER" (see TRIGGER below), "maxnreg" (ptxas's register cap, Triton's launch option: <= 168 lets 3
-# programs of 4 warps share an SM; the sweep can time it: slower so far, docs/perf_notes.md).
-# "fma": BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W rows x BLOCK_W words with 16-byte
-# loads; each thread then holds BLOCK_N BLOCK_W / (128 num_warps) rows of one 32-value chunk per tile). No
-# autotuning at call time: a decode step is captured in a CUDA graph.
+# A config: {"kernel": "mma" | "fma", "num_warps", "STAGES" (K steps in flight), "SPLIT_K" (programs per row block),
+# ...}. "mma": "BLOCK_N" rows per program (a multiple of 16 num_warps: 16-row tiles per warp; default 16 num_warps),
+# "GPS" groups of 128 per K step (capped to 8 / BLOCK_M and to a power of two dividing K / 128), "TRIGGER" (below),
+# "maxnreg" (ptxas's register cap: <= 168 lets 3 programs of 4 warps share an SM; slower so far).
+# "fma": BLOCK_N rows x BLOCK_W words per tile (a warp covers 128 / BLOCK_W rows x BLOCK_W words with 16-byte loads;
+# a thread holds BLOCK_N BLOCK_W / (128 num_warps) rows of one 32-value chunk per tile).
 INTERPRET_CONFIG = {"kernel": "fma", "BLOCK_N": 16, "BLOCK_W": 16, "num_warps": 4, "STAGES": 1, "SPLIT_K": 1}
 INTERPRET_MMA_CONFIG = {"kernel": "mma", "num_warps": 4, "STAGES": 1, "SPLIT_K": 1, "GPS": 2}
 CONFIG_KEYS = {"mma": ("BLOCK_N", "num_warps", "STAGES", "SPLIT_K", "GPS", "TRIGGER", "maxnreg"),
@@ -267,16 +244,14 @@ def groups_per_step(gps: int, n_groups: int) -> int:
 
 
 def _pairs_view(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) 16-bit as int32 (M, K/2): two consecutive k per element (a copy if x's rows are not 4-byte
-    aligned, which no decode activation is)."""
+    """x (M, K) 16-bit as int32 (M, K/2): two consecutive k per element (a copy if rows are not 4-byte aligned)."""
     if x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.clone(memory_format=torch.contiguous_format)  # fresh storage: aligned, row stride K (even)
     return x.view(torch.int32)
 
 
 # (BLOCK_M = next_pow2(M), N, K) -> config, for group 128: the fastest of the H200 sweep (TINYVILA_W4_SWEEP prints
-# this dict), per call replayed from a CUDA graph with programmatic dependent launch on; the times are the
-# decode-GEMV rows of docs/benchmarks.md.
+# this dict), graph-replayed with PDL on; times: docs/benchmarks.md.
 GEMV_TABLE: dict[tuple[int, int, int], dict] = {
     (1, 4096, 4096): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 1, "GPS": 8},
     (1, 4096, 14336): {"kernel": "mma", "BLOCK_N": 64, "num_warps": 4, "STAGES": 3, "SPLIT_K": 2, "GPS": 8},
@@ -285,20 +260,17 @@ GEMV_TABLE: dict[tuple[int, int, int], dict] = {
 }
 
 
-# When the mma kernel lets the next kernel of a PDL chain start (csrc_triton/pdl.py): 0 at once, 1 after the K
-# loop, 2 at the end (config key TRIGGER overrides; SILU_TRIGGER for the SwiGLU form). Why not always at once:
-# the SwiGLU GEMV triggering at once let the next (down) GEMV's programs take SM slots early and cost ~15 us a
-# decode-step layer on the H200; after its K loop it was the fastest, while every other GEMV gains from the
-# early start (scripts/profile_decode.py --variants trigger=..,silutrigger=..; docs/perf_notes.md).
+# When the mma kernel lets the next kernel of a PDL chain start (csrc_triton/pdl.py): 0 at once, 1 after the K loop,
+# 2 at the end (config key TRIGGER overrides; SILU_TRIGGER for the SwiGLU form). The SwiGLU GEMV triggers late:
+# at once, the down GEMV's programs took SM slots early and the step was slower (docs/perf_notes.md).
 TRIGGER = 0
 SILU_TRIGGER = 1
 
 
 def gemv_config(M: int, N: int, K: int, G: int, kernel: str = "auto") -> dict:
-    """The GPU launch config of an (M, K) x (N, K)^T call: GEMV_TABLE's entry, else a rule from that sweep:
-    64-row programs of 4 warps, 8 groups per K step, split-K doubling while the grid stays within one program
-    per SM and every split keeps >= 4 K steps (down: split 2 beat 4; o: unsplit beat 2). kernel: "auto" (the
-    table's or the rule's form), "mma" or "fma" (that form; "mma" only where mma_ok, else "fma")."""
+    """The GPU launch config of an (M, K) x (N, K)^T call: GEMV_TABLE's entry, else a rule from that sweep: 64-row
+    programs of 4 warps, 8 groups per K step, split-K doubling while the grid stays within one program per SM and
+    every split keeps >= 4 K steps. kernel: "auto" (the table's or rule's form), "mma" (where mma_ok) or "fma"."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     key = (triton.next_power_of_2(M), N, K)
@@ -323,8 +295,8 @@ MAX_ROW_BLOCKS = 1 << 16  # arrival counters per device: one per row block of on
 
 
 def _split_buffers(device: torch.device, ws_numel: int, row_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-device fp32 partials workspace (grown, never shrunk) and int32 arrival counters (zeroed once;
-    every call leaves them at zero). Shared by all calls on the device: GEMVs on one stream at a time."""
+    """Per-device fp32 partials workspace (grown, never shrunk) and int32 arrival counters (zeroed once; every
+    call leaves them at zero). Shared by all calls on the device: GEMVs on one stream at a time."""
     if row_blocks > MAX_ROW_BLOCKS:
         raise ValueError(f"{row_blocks} row blocks exceed MAX_ROW_BLOCKS={MAX_ROW_BLOCKS}; use larger row tiles")
     ws, locks = _SPLIT_BUFFERS.get(device, (None, None))
@@ -345,22 +317,19 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                config: dict | None = None, unpack: int | None = None,
                prenorm: tuple[torch.Tensor, float] | None = None, kernel: str = "auto",
                pdl: bool = True) -> torch.Tensor:
-    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype, M <= 8. `config` pins a launch config (see the
-    comment above; default gemv_config(..., kernel) on the GPU, the INTERPRET configs elsewhere); `unpack` picks
-    the nibble unpacking (1: PTX, the GPU default; 0: plain shifts and masks, the interpreter's).
-    prenorm (part, eps): x is gamma * h, an RMSNorm's input h times its weight but not yet normalised, and
-    part (NP, 8) fp32 holds the sums of h^2 of row m in column m over NP blocks of h's columns (what
-    w4a16_gemv_norm writes); y = rsqrt(mean(h^2) + eps) * (x W^T) + bias, the normalisation applied to
-    the product instead of to x (one rounding of x less than the norm's own output would carry).
-    kernel: "auto" | "mma" | "fma", the inner form when no config is pinned (gemv_config). pdl: programmatic
-    dependent launch where the device has it (csrc_triton/pdl.py)."""
+    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype, M <= 8. `config` pins a launch config (default
+    gemv_config(..., kernel) on the GPU, the INTERPRET configs elsewhere); `unpack`: 1 PTX (GPU default), 0 plain
+    shifts and masks (the interpreter's). prenorm (part, eps): x is gamma * h, an RMSNorm's input times its weight
+    but not yet normalised, and part (NP, 8) fp32 holds the sums of h^2 of row m in column m over NP blocks of h's
+    columns (what w4a16_gemv_norm writes); y = rsqrt(mean(h^2) + eps) * (x W^T) + bias, the normalisation applied
+    to the product instead of to x (one rounding of x less than the norm's own output would carry).
+    kernel: the inner form when no config is pinned (gemv_config). pdl: programmatic dependent launch (pdl.py)."""
     y, = launch_gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, kernel=kernel, pdl=pdl)
     return y
 
 
 def default_config(x: torch.Tensor, M: int, N: int, K: int, G: int, kernel: str = "auto") -> dict:
-    """The config a call runs when none is pinned: gemv_config on the GPU, the interpreter's otherwise (its
-    small mma tile where mma_ok, unless kernel is "fma")."""
+    """The config when none is pinned: gemv_config on the GPU, else the interpreter's (mma where mma_ok, not "fma")."""
     if x.is_cuda and not INTERPRET:
         return gemv_config(M, N, K, G, kernel)
     if kernel not in KERNELS:
@@ -371,10 +340,9 @@ def default_config(x: torch.Tensor, M: int, N: int, K: int, G: int, kernel: str 
 def launch_gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, residual=None, gamma=None, *,
                 silu: bool = False, rope: tuple | None = None, kernel: str = "auto",
                 pdl: bool = True) -> tuple[torch.Tensor, ...]:
-    """The launcher of w4a16_gemv (residual None: -> (y,)) and of its fused forms: w4a16_gemv_norm (residual and
-    gamma: -> (h, xg, part)), w4a16_gemv_silu (silu: out is (M, N / 2)) and w4a16_gemv_rope (rope = (its kernel
-    entry, the arguments that entry takes after the plain kernel's, its extra constexprs): out is q (B, H, T, D),
-    checked by the caller). kernel, pdl: as in w4a16_gemv."""
+    """The launcher of w4a16_gemv (-> (y,)) and its fused forms: w4a16_gemv_norm (residual, gamma: -> (h, xg, part)),
+    w4a16_gemv_silu (silu: out is (M, N / 2)), w4a16_gemv_rope (rope = (kernel entry, its arguments after the plain
+    kernel's, its extra constexprs): out is q (B, H, T, D), checked by the caller)."""
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
     if M > MAX_M:
         raise ValueError(f"w4a16_gemv takes at most {MAX_M} rows, got {M}; use w4a16_gemm")
@@ -423,8 +391,7 @@ def launch_gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, r
     block_n = cfg["BLOCK_N"]
     row_blocks = triton.cdiv(N, block_n)
     ws, locks = _split_buffers(x.device, split * M * N, row_blocks) if split > 1 else (out, out)  # (unused if 1)
-    # The fused residual/norm epilogue (EPI 1) and the normalising prologue (PRENORM): unused pointers
-    # are `out` (never dereferenced: the constexpr switches remove their code).
+    # EPI 1 and PRENORM pointers: `out` when unused (never dereferenced: the constexpr switches remove their code).
     outputs: tuple[torch.Tensor, ...] = (out,)
     res = g = xg = pout = pin = out
     np_in, nd, eps = 1, float(K), 0.0
@@ -471,8 +438,8 @@ def launch_gemv(x, qweight, scales, zeros, bias, out, config, unpack, prenorm, r
 
 def w4a16_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                    bias: torch.Tensor | None = None, prenorm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """Reference: dequantize (rounded to x's dtype, as a dense checkpoint would hold it) -> fp32 matmul
-    (prenorm: times each row's rsqrt(sum_p part[p, m] / K + eps)) -> + bias -> cast."""
+    """Reference: dequantize (rounded to x's dtype, as a dense checkpoint holds it) -> fp32 matmul (prenorm: times
+    each row's rsqrt(sum_p part[p, m] / K + eps)) -> + bias -> cast."""
     w = dequantize_ref(qweight, scales, zeros).to(x.dtype).float()
     y = x.float() @ w.T
     if prenorm is not None:

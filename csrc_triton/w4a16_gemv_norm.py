@@ -5,13 +5,11 @@
     xg = gamma * h                      (rounded once)
     part[p, m] = sum over row block p's columns of h[m]^2   (fp32)
 
--> (h, xg, part): what a following w4a16_gemv(xg, ..., prenorm=(part, eps)) takes in place of
-rms_norm(h) * gamma, so the RMSNorm between two decode GEMVs costs no launch of its own (the consumer scales
-its product by rsqrt(mean(h^2) + eps); one rounding of x fewer than the norm's own output would carry).
-x (M, K) fp16/bf16, M <= 8, and the packed W4 weight as in csrc_triton/w4a16_gemv.py; residual (M, N) and
-gamma (N,) contiguous in x's dtype; part is (row blocks, 8) fp32, column m for row m. Either GEMV kernel
-("fma" or "mma"): it is w4a16_gemv's launch with epilogue EPI 1 (csrc_triton/_w4a16_gemv_epilogue.py), so
-it has no kernel entry of its own. Graph-capturable as w4a16_gemv.
+-> (h, xg, part): what a following w4a16_gemv(xg, ..., prenorm=(part, eps)) takes in place of rms_norm(h) * gamma,
+so the RMSNorm between two decode GEMVs costs no launch of its own (the consumer scales its product by
+rsqrt(mean(h^2) + eps)). x (M, K) fp16/bf16, M <= 8, and the packed W4 weight as in w4a16_gemv.py; residual (M, N)
+and gamma (N,) contiguous in x's dtype; part is (row blocks, 8) fp32, column m for row m. Either GEMV kernel: it is
+w4a16_gemv's launch with epilogue EPI 1 (_w4a16_gemv_epilogue.py), no kernel entry of its own. Graph-capturable.
 """
 
 from __future__ import annotations
@@ -26,11 +24,7 @@ def w4a16_gemv_norm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     config: dict | None = None, unpack: int | None = None,
                     prenorm: tuple[torch.Tensor, float] | None = None, kernel: str = "auto", pdl: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The residual stream's add fused into the GEMV, with the next RMSNorm's share: -> (h, xg, part) with
-    y = the plain GEMV's output (rounded to the dtype), h = residual + y (PyTorch's add, bit for bit),
-    xg = gamma * h (rounded once) and part (row blocks, 8) fp32, part[p, m] = sum of h[m]^2 over row block p's
-    columns: what a following w4a16_gemv(xg, ..., prenorm=(part, eps)) takes in place of rms_norm(h) * gamma.
-    residual (M, N) and gamma (N,) in x's dtype; config, unpack, prenorm, kernel, pdl as in w4a16_gemv."""
+    """-> (h, xg, part) as in the module docstring. config, unpack, prenorm, kernel, pdl as in w4a16_gemv."""
     M, N = x.shape[0], qweight.shape[0]
     if residual.shape != (M, N) or residual.dtype != x.dtype or residual.stride() != (N, 1):
         raise ValueError(f"residual must be a contiguous ({M}, {N}) {x.dtype} tensor, got {tuple(residual.shape)} "

@@ -3,14 +3,14 @@
     qkv = x @ W^T + bias,  W = [q heads | k heads | v heads] ((H + 2 Hkv) D, K)
     q (B, H, T, D) = rope(q heads);  k_cache[b, :, slots[t]] = rope(k heads);  v_cache[b, :, slots[t]] = v heads
 
-bit for bit csrc_triton/rope_qkv.rope_qkv(w4a16_gemv(x, ...).view(B, T, N), ...) with the same config, in one
-launch: x (B T, K) fp16/bf16 (token m = b T + t, B T <= 8); cos, sin (T, D) in x's dtype; k_cache, v_cache
-(B, Hkv, S, D), last dim contiguous; slots (T,) integers on the device (a captured decode graph advances them in
-place), and a second cache pair at its own slots when given (a SparseVILA turn's packed decode buffer). Each
-program's rows pair dim d with d + D/2 of one head (mma_tile's row map); the epilogue rounds them as the plain
-GEMV stores them, then rotates them with rope_qkv's arithmetic, written out in the FMA form the rope_qkv kernel
-compiles to on the GPU (csrc_triton/_w4a16_gemv_epilogue.py, EPI 3). Needs the "mma" kernel (G = 128) with one
-16-row tile per warp and half its rows dividing D/2 (rope_ok). `_w4a16_gemv_rope_kernel` is the mma kernel's
+bit for bit rope_qkv.rope_qkv(w4a16_gemv(x, ...).view(B, T, N), ...) with the same config, in one launch:
+x (B T, K) fp16/bf16 (token m = b T + t, B T <= 8); bias (N,) (Qwen2) added before the rounding; cos, sin (T, D) in
+x's dtype; k_cache, v_cache (B, Hkv, S, D), last dim contiguous; slots (T,) integers on the device (a captured
+decode graph advances them in place), and a second cache pair at its own slots when given (a SparseVILA turn's
+packed decode buffer). Each program's rows pair dim d with d + D/2 of one head (mma_tile's row map); the epilogue
+rounds them as the plain GEMV stores them, then rotates them with rope_qkv's arithmetic in the FMA form the
+rope_qkv kernel compiles to on the GPU (_w4a16_gemv_epilogue.py, EPI 3). Needs the "mma" kernel (G = 128) with
+one 16-row tile per warp and half its rows dividing D/2 (rope_ok). `_w4a16_gemv_rope_kernel` is the mma kernel's
 entry with the RoPE arguments, so the plain kernel's signature (and compiled code) stays as it is.
 """
 
@@ -37,8 +37,7 @@ def _w4a16_gemv_rope_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, q_ptr, ws_ptr
                             BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, GPS: tl.constexpr,
                             EPI: tl.constexpr, PRENORM: tl.constexpr, NPB: tl.constexpr, WRAP: tl.constexpr,
                             TRIGGER: tl.constexpr, PDL: tl.constexpr, ROPE_D: tl.constexpr, SECOND: tl.constexpr):
-    # The mma kernel with the RoPE epilogue (EPI 3): its own entry point, so the plain kernel's signature (and
-    # so its compiled code) stays as it was. q_ptr takes y's place.
+    # The mma kernel with the RoPE epilogue (EPI 3; module docstring). q_ptr takes y's place.
     pdl.wait(PDL)
     if TRIGGER == 0:
         pdl.launch_dependents(PDL)
@@ -59,12 +58,8 @@ def w4a16_gemv_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                     prenorm: tuple[torch.Tensor, float] | None = None, config: dict | None = None,
                     unpack: int | None = None, kernel: str = "auto", pdl: bool = True) -> torch.Tensor:
-    """RoPE and the KV-cache write fused into the qkv GEMV: x (B T, K) (token m = b T + t, B T <= 8), qweight the
-    fused [q heads | k heads | v heads] (N = (H + 2 Hkv) D, K) -> rotated q (B, H, T, D) contiguous; rotated k and
-    raw v go to k_cache, v_cache (B, Hkv, S, D) at slots (T,) and to second = (k2, v2, slots2) when given: bit for
-    bit csrc_triton.rope_qkv.rope_qkv(w4a16_gemv(x, ...).view(B, T, N), ...) (same config), one launch. cos, sin
-    (T, D); bias (N,) (Qwen2) added before the rounding, as in the plain GEMV. Needs the mma kernel with BLOCK_N / 2
-    dividing D / 2 (rope_ok). prenorm, config, unpack, kernel, pdl as in w4a16_gemv."""
+    """-> rotated q (B, H, T, D) contiguous; rotated k and raw v go to k_cache, v_cache at slots and to
+    second = (k2, v2, slots2) when given (module docstring). prenorm, config, unpack, kernel, pdl as in w4a16_gemv."""
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
     T = cos.shape[0] if cos.dim() == 2 else 0
     if T == 0 or M % T:
@@ -88,11 +83,10 @@ def w4a16_gemv_rope(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 
 def rope_ok(N: int, K: int, G: int, config: dict, head_dim: int) -> bool:
-    """Whether the qkv GEMV can end in RoPE and the cache write (w4a16_gemv_rope) under `config`: the mma kernel
-    with one 16-row tile per warp (BLOCK_N = 16 num_warps, the launcher's tiles) and whole half-tiles per half head
-    (BLOCK_N / 2 divides D / 2), so a program's rows pair d with d + D / 2. Two tiles per warp are refused: there
-    the epilogue's halves reach RoPE through different layout conversions and, on the H200, a few q values came
-    out 1 ulp away from GEMV + rope_qkv (bf16, M 8) even with RoPE's FMAs spelled out."""
+    """Whether the qkv GEMV can end in RoPE and the cache write under `config`: the mma kernel with one 16-row tile
+    per warp (BLOCK_N = 16 num_warps) and BLOCK_N / 2 dividing D / 2, so a program's rows pair d with d + D / 2. Two
+    tiles per warp are refused: the halves reach RoPE through different layout conversions, and a few q values came
+    out 1 ulp away from GEMV + rope_qkv even with RoPE's FMAs spelled out."""
     if config.get("kernel", "fma") != "mma" or not mma_ok(K, G) or head_dim % 2 or N % head_dim:
         return False
     block_n = config.get("BLOCK_N", 16 * config["num_warps"])
@@ -104,8 +98,8 @@ def w4a16_gemv_rope_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
                         v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv_heads: int, *,
                         second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                         prenorm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """Reference of w4a16_gemv_rope: w4a16_gemv_ref (rounded to x's dtype) as qkv (B, T, N), then rope_qkv_ref (its
-    q in the layout PyTorch's ops give: the values of w4a16_gemv_rope's q)."""
+    """Reference of w4a16_gemv_rope: w4a16_gemv_ref (rounded to x's dtype) as qkv (B, T, N), then rope_qkv_ref
+    (its q's values are w4a16_gemv_rope's)."""
     T = cos.shape[0]
     qkv = w4a16_gemv_ref(x, qweight, scales, zeros, bias, prenorm).view(x.shape[0] // T, T, -1)
     return rope_qkv_ref(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads, second=second)

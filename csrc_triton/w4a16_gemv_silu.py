@@ -2,13 +2,12 @@
 
     y = silu(x @ W_gate^T) * (x @ W_up^T),   qweight = [gate; up] (2F, K) (the checkpoint's w13)
 
-bit for bit the plain GEMV (csrc_triton/w4a16_gemv.py, same config) followed by csrc_triton/silu_mul.py: each
-program computes gate rows j and up rows F + j of the same j (mma_tile's row map), rounds both as the plain
-GEMV stores them, and applies silu_mul's arithmetic (silu_mul_math) before its one store, so the (M, 2F)
-intermediate never touches memory. x (M, K) fp16/bf16, M <= 8; the packed W4 weight as in w4a16_gemv.py; no
-bias. Needs the "mma" kernel (G = 128) with F whole half-tiles of its rows (silu_ok); it is w4a16_gemv's launch
-with epilogue EPI 2 (csrc_triton/_w4a16_gemv_epilogue.py), so it has no kernel entry of its own. Its PDL
-trigger defaults to after the K loop (w4a16_gemv.SILU_TRIGGER). Graph-capturable as w4a16_gemv.
+bit for bit the plain GEMV (w4a16_gemv.py, same config) followed by silu_mul.py: each program computes gate rows j
+and up rows F + j of the same j (mma_tile's row map), rounds both as the plain GEMV stores them, and applies
+silu_mul_math before its one store, so the (M, 2F) intermediate never touches memory. x (M, K) fp16/bf16, M <= 8;
+the packed W4 weight as in w4a16_gemv.py; no bias. Needs the "mma" kernel (G = 128) with F whole half-tiles of its
+rows (silu_ok); w4a16_gemv's launch with epilogue EPI 2, no kernel entry of its own. PDL trigger: after the K loop
+(w4a16_gemv.SILU_TRIGGER). Graph-capturable as w4a16_gemv.
 """
 
 from __future__ import annotations
@@ -24,10 +23,8 @@ def w4a16_gemv_silu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     config: dict | None = None, unpack: int | None = None,
                     prenorm: tuple[torch.Tensor, float] | None = None, kernel: str = "auto",
                     pdl: bool = True) -> torch.Tensor:
-    """SwiGLU fused into the gate/up GEMV: qweight holds [gate; up] (2F, K) (the checkpoint's w13) -> (M, F)
-    silu(x W_gate^T) * (x W_up^T), bit for bit the plain GEMV followed by csrc_triton.silu_mul (each program
-    computes gate rows j and up rows F + j of the same j; silu_ok says when). config, unpack, prenorm, kernel,
-    pdl as in w4a16_gemv."""
+    """qweight [gate; up] (2F, K) -> (M, F) silu(x W_gate^T) * (x W_up^T) (module docstring; silu_ok says when).
+    config, unpack, prenorm, kernel, pdl as in w4a16_gemv."""
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, None)
     cfg = config if config is not None else default_config(x, M, N, K, G, kernel)
     if not silu_ok(N, K, G, cfg):

@@ -2,22 +2,19 @@
 
     out[m, n] = (sum_k a[m, k] * b[n, k]) * a_scale[m] * b_scale[n] + bias[n] + residual[m, n]
 
-a: (M, K) int8, row-major (per-token quantized activations); b: (N, K) int8, row-major (the
-nn.Linear layout, per-output-channel quantized weights, read K-major as wgmma wants for 8-bit types);
-a_scale: (M,) fp32; b_scale: (N,) fp32; bias: (N,) any float dtype or None; residual: (M, N) in the
-out dtype or None (the ViT's skip connection, so the block needs no separate add); out: (M, N)
-fp16/bf16/fp32. The int32 accumulator is exact (|sum| <= K * 127 * 128 < 2**31 for K < 132000).
-Epilogue in fp32: acc -> fp32, * a_scale, * b_scale, + bias, + residual (the reference's order), one
-rounding to the out dtype, in EPI_SPLIT (1, 2 or 4; per tile config) column sub-tiles of the output
-tile so that fewer values are live at once (no spills at 128 x 256 with a residual). Operands come
-through TMA descriptors on sm_90+ when every row stride is 16-byte aligned (TMA zero-fills
-out-of-range tiles), else through pointers (clamped rows, a peeled K tail). K is a compile-time
-constant: full K tiles run unmasked. Any M, N, K; contiguous inner dims.
-A persistent variant (`_w8a8_gemm_persistent_kernel`, config PERSISTENT) loops each program over tiles
-with a sub-tiled epilogue and TMA stores; the launcher runs it at 128 x 256 tiles (8 and 64 SigLIP images; see
-_LARGE_TILE_PERSISTENT; `persistent=False` keeps the plain kernel), except on sm_90 under Triton 3.6, where
-those GEMMs go to the Gluon kernels of csrc_triton/w8a8_gemm_wgmma.py (wgmma kept in flight across K steps;
-warp-specialised ping-pong at short K; see _wgmma_form; `wgmma=False` keeps the Triton kernels).
+a: (M, K) int8, row-major (per-token quantized activations); b: (N, K) int8, row-major (the nn.Linear layout,
+per-output-channel quantized weights, read K-major as wgmma wants for 8-bit types); a_scale: (M,) fp32; b_scale:
+(N,) fp32; bias: (N,) any float dtype or None; residual: (M, N) in the out dtype or None (the ViT's skip
+connection, so the block needs no separate add); out: (M, N) fp16/bf16/fp32. The int32 accumulator is exact
+(|sum| <= K * 127 * 128 < 2**31 for K < 132000). Epilogue in fp32: acc -> fp32, * a_scale, * b_scale, + bias,
++ residual (the reference's order), one rounding to the out dtype, in EPI_SPLIT (1, 2 or 4) column sub-tiles so
+that fewer values are live at once. Operands come through TMA descriptors on sm_90+ when every row stride is
+16-byte aligned (TMA zero-fills out-of-range tiles), else through pointers (clamped rows, a peeled K tail). K is a
+compile-time constant: full K tiles run unmasked. Any M, N, K; contiguous inner dims.
+A persistent variant (`_w8a8_gemm_persistent_kernel`, config PERSISTENT) loops each program over tiles with a
+sub-tiled epilogue and TMA stores; the launcher runs it at 128 x 256 tiles (_LARGE_TILE_PERSISTENT;
+`persistent=False` keeps the plain kernel), except on sm_90 under Triton 3.6, where those GEMMs go to the Gluon
+kernels of w8a8_gemm_wgmma.py (see _wgmma_form; `wgmma=False` keeps the Triton kernels).
 """
 
 from __future__ import annotations
@@ -33,8 +30,8 @@ from ._common import INTERPRET, device_caps, tma_aligned, w8a8_ref
 @triton.jit
 def _mainloop(a_ptr, b_ptr, off_m, off_n, M, N, stride_am, stride_bn, K: tl.constexpr, TMA: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int32 (BLOCK_M, BLOCK_N) = a[off_m:, :K] @ b[off_n:, :K]^T. TMA: descriptors, edges zero-filled;
-    else pointers with clamped rows (garbage rows are dropped by the masked store) and a peeled K tail."""
+    """int32 (BLOCK_M, BLOCK_N) = a[off_m:, :K] @ b[off_n:, :K]^T. TMA: descriptors, edges zero-filled; else
+    pointers with clamped rows (garbage rows are dropped by the masked store) and a peeled K tail."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     if TMA:
         for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -62,9 +59,9 @@ def _mainloop(a_ptr, b_ptr, off_m, off_n, M, N, stride_am, stride_bn, K: tl.cons
 def _epilogue_store(acc, a_s, b_s, bias, off_m, off_n, M, N, res_ptr, c_ptr, stride_rm, stride_cm,
                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr, SUB_M: tl.constexpr,
                     SUB_N: tl.constexpr):
-    """Scale one (SUB_M, SUB_N) int32 sub-tile at (off_m, off_n) in fp32 (the reference's order: acc *
-    a_s[m] * b_s[n] + bias[n] + residual), round once and store it. a_s (SUB_M,), b_s and bias (SUB_N,)
-    fp32 come loaded. TMA: res/c are descriptors (the store clips the M/N edges); else masked pointers."""
+    """Scale one (SUB_M, SUB_N) int32 sub-tile at (off_m, off_n) in fp32 (the reference's order: acc * a_s[m] *
+    b_s[n] + bias[n] + residual), round once and store it. a_s (SUB_M,), b_s and bias (SUB_N,) fp32 come loaded.
+    TMA: res/c are descriptors (the store clips the M/N edges); else masked pointers."""
     out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
     if HAS_BIAS:
         out += bias[None, :]
@@ -83,8 +80,7 @@ def _epilogue_store(acc, a_s, b_s, bias, off_m, off_n, M, N, res_ptr, c_ptr, str
 
 @triton.jit
 def _halves(acc, b_s, bias, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
-    """Columns [0, HALF) and [HALF, 2 HALF) of a (BLOCK_M, 2 HALF) tile and of its column vectors:
-    (BM, 2 HALF) -> (BM, 2, HALF) -> (BM, HALF, 2) -> split on the last dim."""
+    """Columns [0, HALF) and [HALF, 2 HALF) of a (BLOCK_M, 2 HALF) tile and of its column vectors."""
     acc0, acc1 = acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1).split()
     b0, b1 = b_s.reshape(2, HALF).permute(1, 0).split()
     c0, c1 = bias.reshape(2, HALF).permute(1, 0).split()
@@ -95,12 +91,10 @@ def _halves(acc, b_s, bias, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
 def _epilogue(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr, c_ptr, stride_rm, stride_cm,
               HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, EPI_SPLIT: tl.constexpr):
-    """The epilogue of one (BLOCK_M, BLOCK_N) tile in EPI_SPLIT (1, 2 or 4) column sub-tiles of BLOCK_N /
-    EPI_SPLIT, each scaled, biased, residual-added and stored before the next, so only one sub-tile's fp32
-    values, residual and addresses are live beside the int32 accumulator (at 128 x 256, 8 warps, with a
-    residual, the whole tile at once spills). The scale and bias vectors are loaded once for the whole
-    tile and split like the accumulator: loaded per sub-tile, each lands in the accumulator's layout as
-    dozens of scalar loads per thread (offline SASS, docs/perf_notes.md)."""
+    """The epilogue of one (BLOCK_M, BLOCK_N) tile in EPI_SPLIT (1, 2 or 4) column sub-tiles, each scaled, biased,
+    residual-added and stored before the next, so only one sub-tile's fp32 values are live beside the int32
+    accumulator (at 128 x 256, 8 warps, with a residual, the whole tile at once spills). The scale and bias vectors
+    are loaded once for the tile and split like the accumulator (per sub-tile: dozens of scalar loads a thread)."""
     SUB_N: tl.constexpr = BLOCK_N // EPI_SPLIT
     rm = off_m + tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, BLOCK_N)
@@ -149,8 +143,8 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr,
                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, TMA: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) output tile per program. TMA: a_ptr / b_ptr are descriptors; the residual
-    and c always go through masked pointers. EPI_SPLIT (1, 2 or 4): column sub-tiles of the epilogue."""
+    """One (BLOCK_M, BLOCK_N) output tile per program. TMA: a_ptr / b_ptr are descriptors; the residual and c
+    always go through masked pointers. EPI_SPLIT (1, 2 or 4): column sub-tiles of the epilogue."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     if TMA:
@@ -167,12 +161,10 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, res_ptr,
               stride_rm, stride_cm, HAS_BIAS, HAS_RES, False, BLOCK_M, BLOCK_N, EPI_SPLIT)
 
 
-# ---- Persistent variant (selected by config["PERSISTENT"]; not the default until measured) ----
-# One program per SM (or PROGRAMS_PER_SM), each looping over output tiles in the same grouped order
-# as above, so the pipeline prologue and launch cost are paid once per SM, not once per tile, and the
-# epilogue of tile i (TMA stores are asynchronous) overlaps the loads of tile i + 1. The epilogue runs
-# per (BLOCK_M, BLOCK_N / EPI_SPLIT) sub-tile: fewer live fp32 registers and a smaller store buffer in
-# shared memory (more of it left for pipeline stages).
+# ---- Persistent variant (config["PERSISTENT"]) ----
+# One program per SM (or PROGRAMS_PER_SM), each looping over output tiles in the same grouped order, so the pipeline
+# prologue and launch cost are paid once per SM, and the epilogue of tile i (asynchronous TMA stores) overlaps the
+# loads of tile i + 1. Sub-tiled epilogue: fewer live fp32 registers, a smaller store buffer in shared memory.
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -182,10 +174,9 @@ def _w8a8_gemm_persistent_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_pt
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  FLATTEN: tl.constexpr):
-    """Tiles pid, pid + NUM_PROGRAMS, ... of the (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)) output grid.
-    EPI_SPLIT (1, 2 or 4) sub-tiles along N in the epilogue. FLATTEN: Triton's loop-nest flattening (one
-    software pipeline across tiles: the next tile's loads issue during this tile's epilogue). No warp
-    specialization: Triton 3.6 ignores `warp_specialize` on sm_90 (the compiled TTGIR is identical)."""
+    """Tiles pid, pid + NUM_PROGRAMS, ... of the (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)) output grid. FLATTEN:
+    Triton's loop-nest flattening (one software pipeline across tiles: the next tile's loads issue during this
+    tile's epilogue). No warp specialization: Triton 3.6 ignores `warp_specialize` on sm_90."""
     n_pid_m = tl.cdiv(M, BLOCK_M)
     n_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_pid_m * n_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
@@ -197,21 +188,16 @@ def _w8a8_gemm_persistent_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_pt
                   HAS_BIAS, HAS_RES, TMA, BLOCK_M, BLOCK_N, EPI_SPLIT)
 
 
-# Tile shapes tried largest first: the first whose grid covers 3/4 of the SMs wins (small grids
-# leave SMs idle at one image, where 128x256 tiles give only 6 x 5 programs for the 1152-wide GEMMs).
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, max stages, EPI_SPLIT); int8 operands take (BM + BN) * BK
-# bytes a stage. Chosen by the H200 sweep in scripts/benches/w8a8.py (docs/perf_notes.md): 128x256 (TMA)
-# wins or ties at 8 and 64 images (815-940 TOPS), 64x128 at one image (108 programs for N=1152 beat
-# 64x64's 216: hence 3/4, not all, of the 132 SMs); 128x128 never won. EPI_SPLIT from the offline
-# sm_90a SASS (`scripts/benches/w8a8.py --offline`): at 128x256 with a residual the unsplit epilogue
-# spills (255 registers), split in 2 it does not, and without a residual the split is 48 SASS shorter;
-# the 4-warp tiles never spill.
+# Tile shapes tried largest first: the first whose grid covers 3/4 of the SMs wins (small grids leave SMs idle at
+# one image). (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, max stages, EPI_SPLIT); int8 operands take (BM + BN) * BK bytes
+# a stage. From the H200 sweep in scripts/benches/w8a8.py (docs/perf_notes.md): 128x256 at 8 and 64 images, 64x128
+# at one image; EPI_SPLIT 2 at 128x256, whose unsplit epilogue spills with a residual (`--offline` SASS).
 _TILES = ((128, 256, 128, 8, 3, 2), (64, 128, 128, 4, 4, 1), (64, 64, 128, 4, 4, 1))
 
 
 def _config(M: int, N: int, K: int, device: torch.device) -> dict:
-    """Tile shapes: small under the interpreter (it is slow), Hopper-sized on CUDA (see _TILES);
-    pipeline stages as many as shared memory holds, up to the tile's maximum."""
+    """Tile shapes: small under the interpreter (it is slow), Hopper-sized on CUDA (see _TILES); pipeline stages as
+    many as shared memory holds, up to the tile's maximum."""
     if device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, EPI_SPLIT=1)
     n_sm, smem, _ = device_caps(device.index if device.index is not None else torch.cuda.current_device())
@@ -233,15 +219,14 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
               residual: torch.Tensor | None = None, config: dict | None = None, *, persistent: bool = True,
               wgmma: bool = True) -> torch.Tensor:
-    """(M, K) int8 x (N, K) int8 -> (M, N) `out_dtype`, scaled per token and per channel (+ bias)
-    (+ residual (M, N) in `out_dtype`).
+    """(M, K) int8 x (N, K) int8 -> (M, N) `out_dtype`, scaled per token and per channel (+ bias) (+ residual (M, N)
+    in `out_dtype`).
 
-    `config` overrides the tile choice (benchmarks sweep it): the keys of `_config` (EPI_SPLIT 1, 2 or 4,
-    default 1: the epilogue in that many column sub-tiles), plus "TMA" (bool; default: on where
-    `_tma_ok`); "PERSISTENT": True selects the persistent kernel (keys of `persistent_config`).
-    Without a config: persistent (the persistent kernel at the shapes it was tuned for, _auto_config; False:
-    the plain kernel everywhere) and wgmma (the Gluon kernels where the persistent kernel would run, on sm_90
-    under Triton 3.6, _wgmma_form; False: the Triton kernels only, their A/B).
+    `config` overrides the tile choice (benchmarks sweep it): the keys of `_config` (EPI_SPLIT default 1), plus
+    "TMA" (bool; default: on where `_tma_ok`); "PERSISTENT": True selects the persistent kernel (keys of
+    `persistent_config`). Without a config: persistent (the persistent kernel at the shapes it was tuned for,
+    _auto_config; False: the plain kernel everywhere) and wgmma (the Gluon kernels where the persistent kernel
+    would run, on sm_90 under Triton 3.6, _wgmma_form; False: the Triton kernels only).
     """
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"w8a8_gemm: a and b must be int8, got {a.dtype} and {b.dtype}")
@@ -295,10 +280,9 @@ def w8a8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
 
 
 def _launch_persistent(a, b, a_scale, b_scale, bias, residual, c, tma: bool, cfg: dict) -> None:
-    """Launch `_w8a8_gemm_persistent_kernel` on min(tiles, programs) programs. TMA covers a, b, the
-    residual and c together (c and the residual need N % 8 == 0 in fp16); otherwise all go through
-    pointers. cfg: BLOCK_M/N/K, GROUP_M, num_warps, num_stages, EPI_SPLIT, FLATTEN and
-    PROGRAMS_PER_SM (CUDA: that many programs per SM) or NUM_PROGRAMS (an explicit count)."""
+    """Launch `_w8a8_gemm_persistent_kernel` on min(tiles, programs) programs. TMA covers a, b, the residual and c
+    together (c and the residual need N % 8 == 0 in fp16); otherwise all go through pointers. cfg: BLOCK_M/N/K,
+    GROUP_M, num_warps, num_stages, EPI_SPLIT, FLATTEN and PROGRAMS_PER_SM or NUM_PROGRAMS (an explicit count)."""
     (M, K), N = a.shape, b.shape[0]
     cfg = dict(cfg)
     tma = tma and tma_aligned(a, b, c, residual)
@@ -321,10 +305,9 @@ def _launch_persistent(a, b, a_scale, b_scale, bias, residual, c, tma: bool, cfg
         HAS_RES=residual is not None, TMA=tma, **cfg)
 
 
-# Persistent-kernel configs the H200 sweep tries (scripts/benches/w8a8.py; none is a default yet):
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, EPI_SPLIT, FLATTEN). Shared memory: stages *
-# (BM + BN) * BK int8 operand bytes + a BM x BN/EPI_SPLIT fp16 store buffer (+ the residual's); all
-# compile for sm_90a to IGMMA + UTMALDG/UTMASTG without spills (docs/perf_notes.md, offline table).
+# Persistent-kernel configs the H200 sweep tries (scripts/benches/w8a8.py): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+# num_stages, EPI_SPLIT, FLATTEN). Shared memory: stages * (BM + BN) * BK int8 operand bytes + a BM x BN/EPI_SPLIT
+# fp16 store buffer (+ the residual's); all compile for sm_90a without spills.
 _PERSISTENT_TILES = (
     (128, 256, 128, 8, 3, 2, False),
     (128, 256, 128, 8, 4, 4, False),
@@ -343,39 +326,33 @@ def persistent_config(t: tuple, programs_per_sm: int = 1) -> dict:
     return dict(PERSISTENT=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
                 EPI_SPLIT=split, FLATTEN=flatten, PROGRAMS_PER_SM=programs_per_sm)
 
-# What runs where _config picks the 128 x 256 tile (8 and 64 SigLIP images; fc1 at one): the persistent kernel,
-# loop nest flattened for short K, 4 stages and a 4-way epilogue split for long K (fc2). On the H200
-# (`TINYVILA_W8A8_VARIANTS=1` of scripts/benches/w8a8.py, graph-replayed; docs/perf_notes.md): 1.04-1.11x the
-# default kernel at every ViT GEMM at 8 and 64 images, fc1 at one image 1.00x; at one image the 64 x 128
-# default tiles stay (persistent 0.55-0.95x).
+# What runs where _config picks the 128 x 256 tile (8 and 64 SigLIP images; fc1 at one): the persistent kernel, loop
+# nest flattened for short K, 4 stages and a 4-way epilogue split for long K (fc2); faster than the plain kernel
+# at every ViT GEMM there (TINYVILA_W8A8_VARIANTS=1 of scripts/benches/w8a8.py; docs/perf_notes.md).
 _LARGE_TILE_PERSISTENT = {False: (128, 256, 128, 8, 3, 2, True), True: (128, 256, 128, 8, 4, 4, False)}  # K >= 2048
 
 
 def _auto_config(M: int, N: int, K: int, device: torch.device, tma: bool, persistent: bool = True) -> dict:
     """The config a call runs: _config's tile, on CUDA (with `persistent`) the persistent kernel instead where that
     is 128 x 256 and every operand can go through TMA (its pointer form at these tiles needs more shared memory
-    than an H200 has at some K: the 128 x 256 x 128 3-stage pointer build asked for 352 KiB at K = 160)."""
+    than an H200 has at some K)."""
     cfg = _config(M, N, K, device)
     if device.type == "cuda" and tma and (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 256) and persistent:
         return persistent_config(_LARGE_TILE_PERSISTENT[K >= 2048])
     return cfg
 
 
-# Where the launcher picks the persistent 128 x 256 kernel (8 and 64 SigLIP images), on sm_90 with TMA-aligned
-# operands and a 16-bit output, a Gluon kernel of csrc_triton/w8a8_gemm_wgmma.py runs instead (int8 wgmma kept in
-# flight across K steps, which Triton's pipeliner does not do for int32 accumulators), in the form _wgmma_form
-# picks. On the H200 (docs/perf_notes.md) the warp-specialised ping-pong form (each 128 x 128 tile's epilogue
-# overlapped with the other warpgroup's K loop) is 1.2-1.6x the Triton kernel at K = 1152 (qkv, wo, fc1), but
-# slower at fc2's K = 4304, where the epilogue is a small share of a tile: fc2 with its residual takes the
-# 256 x 128 row-halves form (1.03-1.09x), without one the Triton kernel. Gluon is Triton's experimental
-# dialect and its API moves between releases: the dispatch needs the Triton it was written and measured with
-# (3.6), else the Triton kernel runs.
+# Where the launcher picks the persistent 128 x 256 kernel, on sm_90 with TMA-aligned operands and a 16-bit output,
+# a Gluon kernel of w8a8_gemm_wgmma.py runs instead (int8 wgmma kept in flight across K steps, which Triton's
+# pipeliner does not do for int32 accumulators), in the form _wgmma_form picks (docs/perf_notes.md): ping-pong at
+# K = 1152 (qkv, wo, fc1); at fc2's K = 4304 the 256 x 128 row-halves form with a residual, else the Triton kernel.
+# Gluon's API moves between releases: the dispatch needs the Triton it was written with (3.6).
 PINGPONG_MAX_K = 2048  # ping-pong measured faster at K = 1152 and slower at 4304; between them, untested
 
 
 def _wgmma_form(persistent: bool, K: int, residual: torch.Tensor | None) -> dict | None:
-    """The Gluon form (keyword arguments of w8a8_gemm_wgmma) for a call, or None for the Triton kernel: only
-    where the launcher picked its persistent kernel, i.e. at the measured shapes."""
+    """The Gluon form (w8a8_gemm_wgmma's keyword arguments) or None for the Triton kernel: only where the launcher
+    picked its persistent kernel, i.e. at the measured shapes."""
     if not persistent:
         return None
     if K <= PINGPONG_MAX_K:
@@ -387,8 +364,7 @@ _GLUON_TRITON = triton.__version__.startswith("3.6.")
 
 
 def _wgmma_ok(a, b, c, residual) -> bool:
-    """Whether the Gluon kernel can run a persistent-config call: Triton 3.6 with Gluon's Hopper API, sm_90,
-    the operands `w8a8_gemm_wgmma.ok` takes."""
+    """Whether the Gluon kernel can run a persistent-config call (Triton 3.6, sm_90, operands `ok` takes)."""
     if not _GLUON_TRITON or INTERPRET or not a.is_cuda:
         return False
     try:
@@ -401,7 +377,5 @@ def _wgmma_ok(a, b, c, residual) -> bool:
 def w8a8_gemm_ref(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain PyTorch: exact int32 product (torch._int_mm on CPU, float64 elsewhere: both exact), then
-    the kernel's fp32 epilogue (csrc_triton/_common.py, shared with w8a8_gemm_wgmma). The CPU path of
-    ops.w8a8_linear."""
+    """Plain PyTorch (_common.w8a8_ref, shared with w8a8_gemm_wgmma): the CPU path of ops.w8a8_linear."""
     return w8a8_ref(a, b, a_scale, b_scale, bias, out_dtype, residual)

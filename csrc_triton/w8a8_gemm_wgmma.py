@@ -2,36 +2,31 @@
 
     out[m, n] = (sum_k a[m, k] * b[n, k]) * a_scale[m] * b_scale[n] + bias[n] + residual[m, n]
 
-The same operation, operands and epilogue as csrc_triton/w8a8_gemm.py (its docstring has the layouts), for
-sm_90 only. Why a second kernel: Triton 3.6's software pipeliner keeps a wgmma in flight across K steps only
-when its accumulator is fp32, so every K step of the Triton int8 GEMM waits for its own wgmma before the next
-is issued (docs/perf_notes.md). Here the pipeline is written out in Gluon (Triton's explicit-layout
-dialect), in two forms, both persistent (one program per SM takes tiles pid, pid + P, ... in grouped order):
+The same operation, operands and epilogue as w8a8_gemm.py (its docstring has the layouts), for sm_90 only. Why a
+second kernel: Triton 3.6's software pipeliner keeps a wgmma in flight across K steps only when its accumulator is
+fp32, so every K step of the Triton int8 GEMM waits for its own wgmma before the next is issued. Here the pipeline
+is written out in Gluon (Triton's explicit-layout dialect), in two forms, both persistent (one program per SM takes
+tiles pid, pid + P, ... in grouped order):
 
-- `_w8a8_wgmma_kernel`: all warps share each tile. Its tiles form ONE stream of K steps through a STAGES-deep
-  ring of TMA loads that runs ahead across tile boundaries, so the next tile's first loads are in flight during
-  this tile's epilogue. Each K step issues its wgmmas asynchronously and then waits only for the previous step's
-  (`warpgroup_mma_wait`), whose operand stage is then refilled with the step STAGES - 1 ahead. The tile's two
-  halves are two accumulators: column halves of a 128 x 256 tile (int8 wgmma is at most 224 wide, so a 256-wide
-  tile is two 128-wide instructions anyway) or row halves of a 256 x 128 one, so the epilogue runs a half at a
-  time without reshaping.
-- `_w8a8_pingpong_kernel`, warp-specialised (`gl.warp_specialize`): one producer warp issues every K step's
-  TMA loads into one ring in tile order; two consumer warpgroups take the program's 128 x 128 tiles alternately,
-  each starting its K loop when the other has issued its previous tile's wgmmas (an mbarrier each way), so the
-  K loops take the tensor cores in turn while each warpgroup's epilogue overlaps the other's K loop. A stage is
-  released once the wgmma that read it is done. Best where K is short and the epilogue a large share of a tile
-  (the ViT's qkv, wo, fc1 at K = 1152); at K = 4304 (fc2) its 128-wide tiles' L2 traffic per MAC is what limits it
-  (Nsight Compute: L2 throughput 91% of peak), and the 256 x 128 form of the first kernel is faster.
+- `_w8a8_wgmma_kernel`: all warps share each tile. Its tiles form ONE stream of K steps through a STAGES-deep ring
+  of TMA loads that runs ahead across tile boundaries, so the next tile's first loads are in flight during this
+  tile's epilogue. Each K step issues its wgmmas asynchronously and then waits only for the previous step's, whose
+  operand stage is then refilled with the step STAGES - 1 ahead. The tile's two halves are two accumulators (column
+  halves of 128 x 256, row halves of 256 x 128), so the epilogue runs a half at a time without reshaping.
+- `_w8a8_pingpong_kernel`, warp-specialised: one producer warp issues every K step's TMA loads into one ring in
+  tile order; two consumer warpgroups take the program's 128 x 128 tiles alternately, each starting its K loop when
+  the other has issued its previous tile's wgmmas (an mbarrier each way), so the K loops take the tensor cores in
+  turn while each warpgroup's epilogue overlaps the other's K loop. Best where K is short and the epilogue a large
+  share of a tile (K = 1152); at K = 4304 its 128-wide tiles' L2 traffic limits it (docs/perf_notes.md).
 
 Epilogue (both): fp32 in the reference's order, the residual loaded by TMA into shared memory, one rounding,
 stored through shared memory by TMA. Edges (M, N, the K tail) are zero-filled by TMA loads and clipped by TMA
 stores. Integer sums are exact, so every form gives the Triton kernel's bits.
 
-No interpreter form: Gluon kernels run on the GPU only. csrc_triton.w8a8_gemm.w8a8_gemm checks a call and
-dispatches here the GEMMs it would run on its persistent 128 x 256 kernel (8 and more SigLIP images), in the form
-`w8a8_gemm._wgmma_form` picks by K, on sm_90 under Triton 3.6 with TMA-suited operands (`ok`), unless called
-with wgmma=False; everything else runs the Triton kernels (w8a8_gemm.py's comment above PINGPONG_MAX_K has the
-measurements). The plain PyTorch form is `w8a8_gemm_wgmma_ref` (= the Triton kernel's reference).
+No interpreter form: Gluon kernels run on the GPU only. w8a8_gemm.w8a8_gemm checks a call and dispatches here the
+GEMMs it would run on its persistent 128 x 256 kernel, in the form `w8a8_gemm._wgmma_form` picks by K, on sm_90
+under Triton 3.6 with TMA-suited operands (`ok`), unless called with wgmma=False. The plain PyTorch form is
+`w8a8_gemm_wgmma_ref` (= the Triton kernel's reference).
 """
 
 from __future__ import annotations
@@ -62,7 +57,7 @@ def _tile_mn(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: 
 def _load_step(a_desc, b_desc, a_smem, b_smem, ready, step, off_m, off_n, kt, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """Issue the TMA loads of this program's K step `step` (K tile kt of the tile at off_m, off_n) into its ring
-    stage, signalling ready[stage] when they land. Both forms' loads (the ping-pong producer's after its wait)."""
+    stage, signalling ready[stage] when they land."""
     s = step % STAGES
     k = kt * BLOCK_K
     mbarrier.expect(ready.index(s), (BLOCK_M + BLOCK_N) * BLOCK_K)
@@ -73,8 +68,7 @@ def _load_step(a_desc, b_desc, a_smem, b_smem, ready, step, off_m, off_n, kt, BL
 @gluon.jit
 def _scaled(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, HAS_BIAS: gl.constexpr, ROWS: gl.constexpr,
             COLS: gl.constexpr, layout: gl.constexpr):
-    """The epilogue's arithmetic on a (ROWS, COLS) accumulator at (off_m, off_n): fp32 acc * a_scale[m] *
-    b_scale[n] (+ bias[n]), in the reference's order."""
+    """The epilogue's arithmetic on a (ROWS, COLS) accumulator: fp32 acc * a_scale[m] * b_scale[n] (+ bias[n])."""
     rm = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     rn = off_n + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     a_s = gl.load(a_scale_ptr + rm, mask=rm < M, other=0.0)
@@ -90,9 +84,9 @@ def _scaled(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, HAS_BIA
 def _epilogue_half(acc, off_m, off_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, res_desc, c_desc, c_smem, r_smem,
                    r_bar, PHASE: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
                    SUB_M: gl.constexpr, SUB_N: gl.constexpr, layout: gl.constexpr, C_BUFS: gl.constexpr):
-    """One (SUB_M, SUB_N) half of a tile: acc (int32, the wgmma layout) -> fp32 acc * a_scale[m] * b_scale[n]
-    + bias[n] + residual (TMA-loaded), one rounding, TMA-stored through c_smem (this half's of C_BUFS staging
-    buffers: with two, the other half's store may still be reading its own)."""
+    """One (SUB_M, SUB_N) half of a tile: acc (int32, the wgmma layout) -> fp32 acc * a_scale[m] * b_scale[n] +
+    bias[n] + residual (TMA-loaded), one rounding, TMA-stored through c_smem (this half's of C_BUFS staging buffers:
+    with two, the other half's store may still be reading its own)."""
     gl.thread_barrier()  # every thread is done with r_smem and c_smem's last use (the previous half)
     if HAS_RES:  # the residual's load first: it lands while the scales are applied
         mbarrier.expect(r_bar, SUB_M * SUB_N * res_desc.dtype.primitive_bitwidth // 8)
@@ -115,9 +109,8 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
                        IN_FLIGHT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, num_warps: gl.constexpr):
     """Persistent: this program's tiles as one stream of K steps (see the module docstring). IN_FLIGHT: K steps
     whose wgmmas may still run when the next step's are issued (1; 0 waits for each, as Triton's int8 loop)."""
-    # The tile's two halves, each its own accumulator: column halves (128 x 256: int8 wgmma is at most 224 wide, so
-    # a 256-wide tile is two 128-wide instructions anyway), or row halves when the tile is taller than wide
-    # (256 x 128: each half is still 128 wide, so its wgmmas read as many operand bytes per MAC).
+    # The tile's two halves, each its own accumulator: column halves (128 x 256: int8 wgmma is at most 224 wide
+    # anyway), or row halves when the tile is taller than wide (256 x 128: each half still 128 wide).
     HALF_M: gl.constexpr = BLOCK_M > BLOCK_N
     SUB_M: gl.constexpr = BLOCK_M // 2 if HALF_M else BLOCK_M
     SUB_N: gl.constexpr = BLOCK_N if HALF_M else BLOCK_N // 2
@@ -129,8 +122,7 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
     steps = ((n_tiles - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS) * K_TILES
     a_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    # Output staging: one buffer with a residual (its own buffer takes the room), else one per half, so a
-    # half's store need not wait for the other's to leave shared memory.
+    # Output staging: one buffer with a residual (its own takes the room), else one per half (no wait on the other).
     C_BUFS: gl.constexpr = 1 if HAS_RES else 2
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [C_BUFS, SUB_M, SUB_N], c_desc.layout)
     r_smem = c_smem.index(0)  # placeholder without a residual
@@ -141,8 +133,7 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     mbarrier.init(r_bar, count=1)
-    # The tile the loads are on (they run STAGES - 1 steps ahead of the wgmmas): its offsets are worked out once a
-    # tile, when the loads cross into it (the grouped order's divisions by runtime tile counts are ~100 SASS).
+    # The tile the loads are on (STAGES - 1 steps ahead of the wgmmas): offsets worked out once a tile (divisions).
     ld_m, ld_n = _tile_mn(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     for i in gl.static_range(STAGES - 1):
         if i % K_TILES == 0 and i > 0:
@@ -170,8 +161,7 @@ def _w8a8_wgmma_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, bias_ptr, res_d
                                  is_async=True)
             acc1 = warpgroup_mma(a_s, b_s.slice(SUB_N, SUB_N, dim=0).permute((1, 0)), acc1, use_acc=k != 0,
                                  is_async=True)
-        # Two wgmma groups a step: with IN_FLIGHT 1 this step's may run on, the previous step's are done, so
-        # its ring stage is free for the step STAGES - 1 ahead.
+        # With IN_FLIGHT 1 this step's two wgmma groups may run on; the previous step's are done: its stage is free.
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=2 * IN_FLIGHT, deps=(acc0, acc1))
         nxt = step + STAGES - 1
         if nxt < steps:
@@ -214,8 +204,7 @@ def _pp_tiles(a_smem, b_smem, ready, empty, turn, c_smem, r_bar, res_desc, c_des
               HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """Ping-pong consumer WG (one warpgroup): this program's tiles WG, WG + 2, ... Its K loop starts when the other
-    warpgroup has issued all of its previous tile's wgmmas (turn), so the two K loops take the tensor cores in
-    turn while each one's epilogue overlaps the other's K loop; a stage is released (empty) once the wgmma that
+    warpgroup has issued all of its previous tile's wgmmas (turn); a stage is released (empty) once the wgmma that
     read it is done. Epilogue as _epilogue_half's, the whole tile at once through this warpgroup's staging buffer
     (which the residual is TMA-loaded into while the K loop runs)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -297,7 +286,7 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 
 def ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether this kernel can run the call: sm_90 (wgmma is Hopper's), a 16-bit output (an fp32 tile's staging
-    buffers would not fit beside the ring), every operand TMA-aligned (w8a8_gemm's own test, tma_aligned)."""
+    buffers would not fit beside the ring), every operand TMA-aligned."""
     if not a.is_cuda or c.dtype not in (torch.float16, torch.bfloat16):
         return False
     if device_caps(a.device.index if a.device.index is not None else torch.cuda.current_device())[2] != 9:
@@ -318,10 +307,9 @@ def w8a8_gemm_wgmma(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_s
                     residual: torch.Tensor | None = None, tile: tuple | None = None, in_flight: int = 1,
                     group_m: int = 8, programs_per_sm: int = 1, out: torch.Tensor | None = None,
                     pingpong: bool = False) -> torch.Tensor:
-    """w8a8_gemm's operation on sm_90 (the caller checks shapes and dtypes and `ok`: csrc_triton.w8a8_gemm.w8a8_gemm
-    does, then dispatches here). tile: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES), default DEFAULT_TILE
-    (PINGPONG_TILE with pingpong); in_flight: 1 (a step's wgmmas overlapped with the next step) or 0 (the A/B
-    form); out: the (M, N) result buffer (default: a new one); pingpong: the warp-specialised form."""
+    """w8a8_gemm's operation on sm_90 (the caller, w8a8_gemm, checks shapes, dtypes and `ok`). tile: (BLOCK_M,
+    BLOCK_N, BLOCK_K, num_warps, STAGES), default DEFAULT_TILE (PINGPONG_TILE with pingpong); in_flight: 1 (a step's
+    wgmmas overlapped with the next step) or 0; out: the (M, N) result buffer; pingpong: the warp-specialised form."""
     M, K = a.shape
     N = b.shape[0]
     bm, bn, bk, warps, stages = tile or (PINGPONG_TILE if pingpong else DEFAULT_TILE)

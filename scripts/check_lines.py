@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 # The budgets: set in docs/design.md, changed only together with it.
-TINYVILA_BUDGET = 5400
-CSRC_TRITON_BUDGET = 5200
+TINYVILA_BUDGET = 4550
+CSRC_TRITON_BUDGET = 4450
 
 ROOT = Path(__file__).resolve().parents[1]
 TREES = [("tinyvila", TINYVILA_BUDGET, ["tinyvila/convert"]), ("csrc_triton", CSRC_TRITON_BUDGET, [])]

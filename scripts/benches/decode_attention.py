@@ -31,7 +31,7 @@ from scripts.benches import common
 from tinyvila import ops
 from tinyvila.config import TextConfig
 from tinyvila.kv_cache import KVCache
-from tinyvila.retrieval import Retrieval, packed_slots
+from tinyvila.retrieval import PACKED_ROOM, Retrieval, packed_slots
 
 H, HKV, D, LAYERS = 32, 8, 128, 32
 DT = torch.float16
@@ -67,9 +67,8 @@ def decode_rows(lengths) -> list[dict]:
     return rows
 
 
-# The answer budget of an image turn in the end-to-end bench's conversations (50 new tokens): the room a packed
-# buffer keeps.
-TURN_ROOM = 50
+# The decode rows a packed buffer keeps past its packed ones: the runtime's default (generate.Decoder).
+TURN_ROOM = PACKED_ROOM
 
 
 def sparse_vs_sdpa(caches, keeps, room=TURN_ROOM) -> list[dict]:
