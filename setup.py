@@ -23,6 +23,7 @@ setup(
         "numpy>=1.24",
         "pillow>=10",
         "regex>=2023.0",             # Unicode classes (\p{L}) in the byte-level BPE pre-tokenizers
+        "tqdm>=4.60",                # progress bars of the long conversion steps
     ],
     extras_require={
         "gguf": ["gguf>=0.10"],

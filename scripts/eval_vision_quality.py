@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from tinyvila.convert.smoothquant import DEFAULT_ALPHA, bundled_photos, image_files, smoothquant
 from tinyvila.image import preprocess
 from tinyvila.vision import VisionEncoder
-from tinyvila.convert.vision_checkpoint import load_vision
+from tinyvila.convert.vision_checkpoint import load_vision, read_vision_config
+from tinyvila.errors import CheckpointError, TinyVilaError
 
 
 def cosines(feats: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -44,6 +45,9 @@ def w8a8_encoder(dense: VisionEncoder, files: list[Path], alpha: float | None, d
 
 @torch.no_grad()
 def evaluate(folder: Path, calib: list[Path], evals: list[Path], alphas: list[float], device: str) -> list[dict]:
+    if read_vision_config(folder)[1] != "none":  # the evaluation quantizes the dense encoder itself
+        raise CheckpointError(f"{folder}: a W8A8 checkpoint; pass the dense vision checkpoint it was built from "
+                              "(quantize.py import-dinov2 writes one): this evaluation runs SmoothQuant on it itself")
     dense = load_vision(folder, device=device, dtype=torch.float32)
     pixels = preprocess([str(f) for f in evals], dense.cfg).to(device)
     ref = dense(pixels)
@@ -67,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     photos = bundled_photos()
     calib = image_files(a.calib) if a.calib else photos[:a.n_calib]
     evals = [f for f in photos if f not in calib]
-    rows = evaluate(a.checkpoint, calib, evals, [float(x) for x in a.alphas.split(",")], a.device)
+    try:
+        rows = evaluate(a.checkpoint, calib, evals, [float(x) for x in a.alphas.split(",")], a.device)
+    except TinyVilaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"{len(calib)} calibration images, {len(evals)} evaluation images, device {a.device}")
     for r in rows:
         print(f"{r['variant']:28s} cls_cos {r['cls_cos']:.5f} (min {r['cls_cos_min']:.5f})  patch_cos {r['patch_cos']:.5f}")

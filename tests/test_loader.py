@@ -264,3 +264,18 @@ def test_save_tensors_sharing_storage(tmp_path):
     sd["vision.layers.0.norm2.weight"] = sd["vision.layers.0.norm1.weight"]
     loaded = load_model(save_checkpoint(tmp_path / "ck", cfg, sd)).state_dict()
     assert torch.equal(loaded["vision.layers.0.norm2.weight"], sd["vision.layers.0.norm1.weight"])
+
+
+def test_saved_checkpoints_take_the_users_umask(tmp_path):
+    """A built checkpoint folder and its files get the umask's permissions (not mkdtemp's 0700), so a shared
+    checkpoints/ directory is readable by the others it is shared with."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        folder = build_synthetic(tmp_path / "ck", "tiny-siglip-llama")
+    finally:
+        os.umask(old)
+    assert folder.stat().st_mode & 0o777 == 0o755
+    files = [f for f in folder.iterdir() if f.is_file()]
+    assert files and all(f.stat().st_mode & 0o777 == 0o644 for f in files)

@@ -157,3 +157,16 @@ def test_vision_checkpoint_roundtrip(tmp_path):
     bad["vision.layers.0.attn.wo.weight"] = bad["vision.layers.0.attn.wo.weight"][:, :5]
     with pytest.raises(Exception, match="attn.wo.weight"):
         save_vision(tmp_path / "bad", enc.cfg, bad, quant="w8a8", dtype="float16")
+
+
+def test_vision_quality_eval_refuses_a_w8a8_checkpoint_clearly(tmp_path, capsys):
+    """scripts/eval_vision_quality quantizes a dense encoder itself: given a W8A8 folder it says so and exits 1
+    (it used to crash deep inside the calibration with an AttributeError on a QTensor)."""
+    from scripts import eval_vision_quality
+
+    enc = dense_encoder("tiny-clip-qwen2")
+    save_vision(tmp_path / "v", enc.cfg, w8a8_state_dict(copy.deepcopy(enc), torch.float16), quant="w8a8",
+                dtype="float16")
+    assert eval_vision_quality.main([str(tmp_path / "v"), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path / "v") in err and "W8A8" in err and "dense" in err

@@ -245,7 +245,15 @@ def _write_extras(tmp: Path, extra_files: Mapping[str, bytes | str]) -> None:
 
 
 def _commit(tmp: Path, folder: Path) -> None:
-    """Moves the finished temp folder into place; an existing folder is swapped out, then deleted."""
+    """Moves the finished temp folder into place; an existing folder is swapped out, then deleted. The folder and
+    its files get the user's umask (mkdtemp makes the folder 0700, which other users of a shared checkpoint
+    directory could not read)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    for f in tmp.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
     if not folder.exists():
         os.rename(tmp, folder)
         return

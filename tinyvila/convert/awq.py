@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 import torch.nn as nn
 
 from tinyvila import quant
-from tinyvila.convert.progress import Progress
 from tinyvila.errors import CheckpointError
 from tinyvila.kv_cache import KVCache
 from tinyvila.loader import WEIGHTS, _read_tensors, load_model, read_headers, save_checkpoint
@@ -242,7 +242,7 @@ def quantize_text(text, method: str, G: int, dtype: torch.dtype, tokens: torch.T
                   progress: bool = True) -> dict[str, torch.Tensor]:
     """Quantize a dense TextModel (modified in place for AWQ) -> {text.layers.i.<linear>.qweight/scales/
     zeros, text.layers.i.{attn,mlp}_norm.weight (folded)}. tokens (n, T): calibration ids (AWQ only)."""
-    bar = Progress(len(text.layers), method, unit="layer") if progress else None
+    bar = tqdm(total=len(text.layers), desc=method, unit="layer") if progress else None
     h = cos = sin = cache = None
     if method == "awq":
         with torch.no_grad():

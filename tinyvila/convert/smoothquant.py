@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from tinyvila.convert.progress import Progress
 from tinyvila.image import preprocess
 from tinyvila.quant import quantize_w8
 from tinyvila.vision import VisionEncoder
@@ -105,7 +105,7 @@ def w8a8_state_dict(enc: VisionEncoder, dtype: torch.dtype | None = None) -> dic
     return out
 
 
-def calibration_batches(files: list[Path], cfg, batch: int = 4, progress: Progress | None = None):
+def calibration_batches(files: list[Path], cfg, batch: int = 4, progress: tqdm | None = None):
     """Preprocessed pixel batches of the files, `batch` images at a time."""
     for i in range(0, len(files), batch):
         yield preprocess([str(f) for f in files[i:i + batch]], cfg)
@@ -118,7 +118,7 @@ def smoothquant(enc: VisionEncoder, files: list[Path], alpha: float | None = DEF
     """Calibrates `enc` on `files`, smooths it in place with `alpha` and returns its W8A8 `vision.*`
     state dict; alpha=None skips calibration and smoothing (plain round-to-nearest W8A8)."""
     if alpha is not None:
-        bar = Progress(len(files), "calibrate", unit="image") if progress else None
+        bar = tqdm(total=len(files), desc="calibrate", unit="image") if progress else None
         try:
             smooth(enc, collect_act_scales(enc, calibration_batches(files, enc.cfg, progress=bar)), alpha)
         finally:

@@ -14,12 +14,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from safetensors import SafetensorError, safe_open
 
 from tinyvila.config import VLMConfig
 from tinyvila.convert.hf import (projector_config_from_hf, projector_weights_from_hf, text_config_from_hf,
                                  text_weights_from_hf, vision_config_from_hf, vision_weights_from_hf)
-from tinyvila.convert.progress import Progress
 from tinyvila.errors import CheckpointError
 from tinyvila.loader import save_checkpoint
 
@@ -39,7 +39,7 @@ class HFTensors(Mapping):
     checkpoints (`pytorch_model.bin`) are read with `torch.load(weights_only=True)`, never plain pickle.
     """
 
-    def __init__(self, folder: Path, progress: Progress | None = None):
+    def __init__(self, folder: Path, progress: tqdm | None = None):
         self.folder, self.progress, self.reads = folder, progress, Counter()
         self.where: dict[str, Path] = {}
         self.loaded: dict[str, torch.Tensor] = {}  # only for .bin files, which cannot be read lazily
@@ -190,7 +190,7 @@ def vila_state_dict(src: Path, cfg: VLMConfig, parts: tuple[str, ...] = tuple(PA
     CheckpointError listing HF tensors left unused or used twice."""
     sources = {name: HFTensors(src / name) for name in parts}
     sd, problems = {}, []
-    with Progress(sum(len(s) for s in sources.values()), "import") as progress:
+    with tqdm(total=sum(len(s) for s in sources.values()), desc="import", unit="tensor") as progress:
         for name, hf in sources.items():
             convert, field = PARTS[name]
             hf.progress = progress
