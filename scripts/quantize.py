@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tinyvila import quant
+from tinyvila.api import resolve_model
 from tinyvila.config import PRESETS
 from tinyvila.convert import (import_autoawq, import_awq_v2, import_dinov2, import_gguf, import_vila,
                               quantize_checkpoint, smoothquant_vision)
@@ -72,7 +73,8 @@ def _run_synthetic(a: argparse.Namespace) -> Path:
 
 # -- awq ------------------------------------------------------------------------------------------
 def _args_awq(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", type=Path, help="dense tinyvila checkpoint (fp16/bf16/fp32; VLM or text-only)")
+    p.add_argument("src", help="dense tinyvila checkpoint: a folder, or a model name as --model takes it "
+                   "(checkpoints/<name>; fp16/bf16/fp32, VLM or text-only)")
     p.add_argument("dst", type=Path, help="W4A16 checkpoint folder to write")
     p.add_argument("--method", choices=("awq", "rtn"), default="awq", help="awq (default) or round-to-nearest")
     p.add_argument("--group-size", type=int, choices=quant.W4_GROUP_SIZES, default=128)
@@ -84,7 +86,7 @@ def _args_awq(p: argparse.ArgumentParser) -> None:
 
 
 def _run_awq(a: argparse.Namespace) -> Path:
-    return quantize_checkpoint(a.src, a.dst, method=a.method, group_size=a.group_size, calib=a.calib,
+    return quantize_checkpoint(resolve_model(a.src), a.dst, method=a.method, group_size=a.group_size, calib=a.calib,
                                n_samples=a.n_samples, seqlen=a.seqlen, device=a.device, overwrite=a.overwrite)
 
 

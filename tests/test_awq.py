@@ -123,7 +123,7 @@ def test_pydoc_split_is_disjoint_and_deterministic():
 
 
 @pytest.mark.parametrize("method", ["rtn", "awq"])
-def test_awq_subcommand_writes_a_loadable_w4_folder(tmp_path, method):
+def test_awq_subcommand_writes_a_loadable_w4_folder(tmp_path, method, monkeypatch):
     from tinyvila.loader import load_model
 
     cfg = preset("tiny-siglip-llama")
@@ -134,6 +134,10 @@ def test_awq_subcommand_writes_a_loadable_w4_folder(tmp_path, method):
             "--n-samples", "4", "--seqlen", "64", "--device", "cpu"]
     assert quantize_main(argv) == 0
     q = load_model(tmp_path / "q")
+    if method == "rtn":  # a model name resolves as --model resolves it (checkpoints/<name> under the search path)
+        monkeypatch.setenv("TINYVILA_CHECKPOINTS", str(tmp_path))
+        argv[1:3] = ["dense", str(tmp_path / "q_by_name")]
+        assert quantize_main(argv) == 0 and load_model(tmp_path / "q_by_name").cfg.quant.llm == "w4a16"
     dense = load_model(src)
     assert q.cfg.quant.llm == "w4a16" and q.cfg.quant.group_size == 32
     for name, t in dense.vision.state_dict().items():  # the vision side is copied unchanged

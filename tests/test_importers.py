@@ -164,6 +164,19 @@ def test_v2_wrong_group_size_is_an_error(tmp_path):
         awq_formats.awq_v2_checkpoint(src, group_size=128)
 
 
+def test_v2_given_the_pt_file_names_the_folder(tmp_path, capsys):
+    """The .pt itself instead of its folder: a TinyVilaError naming the file and the folder wanted (was an
+    uncaught NotADirectoryError), and quantize.py exits 1 with it."""
+    from scripts.quantize import main as quantize_main
+
+    src, _ = _v2_folder(tmp_path, 128)
+    pt = next((src / "llm").glob("*-v2.pt"))
+    with pytest.raises(CheckpointError, match="a file; import-awq-v2 takes the VILA AWQ folder"):
+        awq_formats.awq_v2_checkpoint(pt)
+    assert quantize_main(["import-awq-v2", str(pt), str(tmp_path / "out")]) == 1
+    assert str(src) in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def test_v2_import_loads(tmp_path):
     from tinyvila.loader import load_model
 

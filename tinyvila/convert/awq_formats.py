@@ -133,6 +133,9 @@ def awq_v2_checkpoint(src: str | Path, *, group_size: int = 128, max_seq_len: in
                       template: str | None = None) -> tuple[VLMConfig, dict[str, torch.Tensor], dict[str, bytes]]:
     """(config, state dict, tokenizer files) of `import_awq_v2`, nothing written."""
     src = Path(src)
+    if src.is_file():  # the .pt itself, most often: name the folder the importer wants
+        raise CheckpointError(f"{src}: a file; import-awq-v2 takes the VILA AWQ folder (config.json, llm/ holding the "
+                              f"*-w4-g128-awq-v2.pt, vision_tower/, mm_projector/), e.g. {src.parent.parent}")
     cfg = vila_config(src, max_seq_len=max_seq_len, template=template)
     cfg = VLMConfig.from_dict({**cfg.to_dict(), "quant": {"llm": "w4a16", "group_size": group_size}})
     dtype = getattr(torch, cfg.dtype)
