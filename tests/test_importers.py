@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tinyvila import quant
 from tinyvila.convert import awq_formats
@@ -112,19 +112,25 @@ def _projector(folder: Path, v_dim: int) -> None:
     (folder / "config.json").write_text(json.dumps({"mm_projector_type": "mlp_downsample", "model_type": "v2l_projector"}))
 
 
-def _v2_folder(root: Path, G: int) -> tuple[Path, dict]:
-    """A VILA AWQ folder: the tiny fp vision side of tests/test_import.py, llm/ holding a v2 .pt."""
+def _vila_sides(src: Path) -> None:
+    """The tiny fp vision tower and projector of tests/test_import.py and VILA's top config.json."""
     import test_import as ti  # noqa: F401 (skips without transformers)
 
-    src = root / "VILA-tiny-AWQ"
-    (src / "llm").mkdir(parents=True)
     ti._vision(src / "vision_tower")
     _projector(src / "mm_projector", ti.V_DIM)
     top = {"architectures": ["LlavaLlamaModel"], "model_type": "llava_llama", "hidden_size": DIM,
            "mm_hidden_size": ti.V_DIM, "mm_vision_select_layer": -2, "mm_vision_select_feature": "cls_patch",
            "image_aspect_ratio": "resize", "s2": False}
     (src / "config.json").write_text(json.dumps(top))
-    (src / "llm" / "config.json").write_text(json.dumps(_hf_config()))
+
+
+def _v2_folder(root: Path, G: int, torch_dtype: str = "float16") -> tuple[Path, dict]:
+    """A VILA AWQ folder: the tiny fp vision side of tests/test_import.py, llm/ holding a v2 .pt.
+    `torch_dtype` is what llm/config.json claims (Llama-3-VILA1.5-8B's says bfloat16; the .pt is fp16)."""
+    src = root / "VILA-tiny-AWQ"
+    (src / "llm").mkdir(parents=True)
+    _vila_sides(src)
+    (src / "llm" / "config.json").write_text(json.dumps(_hf_config(torch_dtype=torch_dtype)))
     # Published AWQ repos keep an index that points at fp16 shards they do not ship.
     (src / "llm" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "absent.safetensors"}}))
     _tokenizer(src / "llm")
@@ -204,12 +210,17 @@ def reference_gemm(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, G: int):
     return (pack_autoawq(q.T.contiguous()), pack_autoawq(z.T.contiguous()), s.T.contiguous()), source
 
 
-def _autoawq_folder(root: Path, G: int, pack=reference_gemm) -> tuple[Path, dict]:
-    src = root / "tiny-AWQ"
-    src.mkdir()
+def _autoawq_folder(root: Path, G: int, pack=reference_gemm, torch_dtype: str = "float16",
+                    vila: bool = False) -> tuple[Path, dict]:
+    """An AutoAWQ GEMM LLM folder; with `vila`, a VILA folder whose llm/ is that folder."""
+    top = root / ("VILA-tiny-AutoAWQ" if vila else "tiny-AWQ")
+    src = top / "llm" if vila else top
+    src.mkdir(parents=True)
+    if vila:
+        _vila_sides(top)
     qc = {"bits": 4, "group_size": G, "modules_to_not_convert": None, "quant_method": "awq", "version": "GEMM",
           "zero_point": True}
-    (src / "config.json").write_text(json.dumps(_hf_config(quantization_config=qc)))
+    (src / "config.json").write_text(json.dumps(_hf_config(quantization_config=qc, torch_dtype=torch_dtype)))
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, 260]}))
     _tokenizer(src)
     g = torch.Generator().manual_seed(2)
@@ -222,7 +233,7 @@ def _autoawq_folder(root: Path, G: int, pack=reference_gemm) -> tuple[Path, dict
             (qweight, qzeros, scales), source[p] = pack(q, s, z, G)
             sd |= {p + ".qweight": qweight, p + ".qzeros": qzeros, p + ".scales": scales}
     save_file(sd, src / "model.safetensors")
-    return src, source
+    return top, source
 
 
 def test_autoawq_every_weight_bit_identical(tmp_path):
@@ -294,6 +305,62 @@ def test_autoawq_import_loads(tmp_path):
     src, _ = _autoawq_folder(tmp_path, 32)
     model = load_model(awq_formats.import_autoawq(src, tmp_path / "out"))
     assert model.cfg.quant.group_size == 32
+
+
+# -- W4 scales keep the source's precision ------------------------------------------------------------------
+NORMS = {"model.norm.weight": "text.norm.weight", **{
+    f"model.layers.{i}.{hf}.weight": f"text.layers.{i}.{ours}.weight" for i in range(LAYERS)
+    for hf, ours in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm"))}}
+
+
+def _source_tensors(src: Path, fmt: str) -> dict[str, torch.Tensor]:
+    """The LLM tensors of a source folder as stored (the .pt, or llm/ or the bare folder's safetensors)."""
+    if fmt == "v2":
+        return torch.load(next((src / "llm").glob("*-v2.pt")), weights_only=True)
+    return load_file((src / "llm" if fmt == "vila-autoawq" else src) / "model.safetensors")
+
+
+@pytest.mark.parametrize("fmt", ["v2", "autoawq", "vila-autoawq"])
+def test_bf16_config_changes_no_weight(tmp_path, fmt):
+    """llm/config.json saying bfloat16 (as Llama-3-VILA1.5-8B's does; the quantized tensors are fp16) changes no
+    weight: the W4 scales stay fp16, and so do the norms that absorbed AWQ's scales (arbitrary fp16 values, most
+    not representable in bf16). The importers used to cast both to bf16 (weights off by up to 2e-3)."""
+    if fmt == "v2":
+        src, source = _v2_folder(tmp_path, 64, torch_dtype="bfloat16")
+        cfg, sd, _ = awq_formats.awq_v2_checkpoint(src, group_size=64)
+    else:
+        src, source = _autoawq_folder(tmp_path, 64, torch_dtype="bfloat16", vila=fmt == "vila-autoawq")
+        cfg, sd, _ = awq_formats.autoawq_checkpoint(src)
+    assert cfg.dtype == "float16" and (cfg.vision is not None) == (fmt != "autoawq")
+    for p, w in source.items():  # dequantized in the stored scales' own dtype
+        layer, proj = int(p.split(".")[2]), p.split(".", 3)[3]
+        assert torch.equal(our_weights(sd, layer, proj, dtype=None), w), p
+    dense = _source_tensors(src, fmt)
+    folded = torch.cat([dense[k].float() for k in NORMS])
+    assert (folded != folded.bfloat16().float()).float().mean() > 0.5  # a bf16 cast would change them
+    for hf, ours in NORMS.items():
+        assert sd[ours].dtype == torch.float16 and torch.equal(sd[ours], dense[hf]), ours
+
+
+def test_bf16_config_runs_the_source_weights(tmp_path):
+    """The imported checkpoint's W4 linear computes with exactly the source's fp16 weights (CPU path)."""
+    from tinyvila.loader import load_model
+
+    src, source = _v2_folder(tmp_path, 64, torch_dtype="bfloat16")
+    model = load_model(awq_formats.import_awq_v2(src, tmp_path / "out", group_size=64))
+    x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(3)).half()
+    w = source["model.layers.1.self_attn.o_proj"]
+    with torch.no_grad():
+        assert torch.equal(model.text.layers[1].attn.wo(x), (x.float() @ w.float().T).half())
+
+
+def test_autoawq_vila_folder_keeps_vision_and_projector(tmp_path):
+    """A VILA folder whose llm/ is AutoAWQ GEMM imports as a VLM (it used to fail or lose the vision tower)."""
+    from tinyvila.loader import load_model
+
+    src, _ = _autoawq_folder(tmp_path, 64, vila=True)
+    model = load_model(awq_formats.import_autoawq(src, tmp_path / "out"))
+    assert model.cfg.quant.llm == "w4a16" and model.vision is not None and model.projector is not None
 
 
 # -- GGUF: the real SmolLM2 -------------------------------------------------------------------------------

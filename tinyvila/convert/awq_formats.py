@@ -1,10 +1,11 @@
 """Published AWQ checkpoints repacked into tinyvila W4A16 checkpoints, without re-quantizing.
 
     python scripts/quantize.py import-awq-v2 VILA_AWQ_FOLDER DST      # llm-awq/TinyChat *-w4-g128-awq-v2.pt
-    python scripts/quantize.py import-autoawq HF_AWQ_FOLDER DST       # AutoAWQ GEMM safetensors
+    python scripts/quantize.py import-autoawq HF_AWQ_FOLDER DST       # AutoAWQ GEMM (bare, or a VILA's llm/)
 
 Codes, scales and zeros are moved into the W4 layout of tinyvila/quant.py so every dequantized weight
-is bit-identical to the source's own dequantization. Layouts: ../shared/reference/quant_and_models.md
+is bit-identical to the source's own dequantization. The checkpoint takes the scales' dtype (fp16 for
+both formats) whatever the source config.json's torch_dtype says: see `scale_dtype`. Layouts: ../shared/reference/quant_and_models.md
 (AutoAWQ), vila_sparsevila.md 1.6 (v2).
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from tinyvila import quant
 from tinyvila.config import QuantConfig, TextConfig, VLMConfig
+from tinyvila.convert.detect import RAW_KINDS, wrong_layout
 from tinyvila.convert.hf import text_config_from_hf
 from tinyvila.convert.vila import (HFTensors, account, detect_template, eos_ids, read_json, source_dtype,
                                    tokenizer_dir, tokenizer_files, vila_config, vila_state_dict)
@@ -34,9 +36,34 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i of a word holds l
 # -- the W4 state dict shared by both formats ----------------------------------------------------------
 def w4_entry(prefix: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
              dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """{prefix.qweight, .scales, .zeros} from codes (N, K) in [0, 15], scales and zeros (N, K/G)."""
-    return {f"{prefix}.qweight": quant.pack_int4(codes), f"{prefix}.scales": scales.to(dtype),
-            f"{prefix}.zeros": zeros.float()}
+    """{prefix.qweight, .scales, .zeros} from codes (N, K) in [0, 15], scales and zeros (N, K/G).
+
+    Scales are stored as the source stores them: casting fp16 scales to bf16 would change every weight."""
+    if scales.dtype != dtype:
+        raise CheckpointError(f"{prefix}: scales are {scales.dtype}, the other linears' are {dtype}; a W4 "
+                              f"checkpoint holds one scale precision")
+    return {f"{prefix}.qweight": quant.pack_int4(codes), f"{prefix}.scales": scales, f"{prefix}.zeros": zeros.float()}
+
+
+def exact_cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`, refusing a cast that overflows (bf16 values past fp16's 65504)."""
+    out = t.to(dtype)
+    if t.is_floating_point() and not torch.isfinite(out).all() and torch.isfinite(t).all():
+        raise CheckpointError(f"{name}: values overflow {dtype} (max |x| {t.abs().max().item():.4g}); the "
+                              f"W4 scales' precision cannot hold this tensor")
+    return out
+
+
+def scale_dtype(dtype: torch.dtype, where: str) -> str:
+    """The checkpoint dtype of a W4 import: the source scales' own (fp16 for llm-awq and AutoAWQ).
+
+    The W4 kernels read scales in the activations' dtype, and fp16 scales (11 significant bits) have no
+    exact bf16 form (8 bits), so the LLM computes in the scales' precision, whatever the source
+    config.json's torch_dtype (often the unquantized model's bfloat16) says."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ("float16", "bfloat16"):
+        raise CheckpointError(f"{where}: W4 scales are {name}; only float16 or bfloat16 scales are supported")
+    return name
 
 
 def w4_text_state_dict(cfg: TextConfig, dtype: torch.dtype, linear, dense) -> dict[str, torch.Tensor]:
@@ -45,20 +72,20 @@ def w4_text_state_dict(cfg: TextConfig, dtype: torch.dtype, linear, dense) -> di
     linear(hf_layer_prefix, proj) -> (codes (N, K), scales (N, K/G), zeros fp32 (N, K/G), bias or None)
     for one HF projection; dense(hf_name) -> an unquantized tensor (embeddings, norms, lm_head).
     """
-    out = {"text.embed.weight": dense("model.embed_tokens.weight").to(dtype),
-           "text.norm.weight": dense("model.norm.weight").to(dtype)}
+    cast = lambda name: exact_cast(name, dense(name), dtype)  # noqa: E731
+    out = {"text.embed.weight": cast("model.embed_tokens.weight"), "text.norm.weight": cast("model.norm.weight")}
     for i in range(cfg.n_layers):
         hp, tp = f"model.layers.{i}.", f"text.layers.{i}."
-        out[tp + "attn_norm.weight"] = dense(hp + "input_layernorm.weight").to(dtype)
-        out[tp + "mlp_norm.weight"] = dense(hp + "post_attention_layernorm.weight").to(dtype)
+        out[tp + "attn_norm.weight"] = cast(hp + "input_layernorm.weight")
+        out[tp + "mlp_norm.weight"] = cast(hp + "post_attention_layernorm.weight")
         for name, projs in LINEARS.items():
             parts = [linear(hp, p) for p in projs]
             codes, scales, zeros = (torch.cat([p[j] for p in parts]) for j in range(3))  # rows stacked
             out.update(w4_entry(tp + name, codes, scales, zeros, dtype))
             if name == "attn.wqkv" and cfg.qkv_bias:
-                out[tp + name + ".bias"] = torch.cat([p[3] for p in parts]).to(dtype)
+                out[tp + name + ".bias"] = exact_cast(tp + name + ".bias", torch.cat([p[3] for p in parts]), dtype)
     if not cfg.tie_embeddings:
-        out["text.lm_head.weight"] = dense("lm_head.weight").to(dtype)
+        out["text.lm_head.weight"] = cast("lm_head.weight")
     return out
 
 
@@ -114,11 +141,13 @@ def _v2_linear(sd: dict, used: set, group_size: int):
     return linear
 
 
-def _find_v2(llm: Path) -> Path:
-    found = sorted(llm.glob("*-v2.pt"))
-    if len(found) != 1:
-        raise CheckpointError(f"{llm}: expected exactly one *-w4-g128-awq-v2.pt file, found "
-                              f"{[f.name for f in found] or 'none'}")
+def _find_v2(src: Path) -> Path:
+    found = sorted((src / "llm").glob("*-v2.pt"))
+    if not found:
+        raise wrong_layout(src, "import-awq-v2", RAW_KINDS["vila-awq-v2"][0])
+    if len(found) > 1:
+        raise CheckpointError(f"{src / 'llm'}: expected exactly one *-w4-g128-awq-v2.pt file, found "
+                              f"{[f.name for f in found]}")
     return found[0]
 
 
@@ -136,11 +165,16 @@ def awq_v2_checkpoint(src: str | Path, *, group_size: int = 128, max_seq_len: in
     if src.is_file():  # the .pt itself, most often: name the folder the importer wants
         raise CheckpointError(f"{src}: a file; import-awq-v2 takes the VILA AWQ folder (config.json, llm/ holding the "
                               f"*-w4-g128-awq-v2.pt, vision_tower/, mm_projector/), e.g. {src.parent.parent}")
-    cfg = vila_config(src, max_seq_len=max_seq_len, template=template)
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: VILA AWQ folder not found")
+    pt = _find_v2(src)
+    sd = torch.load(pt, map_location="cpu", weights_only=True)
+    first = "model.layers.0.self_attn.q_proj.scales"
+    if first not in sd:
+        raise CheckpointError(f"{pt}: no {first}; is it an llm-awq v2 checkpoint?")
+    cfg = vila_config(src, dtype=scale_dtype(sd[first].dtype, str(pt)), max_seq_len=max_seq_len, template=template)
     cfg = VLMConfig.from_dict({**cfg.to_dict(), "quant": {"llm": "w4a16", "group_size": group_size}})
     dtype = getattr(torch, cfg.dtype)
-    pt = _find_v2(src / "llm")
-    sd = torch.load(pt, map_location="cpu", weights_only=True)
     used: set[str] = set()
 
     def dense(name: str) -> torch.Tensor:
@@ -211,36 +245,56 @@ def _autoawq_linear(hf, used: set, G: int):
 
 def import_autoawq(src: str | Path, dst: str | Path, *, max_seq_len: int | None = None,
                    template: str | None = None, overwrite: bool = False) -> Path:
-    """An AutoAWQ GEMM HF folder (config.json with quantization_config, safetensors) -> text-only W4A16."""
+    """An AutoAWQ GEMM HF folder (config.json with quantization_config, safetensors) -> text-only W4A16; a VILA
+    folder whose llm/ is one -> the W4A16 VLM, vision tower and projector converted as import-vila does."""
     cfg, sd, extras = autoawq_checkpoint(src, max_seq_len=max_seq_len, template=template)
     return save_checkpoint(dst, cfg, sd, extras, overwrite=overwrite)
+
+
+def _autoawq_config(src: Path, llm: Path, hf_cfg: dict, dtype: str, G: int, max_seq_len: int | None,
+                    template: str | None) -> VLMConfig:
+    """The VLMConfig of a bare AutoAWQ LLM (src == llm) or of a VILA folder around one."""
+    quant_cfg = QuantConfig(llm="w4a16", group_size=G)
+    if src != llm:
+        cfg = vila_config(src, dtype=dtype, max_seq_len=max_seq_len, template=template)
+        return VLMConfig.from_dict({**cfg.to_dict(), "quant": quant_cfg.__dict__})
+    return VLMConfig(text=text_config_from_hf(hf_cfg, max_seq_len=max_seq_len), quant=quant_cfg,
+                     template=template or detect_template(src), dtype=dtype,
+                     tokenizer="tokenizer.json" if (src / "tokenizer.json").is_file() else "tokenizer.model",
+                     eos_ids=eos_ids(src, hf_cfg))
 
 
 def autoawq_checkpoint(src: str | Path, *, max_seq_len: int | None = None, template: str | None = None
                        ) -> tuple[VLMConfig, dict[str, torch.Tensor], dict[str, bytes]]:
     """(config, state dict, tokenizer files) of `import_autoawq`, nothing written."""
     src = Path(src)
-    hf_cfg = read_json(src / "config.json")
-    G = autoawq_group_size(hf_cfg, src / "config.json")
-    text = text_config_from_hf(hf_cfg, max_seq_len=max_seq_len)
-    cfg = VLMConfig(text=text, quant=QuantConfig(llm="w4a16", group_size=G),
-                    template=template or detect_template(src), dtype=source_dtype(hf_cfg),
-                    tokenizer="tokenizer.json" if (src / "tokenizer.json").is_file() else "tokenizer.model",
-                    eos_ids=eos_ids(src, hf_cfg))
-    hf = HFTensors(src)
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: AutoAWQ folder not found")
+    llm = src / "llm" if (src / "llm" / "config.json").is_file() else src  # a VILA folder around it
+    hf_cfg = read_json(llm / "config.json")
+    if not isinstance(hf_cfg.get("quantization_config"), dict):
+        raise wrong_layout(src, "import-autoawq", f"{RAW_KINDS['autoawq'][0]} or {RAW_KINDS['vila-autoawq'][0]}")
+    G = autoawq_group_size(hf_cfg, llm / "config.json")
+    hf = HFTensors(llm)
+    first = "model.layers.0.self_attn.q_proj.scales"
+    if first not in hf:
+        raise CheckpointError(f"{llm}: no {first}; is it an AutoAWQ GEMM checkpoint?")
+    cfg = _autoawq_config(src, llm, hf_cfg, scale_dtype(hf.dtype(first), str(llm)), G, max_seq_len, template)
     used: set[str] = set()
 
     def dense(name: str) -> torch.Tensor:
         if name not in hf:
-            raise CheckpointError(f"{src}: {name} missing")
+            raise CheckpointError(f"{llm}: {name} missing")
         used.add(name)
         return hf[name]
 
-    out = w4_text_state_dict(text, getattr(torch, cfg.dtype), _autoawq_linear(hf, used, G), dense)
+    out = w4_text_state_dict(cfg.text, getattr(torch, cfg.dtype), _autoawq_linear(hf, used, G), dense)
     used |= {k for k in hf if k.endswith("rotary_emb.inv_freq")}
-    if text.tie_embeddings and "lm_head.weight" in hf:
+    if cfg.text.tie_embeddings and "lm_head.weight" in hf:
         used.add("lm_head.weight")
     problems = account("llm", hf, used)
     if problems:
-        raise CheckpointError(f"{src}: tensors not accounted for exactly once:\n  " + "\n  ".join(problems))
-    return cfg, out, tokenizer_files(src)
+        raise CheckpointError(f"{llm}: tensors not accounted for exactly once:\n  " + "\n  ".join(problems))
+    if llm != src:
+        out.update(vila_state_dict(src, cfg, ("vision_tower", "mm_projector")))
+    return cfg, out, tokenizer_files(tokenizer_dir(src) if llm != src else src)

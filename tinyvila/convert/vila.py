@@ -18,10 +18,11 @@ from tqdm import tqdm
 from safetensors import SafetensorError, safe_open
 
 from tinyvila.config import VLMConfig
+from tinyvila.convert.detect import RAW_KINDS, detect, wrong_layout
 from tinyvila.convert.hf import (projector_config_from_hf, projector_weights_from_hf, text_config_from_hf,
                                  text_weights_from_hf, vision_config_from_hf, vision_weights_from_hf)
 from tinyvila.errors import CheckpointError
-from tinyvila.loader import save_checkpoint
+from tinyvila.loader import _ST_DTYPES as ST_DTYPES, save_checkpoint
 
 DTYPES = ("float16", "bfloat16", "float32")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -68,6 +69,13 @@ class HFTensors(Mapping):
             return self.loaded[key]
         with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        """A tensor's dtype from the file header, without reading it (not counted as a read)."""
+        if key in self.loaded:
+            return self.loaded[key].dtype
+        with safe_open(str(self.where[key]), framework="pt") as f:
+            return ST_DTYPES[f.get_slice(key).get_dtype()]
 
     def __contains__(self, key: object) -> bool:
         return key in self.where  # Mapping's default would call __getitem__ and count a read
@@ -209,6 +217,8 @@ def import_vila(src: str | Path, dst: str | Path, *, dtype: str | None = None, m
     src = Path(src)
     if not src.is_dir():
         raise CheckpointError(f"{src}: VILA folder not found")
+    if detect(src).kind != "vila":
+        raise wrong_layout(src, "import-vila", RAW_KINDS["vila"][0])
     cfg = vila_config(src, dtype=dtype, max_seq_len=max_seq_len, template=template)
     sd = vila_state_dict(src, cfg)
     return save_checkpoint(dst, cfg, sd, tokenizer_files(tokenizer_dir(src)), overwrite=overwrite)
