@@ -146,3 +146,12 @@ def test_awq_subcommand_writes_a_loadable_w4_folder(tmp_path, method, monkeypatc
     lq, ld = logits(q.text, tokens), logits(dense.text, tokens)
     assert not torch.equal(lq, ld)
     assert (lq - ld).abs().max() < 0.2 * ld.abs().max()
+
+
+def test_missing_calib_file_is_an_error_even_with_rtn(tmp_path, capsys):
+    """rtn reads no calibration text, but a --calib naming no file is a typo to report, not to ignore."""
+    src = build_synthetic(tmp_path / "dense", preset("tiny-siglip-llama"), seed=0)
+    argv = ["awq", str(src), str(tmp_path / "q"), "--method", "rtn", "--group-size", "32", "--calib",
+            str(tmp_path / "no-such.txt"), "--device", "cpu"]
+    assert quantize_main(argv) == 1
+    assert "no-such.txt" in capsys.readouterr().err and not (tmp_path / "q").exists()

@@ -465,3 +465,13 @@ def test_smollm2_template_is_the_gguf_chat_template():
     ids = conversation_ids(tok, tpl, [("Q1?", 0, answer), ("Q2?", 0, None)])
     assert ids == tok.encode(golden)
     assert stop_ids(tok, tpl) == [2]
+
+
+def test_gguf_without_the_gguf_package_names_the_extra(tmp_path, monkeypatch):
+    """The README's SmolLM2 steps after the demo install: a TinyVilaError naming the install command, not a
+    ModuleNotFoundError."""
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` then raises ImportError
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError, match=r'pip install -e "\.\[gguf\]"'):
+        convert_gguf.import_gguf(path, tmp_path / "out")
