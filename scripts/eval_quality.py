@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from tinyvila import quant
 from tinyvila.api import resolve_model
@@ -54,10 +55,10 @@ def dequantized_model(folder: Path, device: str, dtype: torch.dtype | None) -> V
 
 
 @torch.no_grad()
-def perplexity(model: VLM, tokens: torch.Tensor, batch: int = 4) -> float:
+def perplexity(model: VLM, tokens: torch.Tensor, batch: int = 4, desc: str = "perplexity") -> float:
     """exp(mean next-token NLL) over blocks tokens (n, T), each block scored on its own."""
     text, nll, count = model.text, 0.0, 0
-    for b0 in range(0, tokens.shape[0], batch):
+    for b0 in tqdm(range(0, tokens.shape[0], batch), desc=desc, unit="batch"):
         ids = tokens[b0:b0 + batch].to(model.device)  # (B, T)
         cache = KVCache(text.cfg, batch=ids.shape[0], max_seq_len=ids.shape[1], dtype=model.dtype,
                         device=model.device)
@@ -79,7 +80,7 @@ def evaluate(name: str, args: argparse.Namespace) -> dict:
     else:
         model = load_model(folder, device=args.device, dtype=dtype)
     tokens = token_blocks(load_tokenizer(folder / cfg.tokenizer), pydoc_texts("heldout"), args.n_blocks, args.seqlen)
-    ppl = perplexity(model, tokens)
+    ppl = perplexity(model, tokens, desc=name)
     return {"model": name, "quant": cfg.quant.llm, "group_size": cfg.quant.group_size if cfg.quant.llm != "none"
             else None, "ppl": round(ppl, 4), "tokens": int(tokens.numel()), "seconds": round(time.perf_counter() - t0, 1),
             "weights": "dequantized" if cfg.quant.llm != "none" and args.dequantize else cfg.quant.llm}

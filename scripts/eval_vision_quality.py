@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from tinyvila.convert.smoothquant import DEFAULT_ALPHA, bundled_photos, image_files, smoothquant
 from tinyvila.image import preprocess
@@ -52,11 +53,14 @@ def evaluate(folder: Path, calib: list[Path], evals: list[Path], alphas: list[fl
     pixels = preprocess([str(f) for f in evals], dense.cfg).to(device)
     ref = dense(pixels)
     dtype = torch.float16 if device == "cuda" else torch.float32  # CPU: fp32 activations (the reference path)
-    rows = [{"variant": "fp16", **cosines(copy.deepcopy(dense).half()(pixels.half()).float(), ref)}]
-    rows.append({"variant": "w8a8 (no smoothing)", **cosines(w8a8_encoder(dense, calib, None, dtype)(pixels.to(dtype)).float(), ref)})
-    for a in alphas:
-        rows.append({"variant": f"w8a8 smoothquant a={a}",
-                     **cosines(w8a8_encoder(dense, calib, a, dtype)(pixels.to(dtype)).float(), ref)})
+    variants = [("fp16", None), ("w8a8 (no smoothing)", None), *((f"w8a8 smoothquant a={a}", a) for a in alphas)]
+    rows = []
+    for name, alpha in tqdm(variants, desc="variants", unit="variant"):
+        if name == "fp16":
+            feats = copy.deepcopy(dense).half()(pixels.half())
+        else:
+            feats = w8a8_encoder(dense, calib, alpha, dtype)(pixels.to(dtype))
+        rows.append({"variant": name, **cosines(feats.float(), ref)})
     return rows
 
 
