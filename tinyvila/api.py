@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,8 @@ from pathlib import Path
 import torch
 
 from .config import SparsityConfig, VLMConfig, preset
-from .errors import ContextLimitError, ModelNotFoundError
+from .errors import (AnswerClosedError, ArgumentError, ChatBusyError, ContextLimitError, EvalModeError,
+                     ModelNotFoundError)
 from .generate import Decoder, SamplingParams, generate
 from .kv_cache import changed_range, turn_spans
 from .image import resize_uint8
@@ -156,79 +159,223 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class _Turn:
+    """One question as `Chat.ask` planned it: its ids, inputs and layout (`Chat._layout`)."""
+
+    question: str
+    sampling: SamplingParams
+    ids: list[int]
+    images: torch.Tensor | None     # (n, k, d) the encoded images it takes
+    n_images: int
+    positions: torch.Tensor | None  # explicit RoPE positions (prefill_positions="original")
+    layout: dict
+    inputs: int                     # Chat._inputs when planned: images or documents changed since -> re-plan
+
+
+class Answer:
+    """The streamed text of one `Chat.ask`: an iterator of str pieces; `close()` stops it early.
+
+    The turn starts when the stream is first read. Its bookkeeping runs under its chat's lock, one piece at a
+    time, so no lock is held between pieces and a dropped stream blocks nothing. A later `ask()` or `clear()`
+    of the chat ends it first, keeping the tokens it streamed as the answer; reading it after that raises
+    AnswerClosedError, and closing it does nothing.
+    """
+
+    def __init__(self, chat: Chat, run: Iterator[str]):
+        self._chat, self._run, self._ended_by = chat, run, None
+        self.thread = threading.current_thread()  # who reads it (busy checks: Chat._claim)
+
+    def __iter__(self) -> Answer:
+        return self
+
+    def __next__(self) -> str:
+        with self._chat._lock:
+            if self._ended_by is not None:
+                raise AnswerClosedError(f"this answer was ended by a later {self._ended_by} of its chat (the text it "
+                                        "streamed stays in the conversation); read the newer answer instead")
+            if self._run is None:
+                raise StopIteration
+            self.thread = threading.current_thread()
+            try:
+                return next(self._run)
+            except BaseException:  # its end, or an error: the turn has recorded itself (Chat._decode)
+                self._run = None
+                raise
+
+    @property
+    def streaming(self) -> bool:
+        """Asked and not yet ended (it may not have started)."""
+        return self._run is not None
+
+    def close(self) -> None:
+        """Stop here: the tokens streamed so far are the answer. Does nothing once the answer has ended."""
+        with self._chat._lock:
+            run, self._run = self._run, None
+            if run is not None:
+                run.close()  # runs the turn's bookkeeping (the generator's finally)
+
+    def _end(self, by: str) -> None:
+        """A later call of the chat (`by`) ends this answer (under the chat's lock)."""
+        self.close()
+        self._ended_by = by
+
+
 class Chat:
-    """One multi-turn conversation with its own KV cache."""
+    """One multi-turn conversation with its own KV cache.
+
+    Threads: a Model may be shared by threads, each with its own Chat. A Chat serves one thread at a time: its
+    calls are serialised by a lock, and while it streams an answer for one thread, a call from another thread
+    that would change the conversation (`ask`, `clear`, `add_image`, `add_document`, `discard_pending`) raises
+    ChatBusyError instead of waiting (an answer abandoned unclosed would make it wait forever).
+
+    A turn is a transaction: when it fails before its first answer token (ContextLimitError, or any exception in
+    its prefill: Ctrl-C, out of memory, ...), the chat is exactly as it was, its queued images and documents
+    included. Once the answer streams, stopping it early (`close()`, Ctrl-C, a later `ask()` or `clear()`) keeps
+    the tokens streamed so far as the answer.
+    """
 
     def __init__(self, vlm: Model, *, system: str | None, sampling: SamplingParams,
                  sparsity: SparsityConfig, max_seq_len: int | None, mode: str = "chat"):
         if mode not in ("chat", "eval"):
-            raise ValueError(f"mode must be 'chat' or 'eval', got {mode!r}")
+            raise ArgumentError("mode", f"mode must be 'chat' or 'eval', got {mode!r}")
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                        or max_seq_len < 1):
+            raise ArgumentError("max_seq_len", f"max_seq_len must be a positive number of tokens, got {max_seq_len!r}")
         self.mode = mode
         self.vlm, self.system, self.sampling, self.sparsity = vlm, system, sampling, sparsity
         self.decoder = Decoder(vlm.model.text, max_seq_len)
         self.stats = Stats()
         self.last_logits: torch.Tensor | None = None   # logits after the last prefill (tests, tools)
+        self._lock = threading.RLock()
+        self._active: weakref.ref[Answer] | None = None  # the last answer asked (weak: a dropped one goes)
+        self._inputs = 0  # counts changes to the queued images and documents
         self.clear()
 
+    # -- the conversation's state, one thread at a time -----------------------------------------
+    def _claim(self, ending: str | None) -> None:
+        """Before a call that changes the chat (the lock held): refuse it while another live thread's answer
+        streams; else, when `ending` names the call, end the streaming answer first."""
+        active = self._active() if self._active is not None else None
+        if active is None or not active.streaming:
+            return
+        owner = active.thread
+        if owner is not threading.current_thread() and owner.is_alive():
+            raise ChatBusyError(f"this Chat is streaming an answer for thread {owner.name!r}; a Chat serves one thread "
+                                "at a time: give each thread its own Chat (vlm.chat()), or finish or close() that "
+                                "answer first")
+        if ending is not None:
+            active._end(ending)
+
     def clear(self) -> None:
-        """Forget the conversation (images included); the cache memory is reused."""
-        self.decoder.truncate(0)
-        self.turns: list[tuple[str, int, list[int]]] = []  # (user text, n images, answer ids)
-        self.pending: list[int] = []   # generated but not yet in the cache (the last answer token)
-        self.images: list[torch.Tensor] = []  # encoded images waiting for the next question
-        self.image_index: list[torch.Tensor] = []  # (n, k) grid index of each kept token of those
-        self.documents: list[str] = []  # retrievable texts waiting for the next question
-        self._anchor: tuple[int, list[int]] | None = None  # eval mode: (cache slots, ids) kept per round
-        self._encode_ms = 0.0
+        """Forget the conversation (images included); the cache memory is reused. A streaming answer ends."""
+        with self._lock:
+            self._claim("clear()")
+            self.decoder.truncate(0)
+            self.turns: list[tuple[str, int, list[int]]] = []  # (user text, n images, answer ids)
+            self.pending: list[int] = []   # generated but not yet in the cache (the last answer token)
+            self.images: list[torch.Tensor] = []  # encoded images waiting for the next question
+            self.image_index: list[torch.Tensor] = []  # (n, k) grid index of each kept token of those
+            self.documents: list[str] = []  # retrievable texts waiting for the next question
+            self._anchor: tuple[int, list[int]] | None = None  # eval mode: (cache slots, ids) kept per round
+            self._encode_ms = 0.0
+            self._inputs += 1
+
+    def discard_pending(self) -> None:
+        """Drop the images and documents waiting for the next question (e.g. after a ContextLimitError)."""
+        with self._lock:
+            self._claim(None)
+            self.images, self.image_index, self.documents = [], [], []
+            self._encode_ms = 0.0
+            self._inputs += 1
+
+    def _refuse_in_eval(self, what: str) -> None:
+        if self.mode == "eval" and self.turns:
+            raise EvalModeError(f"eval mode answers every round against the first round's images and documents, so "
+                                f"no {what} can be added after it: clear() starts a new evaluation, and a chat opened "
+                                'with mode="chat" takes them as the conversation goes')
 
     def add_image(self, image) -> None:
         """Encode an image (path, PIL image, HxWx3 uint8 array) now; it joins the next question."""
-        model = self.vlm.model
-        # Resized uint8 pixels: encode_images uploads a quarter of preprocess's float32 bytes and normalises them
-        # on the device to the same values (on some H200 hosts the CPU-side copy of the float32 pixels took
-        # ~10 ms: docs/perf_notes.md, "Slow encodes").
-        pixels = resize_uint8(image, model.cfg.vision) if model.vision is not None else None
-        if pixels is None:
-            raise ValueError(f"{self.vlm.folder}: this model is text-only and cannot take images")
-        _sync(model.device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            emb, idx = model.encode_images(pixels, self.sparsity, with_index=True)  # (n, k, d), (n, k)
-        self.images.append(emb)
-        self.image_index.append(idx)
-        _sync(model.device)
-        self._encode_ms += 1000 * (time.perf_counter() - t0)
+        with self._lock:
+            self._claim(None)
+            self._refuse_in_eval("image")
+            model = self.vlm.model
+            if model.vision is None:
+                raise ArgumentError("image", f"{self.vlm.folder}: this model is text-only and cannot take images")
+            # Resized uint8 pixels: encode_images uploads a quarter of preprocess's float32 bytes and normalises
+            # them on the device to the same values (on some H200 hosts the CPU-side copy of the float32 pixels
+            # took ~10 ms: docs/perf_notes.md, "Slow encodes").
+            pixels = resize_uint8(image, model.cfg.vision)
+            _sync(model.device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                emb, idx = model.encode_images(pixels, self.sparsity, with_index=True)  # (n, k, d), (n, k)
+            _sync(model.device)
+            self.images.append(emb)
+            self.image_index.append(idx)
+            self._encode_ms += 1000 * (time.perf_counter() - t0)
+            self._inputs += 1
 
-    def ask(self, question: str, sampling: SamplingParams | None = None) -> Iterator[str]:
-        """Prefill the question (and any added images) against the cache, then stream the answer.
+    def add_document(self, text: str) -> None:
+        """A text (e.g. a long document) that goes before the next question in the same user message,
+        marked retrievable: with decode_keep < 1 each question attends to its own subset of it."""
+        with self._lock:
+            self._claim(None)
+            self._refuse_in_eval("document")
+            self.documents.append(text)
+            self._inputs += 1
 
-        Raises ContextLimitError before touching anything when the turn does not fit.
+    # -- asking ----------------------------------------------------------------------------------
+    def ask(self, question: str, sampling: SamplingParams | None = None) -> Answer:
+        """Prefill the question (and the images and documents added since the last one) against the cache,
+        then stream the answer: an `Answer`, an iterator of text pieces, which runs the turn as it is read.
+
+        A streaming answer of this chat ends first (its streamed tokens stay its answer). Raises
+        ContextLimitError, changing nothing, when the turn does not fit; its images and documents stay queued
+        (`discard_pending()` drops them). Pieces are the decoded text exactly, control characters included
+        (escape sequences, bells): strip them before writing to a terminal, as `python -m tinyvila.chat` does.
         """
-        sampling = sampling or self.sampling
+        with self._lock:
+            self._claim("ask()")
+            turn = self._plan(question, sampling or self.sampling)
+            answer = Answer(self, self._run(turn))
+            self._active = weakref.ref(answer)
+            return answer
+
+    def _plan(self, question: str, sampling: SamplingParams) -> _Turn:
+        """The turn's ids, inputs and layout; ContextLimitError when it does not fit."""
         if self.mode == "eval" and self.turns:
-            return self._eval_round(question, sampling)
+            return self._plan_eval_round(question, sampling)
+        model, decoder = self.vlm.model, self.decoder
         images = torch.cat(self.images) if self.images else None
         n_images = 0 if images is None else images.shape[0]
         prev = self.turns[-1][2] if self.turns else None
         ids = self.pending + turn_ids(self.vlm.tokenizer, self.vlm.template, self._user_text(question), n_images,
                                       first=not self.turns, prev_answer_ids=prev, system=self.system)
         layout = self._layout(ids, question, n_images, prev)
-        model, decoder = self.vlm.model, self.decoder
         per_image = None if images is None else images.shape[1]
-        decoder.check_room(model.n_embeds(ids, per_image) + 1)   # the prompt plus at least one answer token
+        self._check_fits(decoder.length, model.n_embeds(ids, per_image) + 1)  # the prompt and one answer token
         positions = None
         if images is not None and self.sparsity.prefill_positions == "original":
             positions = model.positions(ids, torch.cat(self.image_index), decoder.position)
-        return self._answer(question, ids, images, n_images, sampling, positions, layout)
+        return _Turn(question, sampling, ids, images, n_images, positions, layout, self._inputs)
+
+    def _check_fits(self, kept: int, n_new: int) -> None:
+        """ContextLimitError, naming what stays queued, unless n_new tokens fit after `kept` cached ones."""
+        context, declared = self.decoder.max_len, self.vlm.cfg.text.max_seq_len
+        if kept + n_new <= context:
+            return
+        queued = [f"{n} {what}{'s' if n > 1 else ''}" for n, what in
+                  ((len(self.images), "image"), (len(self.documents), "document")) if n]
+        larger = "a larger max_seq_len" + (f" (the model's context is {declared})" if declared > context else "")
+        raise ContextLimitError(
+            f"this turn needs {kept + n_new} tokens ({kept} cached + {n_new - 1} new + 1 to answer) but the chat's "
+            f"context is {context}; ask a shorter question, clear() to start over, or open the chat with {larger}"
+            + (f". The turn's {' and '.join(queued)} stay queued for the next question (discard_pending() drops "
+               "them)" if queued else ""))
 
     # -- retrievable spans, decode sparsity, evaluation mode (SparseVILA decode) ---------------
-    def add_document(self, text: str) -> None:
-        """A text (e.g. a long document) that goes before the next question in the same user message,
-        marked retrievable: with decode_keep < 1 each question attends to its own subset of it."""
-        if self.mode == "eval" and self.turns:
-            raise ValueError("eval mode keeps the first round's images and documents; clear() to start over")
-        self.documents.append(text)
-
     def _user_text(self, question: str, documents: list[str] | None = None) -> str:
         docs = self.documents if documents is None else documents
         return "\n\n".join([*docs, question])
@@ -250,29 +397,64 @@ class Chat:
                                                         system=self.system))
         return {"doc": doc, "first": first, "anchor": anchor, "evict_to": None}
 
-    def _eval_round(self, question: str, sampling: SamplingParams) -> Iterator[str]:
+    def _plan_eval_round(self, question: str, sampling: SamplingParams) -> _Turn:
         """Eval mode after the first round: evict back to the anchor (system + visual KV) and ask the
         question as the first turn would have, so the round equals a fresh session with only it."""
-        if self.images or self.documents:
-            raise ValueError("eval mode keeps the first round's images and documents; clear() to start over")
         slots, prefix, docs, n_images = self._anchor
         full = turn_ids(self.vlm.tokenizer, self.vlm.template, self._user_text(question, docs), n_images,
                         first=True, system=self.system)
         if full[:len(prefix)] != prefix:
-            raise ValueError("eval mode: this question changes the tokens of the kept prefix; "
-                             "start it with a space or newline, or use chat mode")
+            raise EvalModeError("eval mode: this question changes the tokens of the kept prefix; "
+                                "start it with a space or newline, or use chat mode")
         ids = full[len(prefix):]
-        if slots + len(ids) + 1 > self.decoder.max_len:
-            raise ContextLimitError(f"the round needs {slots + len(ids) + 1} tokens ({slots} kept + {len(ids)} "
-                                    f"new + 1) but the context is {self.decoder.max_len}; shorten the question")
+        self._check_fits(slots, len(ids) + 1)
         layout = {"doc": None, "first": False, "anchor": None, "evict_to": slots}
-        return self._answer(question, ids, None, n_images, sampling, None, layout)
+        return _Turn(question, sampling, ids, None, n_images, None, layout, self._inputs)
+
+    # -- one turn: a transaction up to its first token, then the stream ----------------------------
+    def _run(self, turn: _Turn) -> Iterator[str]:
+        """The turn, run by its Answer under the chat's lock: the prefill (undone on any exception), then
+        the stream."""
+        if turn.inputs != self._inputs:  # images or documents came or went since ask(): this turn takes them
+            turn = self._plan(turn.question, turn.sampling)
+        saved = self._save(turn.layout["evict_to"])
+        try:
+            logits, stats, t1 = self._prefill(turn)
+        except BaseException:
+            self._restore(saved)
+            raise
+        yield from self._decode(turn, logits, stats, t1, saved)
+
+    def _save(self, evict_to: int | None) -> dict:
+        """What a turn changes, to put back if it fails before its first token. An eval round's prefill
+        overwrites the evicted round's K/V, so those slots are copied too."""
+        d = self.decoder
+        kv = None
+        if evict_to is not None and evict_to < d.length:
+            kv = (evict_to, d.length, d.cache.k_stack[:, :, :, evict_to:d.length].clone(),
+                  d.cache.v_stack[:, :, :, evict_to:d.length].clone())
+        chat = {k: getattr(self, k) for k in ("pending", "images", "image_index", "documents", "_anchor",
+                                              "_encode_ms", "stats", "last_logits")}
+        return {"chat": chat, "turns": list(self.turns), "kv": kv,
+                "decoder": (d.length, d.position, list(d._explicit), [dataclasses.replace(s) for s in d.cache.spans],
+                            d.retrieval.scoring, d.retrieval.packed, d.fastv.scoring, d.fastv.key_mask)}
+
+    def _restore(self, saved: dict) -> None:
+        d = self.decoder
+        for k, v in saved["chat"].items():
+            setattr(self, k, v)
+        self.turns = saved["turns"]
+        (d.length, d.position, d._explicit, d.cache.spans, d.retrieval.scoring, d.retrieval.packed,
+         d.fastv.scoring, d.fastv.key_mask) = saved["decoder"]
+        if saved["kv"] is not None:
+            a, b, k, v = saved["kv"]
+            d.cache.k_stack[:, :, :, a:b] = k
+            d.cache.v_stack[:, :, :, a:b] = v
 
     def _begin_turn(self, ids: list[int], images, layout: dict) -> bool:
         """Record this prefill's spans; start retrieval scoring when decode_keep < 1. Returns whether
         the turn decodes over a packed buffer."""
         decoder = self.decoder
-        layout = layout or {"doc": None, "first": not self.turns, "anchor": None, "evict_to": None}
         if layout["evict_to"] is not None:
             decoder.truncate(layout["evict_to"])  # the last round's question and answer go
             self.turns, self.pending = [], []
@@ -287,16 +469,18 @@ class Chat:
         retr_end = max([b for kind, a, b in spans if kind in ("visual", "text")], default=start)
         return self.sparsity.decode_keep < 1.0 and decoder.retrieval.begin_scoring(retr_end) > 0
 
-    def _answer(self, question, ids, images, n_images, sampling, positions=None, layout=None) -> Iterator[str]:
-        model, decoder = self.vlm.model, self.decoder
-        sparse = self._begin_turn(ids, images, layout)
-        stats = Stats(encode_ms=self._encode_ms, images=n_images, visual_tokens=n_images * model.cfg.image_tokens,
+    def _prefill(self, turn: _Turn) -> tuple[torch.Tensor, Stats, float]:
+        """Spans, prefill and (decode_keep < 1) packing of the turn -> (logits, its stats so far, end time)."""
+        model, decoder, images = self.vlm.model, self.decoder, turn.images
+        sparse = self._begin_turn(turn.ids, images, turn.layout)
+        stats = Stats(encode_ms=self._encode_ms, images=turn.n_images,
+                      visual_tokens=turn.n_images * model.cfg.image_tokens,
                       visual_kept=0 if images is None else images.shape[0] * images.shape[1])
         self._encode_ms = 0.0
         start = decoder.length
         _sync(model.device)
         t0 = time.perf_counter()
-        logits = decoder.prefill(model.embed(ids, images), positions)
+        logits = decoder.prefill(model.embed(turn.ids, images), turn.positions)
         if sparse:  # this turn decodes over the top decode_keep of the scored retrievable tokens
             stats.decode_rows = decoder.retrieval.pack(self.sparsity.decode_keep, decoder.length,
                                                        self.sparsity.decode_window)
@@ -304,27 +488,40 @@ class Chat:
         t1 = time.perf_counter()
         stats.prefill_ms, stats.prefill_tokens = 1000 * (t1 - t0), decoder.length - start
         self.last_logits, self.images, self.image_index, self.pending = logits, [], [], []
-        answer: list[int] = []
-        self.turns.append((question, n_images, answer))
+        return logits, stats, t1
+
+    def _decode(self, turn: _Turn, logits: torch.Tensor, stats: Stats, t1: float, saved: dict) -> Iterator[str]:
+        decoder, stop = self.decoder, self.vlm.stop_ids
+        start, answer = decoder.length, []
+        self.turns.append((turn.question, turn.n_images, answer))
         stream = StreamDecoder(self.vlm.tokenizer, skip_special_tokens=True)
         try:
-            for token in generate(decoder, logits, sampling, self.vlm.stop_ids, self.vlm.tokenizer.vocab_size):
+            for token in generate(decoder, logits, turn.sampling, stop, self.vlm.tokenizer.vocab_size):
                 if not answer:  # the token is a host int: its sampling has finished on the device
                     stats.first_token_ms = 1000 * (time.perf_counter() - t1)
                 answer.append(token)
-                if token not in self.vlm.stop_ids:
+                if token not in stop:
                     yield stream.push(token)
             yield stream.flush()
-        finally:  # also when the caller stops reading early: the history stays consistent
-            decoder.retrieval.unpack()  # the full cache keeps every token for the next question
-            if decoder.length > start + stats.prefill_tokens:
-                decoder.cache.add_span("answer", start + stats.prefill_tokens, decoder.length)
-            _sync(model.device)
-            stats.decode_ms = 1000 * (time.perf_counter() - t1)
-            stats.decode_tokens = len(answer)
-            self.pending = answer[-1:]
-            stats.context_tokens = decoder.length + len(self.pending)
-            stats.finish = ("stop" if answer and answer[-1] in self.vlm.stop_ids else
-                            "max_tokens" if len(answer) == sampling.max_new_tokens else
-                            "context" if decoder.length >= decoder.max_len else "interrupted")
-            self.stats = stats
+        finally:  # also when the reader stops early, or drops the stream (finalised in any thread)
+            with self._lock:
+                if answer:
+                    self._end_turn(start, answer, stats, turn.sampling, t1)
+                else:  # failed before its first token: as if never asked
+                    self._restore(saved)
+
+    def _end_turn(self, start: int, answer: list[int], stats: Stats, sampling: SamplingParams, t1: float) -> None:
+        """Record the answer (all but its last token are in the cache; that one is fed with the next turn)."""
+        decoder = self.decoder
+        decoder.retrieval.unpack()  # the full cache keeps every token for the next question
+        if decoder.length > start:
+            decoder.cache.add_span("answer", start, decoder.length)
+        _sync(self.vlm.model.device)
+        stats.decode_ms = 1000 * (time.perf_counter() - t1)
+        stats.decode_tokens = len(answer)
+        self.pending = answer[-1:]
+        stats.context_tokens = decoder.length + len(self.pending)
+        stats.finish = ("stop" if answer[-1] in self.vlm.stop_ids else
+                        "max_tokens" if len(answer) == sampling.max_new_tokens else
+                        "context" if decoder.length >= decoder.max_len else "interrupted")
+        self.stats = stats

@@ -24,3 +24,25 @@ class ImageError(TinyVilaError, ValueError):
 
 class ContextLimitError(TinyVilaError, ValueError):
     """A prompt or conversation does not fit the model's declared context; nothing was changed."""
+
+
+class ArgumentError(TinyVilaError, ValueError):
+    """An argument out of range; `name` is the parameter or field at fault (the CLI maps it to its flag)."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
+class ChatBusyError(TinyVilaError, RuntimeError):
+    """A Chat was called from one thread while it streams an answer for another: a Chat serves one
+    thread at a time (give each thread its own Chat)."""
+
+
+class AnswerClosedError(TinyVilaError, RuntimeError):
+    """An answer's stream was read after a later `ask()` or `clear()` of its chat ended it."""
+
+
+class EvalModeError(TinyVilaError, ValueError):
+    """Something evaluation mode cannot do (e.g. add images after the first round); the message says
+    what to do instead."""

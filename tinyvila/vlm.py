@@ -13,6 +13,8 @@ launches cost several times the GPU work.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -42,6 +44,9 @@ class VLM(GraphOwner, nn.Module):
         if cfg.quant.llm == "w4a16":  # packed W4 LLM linears, stored as such in the checkpoint
             swap_linears(self.text, cfg.quant)
         self._graphs: GraphCache | None = None  # encode graphs, made on first CUDA use (_encode_graphs)
+        # Every chat of this model encodes through the same static input buffers (the encode graphs' and the
+        # encoder's own): one encode at a time, or two threads' images would mix.
+        self._encode_lock = threading.Lock()
 
     def set_options(self, options: Options) -> VLM:
         """Run with these runtime options from now on (every submodule that reads them; tinyvila/options.py).
@@ -77,6 +82,12 @@ class VLM(GraphOwner, nn.Module):
         if pixels.dtype == torch.uint8:
             pixels = normalise_pixels(pixels.to(self.device), self.cfg.vision)
         pixels = pixels.to(self.device, self.dtype)
+        with self._encode_lock:
+            out, idx = self._encode_all(pixels, sparsity)
+        return (out, idx) if with_index else out
+
+    def _encode_all(self, pixels: torch.Tensor, sparsity: SparsityConfig | None):
+        """encode_images' device section: (N, C, S, S) -> ((N, k, d), (N, k) index)."""
         # Long videos go through the encoder ENCODE_BATCH frames at a time: activation memory (and a
         # CUDA graph's pool) stays that of one batch, and one captured batch shape serves them all.
         graphs = self._encode_graphs() if pixels.is_cuda else None
@@ -89,8 +100,7 @@ class VLM(GraphOwner, nn.Module):
                 idx = torch.arange(out.shape[1], device=out.device).expand(out.shape[0], -1)
             outs.append(out)
             idxs.append(idx)
-        out, idx = (outs[0], idxs[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(idxs))
-        return (out, idx) if with_index else out
+        return (outs[0], idxs[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(idxs))
 
     def _encode(self, pixels: torch.Tensor, k: int | None = None, layer: int | None = None):
         """The graph-safe body: (n, C, S, S) -> projector(encoder) (n, image_tokens, d); with k,
