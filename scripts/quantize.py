@@ -58,7 +58,8 @@ def _args_import(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, help="storage dtype of dense sources (default: the source's; "
                    "W4 sources keep their scales' precision)")
     p.add_argument("--group-size", type=int, default=128, choices=quant.W4_GROUP_SIZES,
-                   help="group size of an llm-awq .pt (it does not record it; llm-awq writes 128)")
+                   help="W4 group size: of build's AWQ search on a dense LLM, and of an llm-awq .pt, which does not "
+                   "record it (llm-awq writes 128)")
 
 
 def _run_import(a: argparse.Namespace) -> Path:

@@ -160,4 +160,4 @@ def test_missing_awq_model_names_the_build_command(tmp_path, monkeypatch):
         tinyvila.load("vila-8b-awq")
     msg = str(e.value)
     assert "quantize.py build /path/to/Llama-3-VILA1.5-8B checkpoints/vila-8b-awq" in msg
-    assert "quantize.py import /path/to/Llama-3-VILA1.5-8B-AWQ checkpoints/vila-8b-awq" in msg
+    assert "quantize.py build /path/to/Llama-3-VILA1.5-8B-Fix-AWQ checkpoints/vila-8b-awq" in msg

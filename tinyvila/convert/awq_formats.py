@@ -19,8 +19,8 @@ from tinyvila import quant
 from tinyvila.config import QuantConfig, TextConfig, VLMConfig
 from tinyvila.convert.detect import RAW_KINDS, wrong_layout
 from tinyvila.convert.hf import text_config_from_hf
-from tinyvila.convert.vila import (HFTensors, account, detect_template, eos_ids, read_json, source_dtype,
-                                   tokenizer_dir, tokenizer_files, vila_config, vila_state_dict)
+from tinyvila.convert.vila import (HFTensors, account, detect_template, eos_ids, read_json, tokenizer_dir,
+                                   tokenizer_files, vila_config, vila_state_dict)
 from tinyvila.errors import CheckpointError
 from tinyvila.loader import save_checkpoint
 
