@@ -161,3 +161,14 @@ def test_missing_awq_model_names_the_build_command(tmp_path, monkeypatch):
     msg = str(e.value)
     assert "quantize.py build /path/to/Llama-3-VILA1.5-8B checkpoints/vila-8b-awq" in msg
     assert "quantize.py build /path/to/Llama-3-VILA1.5-8B-Fix-AWQ checkpoints/vila-8b-awq" in msg
+
+
+def test_build_a_dense_tinyvila_checkpoint(tmp_path):
+    """A dense tinyvila checkpoint (here the demo's preset) is a source too: both halves get quantized."""
+    from tinyvila.loader import build_synthetic
+
+    src = build_synthetic(tmp_path / "dense", "tiny-siglip-llama", seed=0)
+    assert quantize_main(["build", str(src), str(tmp_path / "q"), *FAST]) == 0
+    assert quantize_main(["import", str(src), str(tmp_path / "i")]) == 1  # nothing to import: says so
+    q = load_model(tmp_path / "q")
+    assert (q.cfg.quant.llm, q.cfg.quant.vision) == ("w4a16", "w8a8") and q.cfg.text == load_model(src).cfg.text
