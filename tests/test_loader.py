@@ -15,11 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import tinyvila
 from tinyvila.config import PRESETS, preset
-from tinyvila.errors import CheckpointError, ModelNotFoundError
+from tinyvila.errors import CheckpointError, DeviceError, ModelNotFoundError, TinyVilaError, TokenizerError
 from tinyvila.image import preprocess
-from tinyvila.loader import (INDEX, WEIGHTS, build_synthetic, expected_tensors, load_model, random_state_dict,
-                             save_checkpoint, synthetic_tokenizer)
+from tinyvila.loader import (INDEX, WEIGHTS, build_synthetic, expected_tensors, load_checkpoint, load_model,
+                             random_state_dict, save_checkpoint, synthetic_tokenizer)
 from tinyvila.tokenizer import TEMPLATES, load_tokenizer
 
 TINY = [name for name in PRESETS if name.startswith("tiny")]
@@ -279,3 +280,151 @@ def test_saved_checkpoints_take_the_users_umask(tmp_path):
     assert folder.stat().st_mode & 0o777 == 0o755
     files = [f for f in folder.iterdir() if f.is_file()]
     assert files and all(f.stat().st_mode & 0o777 == 0o644 for f in files)
+
+
+# -- paths stay inside the folder ---------------------------------------------------------------------
+def _set_config(folder: Path, **values) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **values}))
+
+
+def _as_sharded(folder: Path, shard: str = "model-00001-of-00001.safetensors") -> dict:
+    """The single weights file moved to a one-shard layout with an index; returns the index (to edit)."""
+    names = list(load_file(folder / WEIGHTS))
+    (folder / WEIGHTS).rename(folder / shard)
+    return {"metadata": {}, "weight_map": {n: shard for n in names}}
+
+
+def test_tokenizer_may_not_leave_the_folder(copy, tmp_path):
+    outside = tmp_path / "outside.json"
+    shutil.copy(copy / "tokenizer.json", outside)
+    _set_config(copy, tokenizer="/etc/passwd")
+    with pytest.raises(CheckpointError, match="config.json.*tokenizer must be a file name inside"):
+        load_checkpoint(copy)
+    _set_config(copy, tokenizer="sub/../../outside.json")
+    with pytest.raises(CheckpointError, match="tokenizer must be a file name inside"):
+        load_checkpoint(copy)
+    (copy / "tokenizer.json").unlink()
+    (copy / "tokenizer.json").symlink_to(outside)  # a symlink out of the folder counts as outside
+    _set_config(copy, tokenizer="tokenizer.json")
+    with pytest.raises(CheckpointError, match="config.json: tokenizer: 'tokenizer.json' must name a file inside"):
+        load_checkpoint(copy)
+
+
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../elsewhere.safetensors", "link.safetensors"])
+def test_shard_index_may_not_leave_the_folder(copy, tmp_path, name):
+    index = _as_sharded(copy)
+    elsewhere = tmp_path / "elsewhere.safetensors"  # a valid shard, outside the checkpoint folder
+    elsewhere.write_bytes((copy / "model-00001-of-00001.safetensors").read_bytes())
+    name = str(elsewhere) if name == "ABSOLUTE" else name
+    if name == "link.safetensors":
+        (copy / name).symlink_to(elsewhere)
+    index["weight_map"] = {k: name for k in index["weight_map"]}
+    (copy / INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"{INDEX}: weight_map: '{name}' must name a file inside"):
+        load_model(copy)
+
+
+def test_one_shard_index_inside_the_folder_loads(copy):
+    (copy / INDEX).write_text(json.dumps(_as_sharded(copy)))
+    assert load_model(copy).cfg.text.dim == 64
+
+
+# -- tokenizer first, and it must fit the model -----------------------------------------------------
+def test_tokenizer_is_read_before_the_weights(copy, monkeypatch):
+    import tinyvila.loader as loader
+
+    opened = []
+    monkeypatch.setattr(loader, "safe_open", lambda *a, **k: opened.append(a) or pytest.fail("weights read first"))
+    (copy / "tokenizer.json").write_text("{broken")
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        tinyvila.load(copy)
+    assert opened == []
+
+
+def test_tokenizer_ids_beyond_the_vocabulary_fail_at_load(copy):
+    tok = json.loads((copy / "tokenizer.json").read_text())
+    tok["added_tokens"].append({**tok["added_tokens"][0], "id": 700, "content": "<|extra|>"})
+    (copy / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(TokenizerError, match="tokenizer.json: holds token ids up to 700, but config.json "
+                                             "text.vocab_size is 512"):
+        tinyvila.load(copy)
+
+
+# -- filesystem oddities --------------------------------------------------------------------------------
+@pytest.mark.parametrize("victim", ["config.json", WEIGHTS, "tokenizer.json"])
+@pytest.mark.parametrize("oddity", ["directory", "broken symlink", "empty file"])
+def test_filesystem_oddities_name_the_file(copy, tmp_path, victim, oddity):
+    (copy / victim).unlink()
+    if oddity == "directory":
+        (copy / victim).mkdir()
+    elif oddity == "broken symlink":
+        (copy / victim).symlink_to(tmp_path / "gone")
+    else:
+        (copy / victim).write_bytes(b"")
+    with pytest.raises(TinyVilaError) as e:
+        tinyvila.load(copy)
+    assert victim in str(e.value)
+
+
+# -- finite weights (verify=) -----------------------------------------------------------------------------
+def test_verify_finds_nan_weights(copy):
+    _rewrite(copy, lambda sd: sd["text.layers.1.mlp.w2.weight"].view(-1)[7:9].fill_(float("nan")))
+    tinyvila.load(copy)  # unchecked by default: a memory map, no weight read
+    with pytest.raises(CheckpointError, match=f"{WEIGHTS}: text.layers.1.mlp.w2.weight: holds NaN or infinite"):
+        tinyvila.load(copy, verify=True)
+
+
+# -- devices --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", ["gpu", "tpu", "meta", "cuda:99"])
+def test_bad_devices_are_refused_before_loading(good, device):
+    with pytest.raises(DeviceError, match=f"device '{device}' \\(--device\\)"):
+        tinyvila.load(good, device=device)
+
+
+@pytest.mark.cpu_only
+def test_cuda_without_cuda_is_a_clear_error(good):
+    with pytest.raises(DeviceError, match="no CUDA GPU is available.*use cpu"):
+        tinyvila.load(good, device="cuda")
+
+
+# -- the first-use demo build ------------------------------------------------------------------------
+def _build_demo(root: str, barrier, results) -> None:
+    """One of several processes starting the demo at once (spawned: module level)."""
+    import tinyvila.api as api
+
+    api.checkpoint_dirs = lambda: [Path(root)]  # only the test's folder, not the user's checkpoints/
+    barrier.wait()
+    try:
+        folder = api.resolve_model(api.DEMO_MODEL)
+        results.put(("ok", str(folder), tinyvila.load(folder).cfg.text.dim))
+    except Exception as e:  # noqa: BLE001 -- reported to the parent, which asserts there is none
+        results.put(("error", type(e).__name__, str(e)))
+
+
+def test_three_processes_building_the_demo_at_once(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_build_demo, args=(str(tmp_path), barrier, results)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert got == [("ok", str(tmp_path / "demo"), 64)] * 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no temp or half-built folders left
+
+
+def test_partial_or_stale_demo_is_rebuilt(tmp_path, monkeypatch):
+    import tinyvila.api as api
+
+    monkeypatch.setattr(api, "checkpoint_dirs", lambda: [tmp_path])
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "config.json").write_text("{}")  # a build killed half-way, before renames were atomic
+    assert tinyvila.load("demo").cfg.text.dim == 64
+    _set_config(tmp_path / "demo", sparsity={"prefill_keep": 0.5})  # an older demo: rebuilt to today's
+    assert tinyvila.load("demo").cfg.sparsity.prefill_keep == 1.0
+    _set_config(tmp_path / "demo", synthetic=False)  # real weights under that name are never touched
+    assert tinyvila.load("demo").cfg.synthetic is False

@@ -9,8 +9,11 @@ import importlib.util
 import json
 import os
 import random
+import sys
 
 import pytest
+
+from tinyvila.errors import TokenizerError
 
 from tinyvila.tokenizer import (
     BPETokenizer, LLAMA3_PATTERN, QWEN2_PATTERN, StreamDecoder,
@@ -295,10 +298,12 @@ def test_stream_decoder_sentencepiece(sp_folder):
 
 
 def test_load_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tokenizer.model"):
+    with pytest.raises(TokenizerError, match="tokenizer.model"):
         load_tokenizer(tmp_path)
+    with pytest.raises(TokenizerError, match="nope.json: tokenizer file not found"):
+        load_tokenizer(tmp_path / "nope.json")
     (tmp_path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(ValueError, match="tokenizer.json"):
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
         load_tokenizer(tmp_path)
     spec = byte_tokenizer_json([])
     spec["model"]["type"] = "WordPiece"
@@ -309,8 +314,76 @@ def test_load_errors(tmp_path):
     with pytest.raises(ValueError, match="x.json.*Lowercase"):
         BPETokenizer(spec, "x.json")
     (tmp_path / "bad.model").write_bytes(b"garbage")
-    with pytest.raises(ValueError, match="bad.model"):
+    with pytest.raises(TokenizerError, match="bad.model"):
         load_tokenizer(tmp_path / "bad.model")
+
+
+def _spec_with(edit) -> dict:
+    spec = byte_tokenizer_json(["<|x|>"])
+    edit(spec)
+    return spec
+
+
+BROKEN = {  # each raised something other than a TinyVilaError before (TypeError, regex error, RecursionError, ...)
+    "not an object": lambda s: s.clear() or s.update({"model": 3}),
+    "merges of the wrong type": lambda s: s["model"].update(merges=[1, 2]),
+    "a negative id": lambda s: s["model"]["vocab"].update({"a": -1}),
+    "an id that is not an integer": lambda s: s["model"]["vocab"].update({"a": "7"}),
+    "an added token without an id": lambda s: s["added_tokens"][0].update(id=None),
+    "a broken regex": lambda s: s.update(pre_tokenizer={"type": "Split", "pattern": {"Regex": "(["}}),
+    "a pre-tokenizer sequence that is not a list": lambda s: s.update(pre_tokenizer={"type": "Sequence", "pretokenizers": 3}),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_broken_tokenizer_json_is_a_tokenizer_error(tmp_path, case):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(_spec_with(BROKEN[case])))
+    with pytest.raises(TokenizerError, match=f"{tmp_path / 'tokenizer.json'}"):
+        load_tokenizer(tmp_path / "tokenizer.json")
+
+
+def test_deeply_nested_tokenizer_json(tmp_path):
+    deep = '{"type": "Sequence", "pretokenizers": [' * 5000 + '{"type": "ByteLevel"}' + "]}" * 5000
+    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json([])).replace(
+        '"pre_tokenizer": {', '"pre_tokenizer": ' + deep + ', "x": {'))
+    with pytest.raises(TokenizerError, match="tokenizer.json.*not valid JSON"):
+        load_tokenizer(tmp_path / "tokenizer.json")
+
+
+def test_bad_tokenizer_config_is_named(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json([])))
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+        load_tokenizer(tmp_path / "tokenizer.json")
+
+
+def test_every_sentencepiece_fault_is_a_tokenizer_error(sp_folder, tmp_path):
+    """Truncated, bit-flipped and random files: sentencepiece raises RuntimeError, OSError or, for a model that
+    parses but holds invalid UTF-8, UnicodeDecodeError on first use; each must be a TokenizerError at load."""
+    good = (sp_folder / "tokenizer.model").read_bytes()
+    rng = random.Random(0)
+    for i in range(30):
+        raw = bytearray(good)
+        if i % 3 == 0:
+            raw = raw[:rng.randrange(len(raw))]
+        elif i % 3 == 1:
+            for _ in range(8):
+                raw[rng.randrange(len(raw))] = rng.randrange(256)
+        else:
+            raw = bytearray(rng.randbytes(rng.randrange(1, 2000)))
+        path = tmp_path / f"t{i}.model"
+        path.write_bytes(bytes(raw))
+        try:
+            load_tokenizer(path)
+        except TokenizerError as e:
+            assert f"t{i}.model" in str(e)
+
+
+def test_gguf_without_the_gguf_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    with pytest.raises(TokenizerError, match="x.gguf.*pip install gguf"):
+        load_tokenizer(tmp_path / "x.gguf")
 
 
 def test_gguf_json_is_valid_for_hf(smollm, tmp_path):

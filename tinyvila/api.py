@@ -31,9 +31,9 @@ from .errors import (AnswerClosedError, ArgumentError, ChatBusyError, ContextLim
 from .generate import Decoder, SamplingParams, generate
 from .kv_cache import changed_range, turn_spans
 from .image import resize_uint8
-from .loader import build_synthetic, load_model, random_model, synthetic_tokenizer
+from .loader import ensure_synthetic, load_checkpoint, random_model, resolve_device, synthetic_tokenizer
 from .options import Options
-from .tokenizer import IMAGE_TOKEN, TEMPLATES, BPETokenizer, StreamDecoder, load_tokenizer, stop_ids, turn_ids
+from .tokenizer import IMAGE_TOKEN, TEMPLATES, BPETokenizer, StreamDecoder, stop_ids, turn_ids
 from .vlm import VLM
 
 DEMO_MODEL = "demo"              # built on first use: tiny, random weights, for the README demo
@@ -56,23 +56,33 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise ModelNotFoundError(f"{path} is a file; --model takes a checkpoint folder or a model name")
+        from .convert.detect import raw_source_hint  # a .gguf: name the command that converts it
+
+        raise ModelNotFoundError(raw_source_hint(path) or f"{path} is a file; --model takes a checkpoint folder or a "
+                                 f"model name")
     looked = [d / str(name_or_path) for d in checkpoint_dirs()] if len(path.parts) == 1 else []
+    if str(name_or_path) == DEMO_MODEL:
+        # Where a demo was built before, else the first configured place that exists (env, ./checkpoints, the
+        # repo's), else ./checkpoints; rebuilt if partial or stale (safe when several processes start at once).
+        folder = next((p for p in looked if (p / "config.json").is_file()), None) or \
+            next((p for p in looked if p.parent.is_dir()), Path.cwd() / "checkpoints" / DEMO_MODEL)
+        return ensure_synthetic(folder, DEMO_PRESET, seed=0)
     for folder in looked:
         if (folder / "config.json").is_file():
             return folder
-    if str(name_or_path) == DEMO_MODEL:
-        # The first configured place that exists (env, ./checkpoints, the repo's), else ./checkpoints.
-        folder = next((p for p in looked if p.parent.is_dir()), Path.cwd() / "checkpoints" / DEMO_MODEL)
-        build_synthetic(folder, DEMO_PRESET, seed=0)
-        return folder
     where = "\n  ".join(str(p) for p in (looked or [path]))
-    raise ModelNotFoundError(
-        f"model {str(name_or_path)!r} not found. Looked in:\n  {where}\n"
-        "Build one with scripts/quantize.py, e.g.\n"
-        "  python scripts/quantize.py import-vila /path/to/Llama-3-VILA1.5-8B checkpoints/vila-8b\n"
-        f"  python scripts/quantize.py synthetic --preset vila-8b checkpoints/vila-8b   (random weights)\n"
-        f"or use --model {DEMO_MODEL} for the tiny random-weight demo.")
+    dst = Path("checkpoints") / path.name if looked else path  # ./checkpoints is on the search path
+    if path.name.endswith("-awq"):  # a quantized model: built from the fp16 folder or imported from a published AWQ one
+        how = (f"  python scripts/quantize.py build /path/to/Llama-3-VILA1.5-8B {dst}           (fp16 VILA folder: AWQ + "
+               f"SmoothQuant)\n  python scripts/quantize.py build /path/to/Llama-3-VILA1.5-8B-Fix-AWQ {dst}   (published "
+               f"llm-awq or AutoAWQ folder: its W4 LLM as is + SmoothQuant; `import` keeps the vision tower fp16)\n")
+    else:
+        how = (f"  python scripts/quantize.py import-vila /path/to/Llama-3-VILA1.5-8B {dst}   (fp16 VILA folder; "
+               f"`import` reads any source: VILA, AWQ, GGUF)\n"
+               f"  python scripts/quantize.py synthetic --preset vila-8b {dst}   (random weights)\n")
+    raise ModelNotFoundError(f"model {str(name_or_path)!r} not found. Looked in:\n  {where}\n"
+                             f"Build one with scripts/quantize.py, e.g.\n{how}or use --model {DEMO_MODEL} for the "
+                             f"tiny random-weight demo.")
 
 
 class Model:
@@ -94,14 +104,16 @@ class Model:
 
 
 def load(name_or_path: str | os.PathLike, *, device: str | torch.device = "cpu",
-         dtype: torch.dtype | None = None, options: Options | None = None) -> Model:
+         dtype: torch.dtype | None = None, options: Options | None = None, verify: bool = False) -> Model:
     """Load a checkpoint folder or a named model (see `resolve_model`). `options`: the runtime switches
     (tinyvila.Options; default: Options.from_env(), i.e. the defaults unless TINYVILA_CUDA_GRAPH / TINYVILA_PDL
-    turn something off)."""
+    turn something off). `verify`: also check that every weight is finite (reads them all). The device, config
+    and tokenizer are checked before any weight is read; every problem raises a TinyVilaError naming it."""
+    device = resolve_device(device)
     folder = resolve_model(name_or_path)
-    model = load_model(folder, device=device, dtype=dtype)
+    model, tokenizer = load_checkpoint(folder, device=device, dtype=dtype, verify=verify)
     model.set_options(Options.from_env() if options is None else options)
-    return Model(folder, model, load_tokenizer(folder / model.cfg.tokenizer))
+    return Model(folder, model, tokenizer)
 
 
 def from_config(cfg: VLMConfig | str, *, device: str | torch.device = "cpu", seed: int = 0,

@@ -12,7 +12,62 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
+
+from .errors import CheckpointError, ConfigError, ModelNotFoundError
+from .tokenizer.templates import TEMPLATES
+
+# The largest context a config may declare. The KV cache is preallocated to it, so a typo (10**12) must not
+# reach an allocation; 1<<22 (4M tokens) is 4x the longest context public models declare (1M), and already
+# 512 GiB of cache at vila-8b's 128 KiB per token.
+MAX_SEQ_LEN = 1 << 22
+# Sizes a kernel indexes with int32, and layer counts a model is built from one by one (the deepest public
+# LLMs have ~128): past these a value is a typo, and building the model alone would take hours.
+MAX_SIZE, MAX_LAYERS = 1 << 31, 1024
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _describe(t: str, positive: bool) -> str:
+    """What a value of annotation `t` must be, in words (for error messages)."""
+    if t.endswith(" | None"):
+        return _describe(t[:-7], positive) + " or null"
+    if t.startswith("tuple["):
+        return "a list of " + _describe(t[6:-6], positive).removeprefix("a ").removeprefix("an ") + "s"
+    pos = "positive " if positive else ""
+    return {"int": f"a {pos}integer", "float": f"a {pos}finite number", "bool": "true or false",
+            "str": "a string"}.get(t, "an object")
+
+
+def _type_ok(v, t: str, positive: bool) -> bool:
+    if t.endswith(" | None"):
+        return v is None or _type_ok(v, t[:-7], positive)
+    if t.startswith("tuple["):
+        return isinstance(v, tuple) and all(_type_ok(x, t[6:-6], positive) for x in v)
+    if t in ("int", "float"):
+        kinds = int if t == "int" else (int, float)
+        return (isinstance(v, kinds) and not isinstance(v, bool) and math.isfinite(v)
+                and (v > 0 or not positive))
+    return type(v).__name__ == t  # bool, str, and the nested config classes
+
+
+def _validate(obj, positive: tuple[str, ...] = (), **choices: tuple[str, ...]) -> None:
+    """Every field of the dataclass `obj` against its annotation (`positive`: and > 0), and each field named in
+    `choices` among its allowed values. Raises ConfigError naming the field."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if not _type_ok(v, f.type, f.name in positive):
+            raise ConfigError(f"{f.name} must be {_describe(f.type, f.name in positive)}, got {v!r}")
+        limit = {"n_layers": MAX_LAYERS, "max_seq_len": MAX_SEQ_LEN}.get(f.name, MAX_SIZE)
+        if f.type.startswith("int") and v is not None and abs(v) > limit:
+            raise ConfigError(f"{f.name} must be at most {limit}, got {v}")
+    for name, known in choices.items():
+        if getattr(obj, name) not in known:
+            raise ConfigError(f"{name} must be one of {', '.join(known)}, got {getattr(obj, name)!r}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -40,6 +95,21 @@ class VisionConfig:
     image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
     rescale_factor: float = 1 / 255
+
+    def __post_init__(self):
+        _validate(self, ("image_size", "patch_size", "n_channels", "dim", "n_layers", "n_heads", "mlp_dim", "norm_eps",
+                         "image_std", "rescale_factor"), kind=("siglip", "clip", "dinov2"),
+                  act=("gelu_tanh", "gelu", "quick_gelu"), select_feature=("cls_patch", "patch"))
+        _require(self.patch_size <= self.image_size,
+                 f"patch_size must be at most image_size ({self.image_size}), got {self.patch_size}")
+        _require(self.dim % self.n_heads == 0, f"dim must be a multiple of n_heads ({self.n_heads}), got {self.dim}")
+        _require(self.norm_eps < 1, f"norm_eps must be in (0, 1), got {self.norm_eps}")
+        _require(self.rescale_factor <= 1, f"rescale_factor must be in (0, 1], got {self.rescale_factor}")
+        for name in ("image_mean", "image_std"):
+            _require(len(getattr(self, name)) == self.n_channels,
+                     f"{name} must hold n_channels ({self.n_channels}) numbers, got {list(getattr(self, name))}")
+        _require(-self.n_layers - 1 <= self.select_layer <= self.n_layers,
+                 f"select_layer must be in [{-self.n_layers - 1}, {self.n_layers}], got {self.select_layer}")
 
     @property
     def head_dim(self) -> int:
@@ -83,6 +153,10 @@ class ProjectorConfig:
     out_dim: int = 4096                 # LLM width
     norm_eps: float = 1e-5              # LayerNorm of mlp_downsample (torch default)
 
+    def __post_init__(self):
+        _validate(self, ("in_dim", "out_dim", "norm_eps"), kind=("mlp_downsample", "mlp2x_gelu", "linear"))
+        _require(self.norm_eps < 1, f"norm_eps must be in (0, 1), got {self.norm_eps}")
+
     def n_tokens(self, vision: VisionConfig) -> int:
         """LLM tokens per image."""
         if self.kind == "mlp_downsample":
@@ -106,6 +180,12 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
 
+    def __post_init__(self):
+        _validate(self, ("factor", "low_freq_factor", "high_freq_factor", "original_max_position"))
+        _require(self.high_freq_factor > self.low_freq_factor,  # their difference divides the smoothing
+                 f"high_freq_factor must be larger than low_freq_factor ({self.low_freq_factor}), "
+                 f"got {self.high_freq_factor}")
+
 
 @dataclass(frozen=True)
 class TextConfig:
@@ -126,6 +206,16 @@ class TextConfig:
     max_seq_len: int = 4096             # the declared context: the KV cache is preallocated to it
     head_dim_override: int | None = None
 
+    def __post_init__(self):
+        _validate(self, ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta",
+                         "max_seq_len", "head_dim_override"), arch=("llama", "qwen2"))
+        _require(self.n_heads % self.n_kv_heads == 0,
+                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads, got {self.n_kv_heads}")
+        _require(self.head_dim_override is not None or self.dim % self.n_heads == 0,
+                 f"dim must be a multiple of n_heads ({self.n_heads}) unless head_dim_override is set, got {self.dim}")
+        _require(self.head_dim % 2 == 0, f"the head size must be even (RoPE rotates pairs), got {self.head_dim}")
+        _require(self.norm_eps < 1, f"norm_eps must be in (0, 1), got {self.norm_eps}")
+
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
@@ -142,6 +232,10 @@ class QuantConfig:
     llm: str = "none"                   # "none" | "w4a16"
     vision: str = "none"                # "none" | "w8a8"
     group_size: int = 128
+
+    def __post_init__(self):
+        _validate(self, llm=("none", "w4a16"), vision=("none", "w8a8"))
+        _require(self.group_size in (32, 64, 128), f"group_size must be 32, 64 or 128, got {self.group_size!r}")
 
 
 @dataclass(frozen=True)
@@ -164,6 +258,7 @@ class SparsityConfig:
     decode_window: int = 8
 
     def __post_init__(self):
+        _validate(self)
         for name in ("prefill_keep", "decode_keep"):
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:
@@ -192,8 +287,27 @@ class VLMConfig:
     synthetic: bool = False             # random weights: the CLI says so
 
     def __post_init__(self):
-        if (self.vision is None) != (self.projector is None):
-            raise ValueError("vision and projector must both be set or both be None")
+        _validate(self, template=tuple(TEMPLATES), dtype=DTYPES)
+        _require((self.vision is None) == (self.projector is None), "vision and projector must both be set or both be null")
+        tok = PurePath(self.tokenizer)
+        _require(bool(self.tokenizer) and not tok.is_absolute() and ".." not in tok.parts,
+                 f"tokenizer must be a file name inside the checkpoint folder, got {self.tokenizer!r}")
+        bad = [i for i in self.eos_ids if not 0 <= i < self.text.vocab_size]
+        _require(not bad, f"eos_ids must be ids below text.vocab_size ({self.text.vocab_size}), got {list(self.eos_ids)}")
+        if self.quant.llm == "w4a16":
+            _require(self.text.dim % self.quant.group_size == 0 and self.text.ffn_dim % self.quant.group_size == 0,
+                     f"quant.group_size ({self.quant.group_size}) must divide text.dim and text.ffn_dim")
+        if self.vision is not None:
+            self._check_vision()
+
+    def _check_vision(self):
+        _require(self.projector.in_dim == self.vision.dim,
+                 f"projector.in_dim must equal vision.dim ({self.vision.dim}), got {self.projector.in_dim}")
+        _require(self.projector.out_dim == self.text.dim,
+                 f"projector.out_dim must equal text.dim ({self.text.dim}), got {self.projector.out_dim}")
+        side = math.isqrt(self.vision.n_out_tokens)
+        _require(self.projector.kind != "mlp_downsample" or side * side == self.vision.n_out_tokens,
+                 f"projector.kind mlp_downsample needs a square grid of vision tokens, got {self.vision.n_out_tokens}")
 
     @property
     def image_tokens(self) -> int:
@@ -206,24 +320,16 @@ class VLMConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "VLMConfig":
+        """A config from its JSON form; ConfigError names the field at fault (`text.dim`)."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"the config must be a JSON object, got {type(d).__name__}")
+        _require("text" in d, "text: missing (the LLM's section)")
         d = dict(d)
-        text = dict(d.pop("text"))
-        if text.get("rope_scaling") is not None:
-            text["rope_scaling"] = RopeScaling(**text["rope_scaling"])
-        vision = d.pop("vision", None)
-        if vision is not None:
-            vision = {k: tuple(v) if isinstance(v, list) else v for k, v in vision.items()}
-            vision = VisionConfig(**vision)
-        projector = d.pop("projector", None)
-        return cls(
-            text=TextConfig(**text),
-            vision=vision,
-            projector=None if projector is None else ProjectorConfig(**projector),
-            quant=QuantConfig(**d.pop("quant", {})),
-            sparsity=SparsityConfig(**d.pop("sparsity", {})),
-            eos_ids=tuple(d.pop("eos_ids", ())),
-            **d,
-        )
+        for name, sub in (("text", TextConfig), ("vision", VisionConfig), ("projector", ProjectorConfig),
+                          ("quant", QuantConfig), ("sparsity", SparsityConfig)):
+            if d.get(name) is not None or name in ("quant", "sparsity") and name in d:
+                d[name] = _section(sub, d[name], name)
+        return _section(cls, d, "")
 
     def save(self, folder: str | Path) -> None:
         path = Path(folder) / "config.json"
@@ -231,14 +337,34 @@ class VLMConfig:
 
     @classmethod
     def load(cls, folder: str | Path) -> "VLMConfig":
+        """`folder`/config.json; ModelNotFoundError if it is missing, CheckpointError naming the file and the
+        field if it is not a valid config."""
         path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path}: no config.json; is this a tinyvila checkpoint folder?")
         try:
-            d = json.loads(path.read_text())
-            return cls.from_dict(d)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: no config.json; is this a tinyvila checkpoint folder?") from None
-        except (json.JSONDecodeError, TypeError, KeyError, ValueError) as e:
-            raise ValueError(f"{path}: not a valid tinyvila config ({e}); rebuild it with scripts/quantize.py") from None
+            return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError, RecursionError, ValueError) as e:  # JSONDecodeError, ConfigError
+            raise CheckpointError(f"{path}: not a valid tinyvila config: {e}; fix that field, or rebuild the "
+                                  "checkpoint with scripts/quantize.py") from None
+
+
+def _section(cls, d, name: str):
+    """`cls(**d)` for the JSON object of config section `name` (lists become tuples, rope_scaling a RopeScaling);
+    a ConfigError names the field as `name.field`."""
+    where = f"{name}." if name else ""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{name} must be an object, got {d!r}")
+    known = {f.name: f.type for f in dataclasses.fields(cls)}
+    unknown = [k for k in d if k not in known]
+    _require(not unknown, f"{where}{unknown[0] if unknown else ''}: unknown field (known: {', '.join(known)})")
+    d = {k: tuple(v) if isinstance(v, list) and known[k].startswith("tuple") else v for k, v in d.items()}
+    try:
+        if isinstance(d.get("rope_scaling"), dict):
+            d["rope_scaling"] = _section(RopeScaling, d["rope_scaling"], "rope_scaling")
+        return cls(**d)
+    except ConfigError as e:
+        raise ConfigError(f"{where}{e}") from None
 
 
 # -- presets -------------------------------------------------------------------------------------

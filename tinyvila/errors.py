@@ -26,6 +26,18 @@ class ContextLimitError(TinyVilaError, ValueError):
     """A prompt or conversation does not fit the model's declared context; nothing was changed."""
 
 
+class ConfigError(TinyVilaError, ValueError):
+    """A model config value is missing, of the wrong type or out of range; the message names the field."""
+
+
+class TokenizerError(CheckpointError):
+    """A tokenizer file is missing, unreadable, or holds ids the model's vocabulary does not have."""
+
+
+class DeviceError(TinyVilaError, ValueError):
+    """A device string (`--device`, `device=`) names no device this machine has."""
+
+
 class ArgumentError(TinyVilaError, ValueError):
     """An argument out of range; `name` is the parameter or field at fault (the CLI maps it to its flag)."""
 

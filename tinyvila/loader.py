@@ -23,8 +23,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import VLMConfig, preset
-from .errors import CheckpointError, ModelNotFoundError
+from .errors import CheckpointError, DeviceError, ModelNotFoundError, TokenizerError
 from .quant import quantize_w4
+from .tokenizer import Tokenizer, load_tokenizer
 from .vlm import VLM
 
 WEIGHTS = "model.safetensors"
@@ -92,9 +93,18 @@ def check_tensors(found: Mapping[str, Spec], expected: Mapping[str, Spec], where
 
 
 # -- reading ---------------------------------------------------------------------------------------
+def _inside(folder: Path, name, field: str) -> Path:
+    """folder / name, refused unless it is a relative path that stays inside `folder` with symlinks resolved
+    (a checkpoint's files may not name /etc/passwd or ../other-model)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or \
+            not (folder / name).resolve().is_relative_to(folder.resolve()):
+        raise _fail(folder, "a file outside the checkpoint folder", [f"{field}: {name!r} must name a file inside {folder}"])
+    return folder / name
+
+
 def _open(path: Path, folder: Path):
     if not path.is_file():
-        raise _fail(folder, "weights file missing", [f"{path.name}: not found"])
+        raise _fail(folder, "weights file missing", [f"{path.name}: {'not a file' if path.exists() else 'not found'}"])
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as e:
@@ -122,12 +132,14 @@ def _weight_files(folder: Path) -> dict[str, list[str] | None]:
     if not index.exists():
         raise _fail(folder, "no weights", [f"neither {WEIGHTS} nor {INDEX} found"])
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         files: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
             files.setdefault(fname, []).append(name)
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
         raise _fail(folder, "bad shard index", [f"{INDEX}: not a valid index ({e!r})"]) from None
+    for fname in files:
+        _inside(folder, fname, f"{INDEX}: weight_map")
     return files
 
 
@@ -160,37 +172,95 @@ def _read_config(folder: Path) -> VLMConfig:
     if not folder.is_dir():
         raise ModelNotFoundError(f"{folder}: checkpoint folder not found (looked at {folder.resolve()}); "
                                  f"build one with `python scripts/quantize.py`")
-    if not (folder / CONFIG).is_file():
-        raise ModelNotFoundError(f"{folder}: no {CONFIG} (looked at {(folder / CONFIG).resolve()}); "
-                                 f"not a tinyvila checkpoint; {_hint(folder)}")
     try:
+        if not (folder / CONFIG).is_file():
+            raise ModelNotFoundError(f"{folder}: no {CONFIG} (looked at {(folder / CONFIG).resolve()}); "
+                                     f"not a tinyvila checkpoint; {_hint(folder)}")
         return VLMConfig.load(folder)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
+    except (ModelNotFoundError, CheckpointError):
+        from .convert.detect import raw_source_hint  # a raw VILA / AWQ / GGUF source: name the command
+
+        hint = raw_source_hint(folder)
+        if hint is None:
+            raise
+        raise ModelNotFoundError(hint) from None
+
+
+def read_tokenizer(folder: str | os.PathLike, cfg: VLMConfig) -> Tokenizer:
+    """The checkpoint's tokenizer (`cfg.tokenizer`, a file inside `folder`), checked against the model: every
+    id it can produce must be below text.vocab_size. Raises TokenizerError naming the file."""
+    folder = Path(folder)
+    path = _inside(folder, cfg.tokenizer, f"{CONFIG}: tokenizer")
+    if not path.is_file():
+        raise TokenizerError(f"{path}: tokenizer file {'is not a file' if path.exists() else 'not found'} "
+                             f"({CONFIG} names it as `tokenizer`); {_hint(folder)}")
+    tok = load_tokenizer(path)
+    if tok.vocab_size > cfg.text.vocab_size:
+        raise TokenizerError(f"{path}: holds token ids up to {tok.vocab_size - 1}, but {CONFIG} text.vocab_size is "
+                             f"{cfg.text.vocab_size}: this tokenizer does not belong to this model; {_hint(folder)}")
+    return tok
 
 
 def load_model(folder: str | os.PathLike, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str | None = None) -> VLM:
+               dtype: torch.dtype | str | None = None, verify: bool = False) -> VLM:
     """A checkpoint folder -> `VLM` in eval mode on `device` (floating weights cast to `dtype` if given).
 
     Every tensor's presence, name, shape and dtype is checked from the file headers before any data
     is read; a mismatch raises `CheckpointError` naming the file, the tensor, found vs expected.
-    Nothing on disk is ever written.
+    `verify` also checks that every floating weight is finite (it reads all of them: see
+    docs/checkpoint_format.md for the cost). Nothing on disk is ever written.
     """
     folder = Path(folder)
+    return _load_weights(folder, _read_config(folder), resolve_device(device), dtype, verify)
+
+
+def load_checkpoint(folder: str | os.PathLike, *, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | str | None = None, verify: bool = False) -> tuple[VLM, Tokenizer]:
+    """`load_model` and `read_tokenizer` of a folder: the config, then the tokenizer (small, and the likelier
+    to be wrong), then the weights, each checked before the next is read."""
+    folder = Path(folder)
+    device = resolve_device(device)
     cfg = _read_config(folder)
+    tok = read_tokenizer(folder, cfg)
+    return _load_weights(folder, cfg, device, dtype, verify), tok
+
+
+def _load_weights(folder: Path, cfg: VLMConfig, device: torch.device, dtype, verify: bool) -> VLM:
     model = _meta_model(cfg)
     specs, where, problems = read_headers(folder)
     problems += check_tensors(specs, expected_tensors(cfg, model), where)
     if problems:
         raise _fail(folder, f"weights do not match {CONFIG}", problems)
-    model.load_state_dict(_read_tensors(folder, where), assign=True, strict=True)
+    sd = _read_tensors(folder, where)
+    if verify:
+        bad = [f"{where[k]}: {k}: holds NaN or infinite values" for k, t in sd.items()
+               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise _fail(folder, "weights are not finite", bad)
+    model.load_state_dict(sd, assign=True, strict=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"tensors left on the meta device after loading (a module holds state "
                            f"that is not in its state_dict): {', '.join(left)}")
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     return model.to(device=device, dtype=dtype).eval()
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device this machine has; DeviceError naming it (and what to use) otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    where = f"device {str(device)!r} (--device)"
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise DeviceError(f"{where}: tinyvila runs on cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"{where}: no CUDA GPU is available (or torch was built without CUDA); use cpu")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise DeviceError(f"{where}: this machine has {torch.cuda.device_count()} CUDA devices, cuda:0 to "
+                          f"cuda:{torch.cuda.device_count() - 1}")
+    return dev
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -255,7 +325,12 @@ def _commit(tmp: Path, folder: Path) -> None:
         if f.is_file():
             f.chmod(0o666 & ~umask)
     if not folder.exists():
-        os.rename(tmp, folder)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if folder.exists():  # another process committed the same folder first
+                raise FileExistsError(f"{folder}: appeared while this checkpoint was being written") from None
+            raise
         return
     old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
     os.rename(folder, old / folder.name)
@@ -276,7 +351,7 @@ def save_checkpoint(folder: str | os.PathLike, cfg: VLMConfig, state_dict: Mappi
     """
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not overwrite)):
-        raise FileExistsError(f"{folder}: exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(f"{folder}: exists and is not empty; pass overwrite=True (scripts/quantize.py --overwrite) to replace it")
     found = {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()}
     problems = check_tensors(found, expected_tensors(cfg), {k: "state_dict" for k in state_dict})
     if problems:
@@ -348,6 +423,11 @@ def synthetic_tokenizer(cfg: VLMConfig) -> dict:
     return tok
 
 
+def _synthetic_config(cfg_or_preset: VLMConfig | str) -> VLMConfig:
+    cfg = preset(cfg_or_preset) if isinstance(cfg_or_preset, str) else cfg_or_preset
+    return dataclasses.replace(cfg, synthetic=True, tokenizer="tokenizer.json", eos_ids=())
+
+
 def build_synthetic(folder: str | os.PathLike, cfg_or_preset: VLMConfig | str, seed: int = 0, *,
                     overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Writes a random-weight checkpoint (config with synthetic=True, weights, byte tokenizer.json).
@@ -355,12 +435,59 @@ def build_synthetic(folder: str | os.PathLike, cfg_or_preset: VLMConfig | str, s
     The template's stop tokens live in the byte tokenizer, so the preset's `eos_ids` (ids of a real
     tokenizer) are cleared. A real-size preset (vila-8b) writes ~16 GB and takes minutes.
     """
-    cfg = preset(cfg_or_preset) if isinstance(cfg_or_preset, str) else cfg_or_preset
-    cfg = dataclasses.replace(cfg, synthetic=True, tokenizer="tokenizer.json", eos_ids=())
+    cfg = _synthetic_config(cfg_or_preset)
     tok = synthetic_tokenizer(cfg)
     sd = random_state_dict(cfg, seed)
     return save_checkpoint(folder, cfg, sd, {"tokenizer.json": json.dumps(tok, ensure_ascii=False)},
                            overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+
+
+def ensure_synthetic(folder: str | os.PathLike, cfg_or_preset: VLMConfig | str, seed: int = 0) -> Path:
+    """`build_synthetic` unless `folder` already holds that checkpoint; safe when several processes run it at once
+    (each builds in its own temp folder and the first rename wins; the others use its folder). A leftover partial
+    folder (no config.json or no weights), or a synthetic one of another config or tokenizer, is rebuilt; a folder
+    holding real weights is never touched."""
+    folder = Path(folder)
+    cfg = _synthetic_config(cfg_or_preset)
+    for _ in range(5):
+        state = _synthetic_state(folder, cfg)
+        if state in ("current", "foreign"):
+            return folder
+        if state == "stale":
+            _discard(folder)
+        try:
+            return build_synthetic(folder, cfg, seed)
+        except FileExistsError:
+            continue  # it appeared meanwhile: look at it again
+    raise CheckpointError(f"{folder}: could not build the synthetic checkpoint (it keeps changing underneath); "
+                          "remove the folder and try again")
+
+
+def _synthetic_state(folder: Path, cfg: VLMConfig) -> str:
+    """'missing', 'current' (that exact config and tokenizer), 'stale' (partial, or synthetic but different) or
+    'foreign' (a checkpoint with real weights)."""
+    if not folder.exists():
+        return "missing"
+    if not (folder / CONFIG).is_file() or not ((folder / WEIGHTS).is_file() or (folder / INDEX).is_file()):
+        return "stale"
+    try:
+        found = VLMConfig.load(folder)
+        tok = json.loads((folder / found.tokenizer).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "stale"
+    if found == cfg and tok == synthetic_tokenizer(cfg):
+        return "current"
+    return "stale" if found.synthetic else "foreign"
+
+
+def _discard(folder: Path) -> None:
+    """Moves `folder` aside (one atomic rename: a racing process sees it or not, never half of it), then deletes it."""
+    trash = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+    try:
+        os.rename(folder, trash / folder.name)
+    except FileNotFoundError:
+        pass  # another process moved it first
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 @torch.no_grad()

@@ -222,6 +222,9 @@ class BPETokenizer(Tokenizer):
         self.added = [_added_from_json(t) for t in spec.get("added_tokens", [])]
         for t in self.added:
             self.vocab.setdefault(t.content, t.id)
+        for t, i in [*self.vocab.items(), *((t.content, t.id) for t in self.added)]:  # ids index the embedding
+            if not isinstance(t, str) or type(i) is not int or i < 0:
+                raise ValueError(f"{source}: token {t!r} has id {i!r}; ids must be non-negative integers")
         self.id_to_token = {i: t for t, i in self.vocab.items()}
         self.splitter = _AddedSplitter(self.added)
         self.normalize = _normalizer(spec.get("normalizer"), source)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from ..errors import TokenizerError
 from .bpe import LLAMA3_PATTERN, QWEN2_PATTERN, _added_json, _byte_level, _template_processing, bytes_to_unicode
 
 
@@ -33,7 +34,10 @@ def _gguf_pre_tokenizer(pre: str, path) -> tuple[dict, bool]:
 def _gguf_fields(path) -> dict:
     """The `tokenizer.ggml.*` metadata of a GGUF file as plain Python values (cached: the
     reader parses the whole file, seconds for a large vocabulary)."""
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        raise TokenizerError(f"{path}: reading a GGUF tokenizer needs the gguf package: pip install gguf") from None
 
     try:
         reader = gguf.GGUFReader(str(path))
