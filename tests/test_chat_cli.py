@@ -2,9 +2,12 @@
 
 import builtins
 import os
+import re
 import shutil
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -190,3 +193,84 @@ def test_warmup_needs_a_prompt(folder, capsys):
     rc = cli.main(["--model", folder, "--warmup"])
     _, err = capsys.readouterr()
     assert rc == 1 and "--warmup needs -p" in err
+
+
+def _bomb(path: Path) -> Path:
+    """A 20000x10000 PNG header (200 megapixels, past Pillow's decompression-bomb limit) in a few bytes."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", 20000, 10000, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def _repl(monkeypatch, capsys, lines, *argv):
+    feed = iter(lines)
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(feed))
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err, [x for x in err.splitlines() if "tok/s" in x]
+
+
+def test_repl_reports_a_bad_image_and_keeps_the_conversation(folder, tmp_path, capsys, monkeypatch):
+    bomb = _bomb(tmp_path / "huge.png")
+    rc, out, err, stats = _repl(monkeypatch, capsys, ["describe", f"/image {bomb}", "/image", "again", "/quit"],
+                                "--model", folder, "--max-new-tokens", "3")
+    assert rc == 0 and len(stats) == 2, err
+    assert "error:" in err and "huge.png" in err and "usage: /image PATH" in out
+    assert "context" in stats[1] and int(stats[1].split("context ")[1].split()[0]) > \
+        int(stats[0].split("context ")[1].split()[0])  # the second answer followed the first: kept
+
+
+def test_repl_in_eval_mode_explains_images_after_the_first_round(folder, capsys, monkeypatch):
+    rc, out, err, stats = _repl(monkeypatch, capsys, [f"/image {DEMO_IMAGE}", "one", f"/image {DEMO_IMAGE}", "two",
+                                                      "/quit"], "--model", folder, "--max-new-tokens", "3",
+                                "--eval-multiturn")
+    assert rc == 0 and len(stats) == 2, err
+    assert "/clear" in err and "--eval-multiturn" in err and "clear()" not in err
+
+
+def test_repl_says_unknown_command(folder, capsys, monkeypatch):
+    rc, out, err, _ = _repl(monkeypatch, capsys, ["/foo", "/quit"], "--model", folder)
+    assert rc == 0 and "unknown command /foo" in out
+
+
+def test_repl_context_error_speaks_in_commands_and_discard_drops_the_image(folder, capsys, monkeypatch):
+    lines = [f"/image {DEMO_IMAGE}", "hi", "/discard", "hi", "/quit"]
+    rc, out, err, stats = _repl(monkeypatch, capsys, lines, "--model", folder, "--max-seq-len", "60",
+                                "--max-new-tokens", "2")
+    assert rc == 0 and len(stats) == 1, err
+    refused = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(refused) == 1 and "/clear" in refused[0] and "--max-seq-len" in refused[0]
+    assert "/discard" in refused[0] and "1 image" in refused[0] and "discard_pending" not in refused[0]
+
+
+def test_one_shot_context_error_names_the_flags(folder, capsys):
+    rc = cli.main(["--model", folder, "--max-seq-len", "40", "-p", "word " * 50])
+    _, err = capsys.readouterr()
+    assert rc == 1 and "--max-seq-len" in err and "-p" in err and "context is 40" in err
+    assert "/clear" not in err and "max_seq_len" not in err and "clear()" not in err
+
+
+@pytest.mark.parametrize("flags, flag", [(["--top-p", "1.5"], "--top-p"), (["--temperature", "-1"], "--temperature"),
+                                         (["--max-new-tokens", "0"], "--max-new-tokens"),
+                                         (["--max-seq-len", "0"], "--max-seq-len")])
+def test_bad_sampling_flags_are_named_as_flags(folder, capsys, flags, flag):
+    rc = cli.main(["--model", folder, "-p", "hi", *flags])
+    _, err = capsys.readouterr()
+    assert rc == 1 and err.splitlines()[-1].startswith(f"error: {flag} ") and "SamplingParams" not in err, err
+
+
+def test_every_option_has_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert re.search(r"--device DEVICE[ \t]+\S", out), out
+
+
+def test_the_cli_strips_control_characters_the_api_passes_through(folder, capsys, monkeypatch):
+    monkeypatch.setattr(tinyvila.api.Chat, "ask", lambda self, q, sampling=None: (x for x in ["a\x1b[2Jb\x07\tc\n"]))
+    rc = cli.main(["--model", folder, "-p", "hi", "--no-stats"])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and out == "a[2Jb\tc\n\n"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tinyvila.config import TextConfig
-from tinyvila.errors import ContextLimitError
+from tinyvila.errors import ArgumentError, ContextLimitError
 from tinyvila.generate import Decoder, SamplingParams, generate, sample
 from tinyvila.kv_cache import StepIndex
 from tinyvila.options import Options
@@ -129,3 +129,14 @@ def test_invalid_sampling_parameters_are_rejected():
     for bad in (dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(max_new_tokens=0), dict(top_k=-2)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -1.0), ("temperature", float("nan")), ("temperature", float("inf")), ("top_k", -1),
+    ("top_k", 2.5), ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("max_new_tokens", 0),
+    ("max_new_tokens", 3.0), ("max_new_tokens", True), ("seed", "7"),
+])
+def test_invalid_sampling_parameters_name_their_field(field, value):
+    with pytest.raises(ArgumentError, match=f"SamplingParams.{field} ") as e:
+        SamplingParams(**{field: value})
+    assert e.value.name == field and isinstance(e.value, ValueError)

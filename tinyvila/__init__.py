@@ -10,15 +10,17 @@
 See README.md and docs/ for the design and the measured results.
 """
 
-from .api import Chat, Model, Stats, load
+from .api import Answer, Chat, Model, Stats, load
 from .config import PRESETS, SparsityConfig, VLMConfig
-from .errors import CheckpointError, ContextLimitError, ImageError, ModelNotFoundError, TinyVilaError
+from .errors import (AnswerClosedError, ArgumentError, ChatBusyError, CheckpointError, ContextLimitError, EvalModeError,
+                     ImageError, ModelNotFoundError, TinyVilaError)
 from .generate import SamplingParams
 from .options import Options
 
 Sparsity = SparsityConfig
 
 __all__ = [
-    "load", "Model", "Chat", "Stats", "SamplingParams", "Options", "Sparsity", "SparsityConfig", "VLMConfig", "PRESETS",
+    "load", "Model", "Chat", "Answer", "Stats", "SamplingParams", "Options", "Sparsity", "SparsityConfig", "VLMConfig", "PRESETS",
     "TinyVilaError", "CheckpointError", "ModelNotFoundError", "ImageError", "ContextLimitError",
+    "ArgumentError", "ChatBusyError", "AnswerClosedError", "EvalModeError",
 ]

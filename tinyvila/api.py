@@ -378,14 +378,21 @@ class Chat:
         context, declared = self.decoder.max_len, self.vlm.cfg.text.max_seq_len
         if kept + n_new <= context:
             return
-        queued = [f"{n} {what}{'s' if n > 1 else ''}" for n, what in
-                  ((len(self.images), "image"), (len(self.documents), "document")) if n]
         larger = "a larger max_seq_len" + (f" (the model's context is {declared})" if declared > context else "")
+        queued = self.queued()
         raise ContextLimitError(
             f"this turn needs {kept + n_new} tokens ({kept} cached + {n_new - 1} new + 1 to answer) but the chat's "
             f"context is {context}; ask a shorter question, clear() to start over, or open the chat with {larger}"
-            + (f". The turn's {' and '.join(queued)} stay queued for the next question (discard_pending() drops "
-               "them)" if queued else ""))
+            + (f". The turn's {queued} queued for the next question (discard_pending() drops them)" if queued else ""))
+
+    def queued(self) -> str:
+        """The images and documents waiting for the next question, with their verb ("1 image stays", "2 images
+        and 1 document stay"); "" when none."""
+        parts = [f"{n} {what}{'s' if n > 1 else ''}" for n, what in
+                 ((len(self.images), "image"), (len(self.documents), "document")) if n]
+        if not parts:
+            return ""
+        return " and ".join(parts) + (" stays" if len(self.images) + len(self.documents) == 1 else " stay")
 
     # -- retrievable spans, decode sparsity, evaluation mode (SparseVILA decode) ---------------
     def _user_text(self, question: str, documents: list[str] | None = None) -> str:

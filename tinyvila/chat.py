@@ -4,8 +4,10 @@
     python -m tinyvila.chat --model demo --image x.jpg -p "Describe it."      # one-shot
     python -m tinyvila.chat --model vila-8b-awq --image x.jpg -p "Describe it." --benchmark --warmup
 
-In the REPL: /image PATH adds an image to the next question, /clear starts over, /stats prints the
-last turn's numbers, /quit (or Ctrl-D) leaves; Ctrl-C stops an answer. `--benchmark` prints each
+In the REPL: /image PATH adds an image to the next question, /discard drops the images not yet asked
+about, /clear starts over, /stats prints the last turn's numbers, /quit (or Ctrl-D) leaves; Ctrl-C stops
+an answer. An error in one turn (a bad image, a question too long for the context) is reported and
+the conversation goes on. `--benchmark` prints each
 answer's breakdown (tinyvila/benchmark.py, as scripts/bench.py does) and, when the conversation ends
 (/clear or exit), a table of its answers and their total. The only module that does terminal I/O;
 everything else goes through the Python API (tinyvila.api).
@@ -21,11 +23,14 @@ import torch
 
 from . import benchmark
 from .api import Chat, load
-from .errors import TinyVilaError
+from .errors import ArgumentError, ContextLimitError, EvalModeError, TinyVilaError
 from .generate import SamplingParams
 from .options import Options
 
-HELP = "commands: /image PATH  /clear  /stats  /quit   (Ctrl-D quits, Ctrl-C stops an answer)"
+HELP = "commands: /image PATH  /discard  /clear  /stats  /quit   (Ctrl-D quits, Ctrl-C stops an answer)"
+# API argument names -> the flags that set them (errors speak the CLI's language)
+FLAGS = {name: "--" + name.replace("_", "-") for name in
+         ("temperature", "top_k", "top_p", "max_new_tokens", "seed", "max_seq_len")}
 # C0 control characters other than tab and newline (and DEL) are not printed: a model's output must
 # not be able to drive the terminal (escape sequences, bells).
 _CONTROL = {c: None for c in [*range(0, 9), *range(11, 32), 127]}
@@ -37,7 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--image", action="append", default=[], help="image file for the first question (repeatable)")
     p.add_argument("-p", "--prompt", help="ask this once, print the answer and exit")
     p.add_argument("--system", help="replace the template's system prompt")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="default: the checkpoint's")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -69,16 +75,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def answer(chat: Chat, question: str, show_stats: bool, recorder: benchmark.Recorder | None = None) -> None:
     """Stream one answer to stdout; Ctrl-C stops it and keeps the conversation usable."""
+    stream = chat.ask(question)
     try:
-        for piece in chat.ask(question):
+        for piece in stream:
             print(piece.translate(_CONTROL), end="", flush=True)
     except KeyboardInterrupt:
         print(" [stopped]", end="")
+    finally:
+        stream.close()  # its stats are final
     print()
     if recorder is not None:
         print(f"[benchmark: {benchmark.line(recorder.record(chat.stats))}]", file=sys.stderr)
     elif show_stats:
         print(f"[{chat.stats.line()}]", file=sys.stderr)
+
+
+def explain(e: Exception, chat: Chat | None, one_shot: bool) -> str:
+    """An error's message in the CLI's terms: its flags and /commands, not the Python API's names."""
+    if isinstance(e, ArgumentError) and e.name in FLAGS:
+        msg = str(e)
+        for api_name in (f"SamplingParams.{e.name}", e.name):
+            if msg.startswith(api_name):
+                return FLAGS[e.name] + msg[len(api_name):]
+    if isinstance(e, ContextLimitError) and chat is not None:
+        ctx, declared = chat.decoder.max_len, chat.vlm.cfg.text.max_seq_len
+        larger = f"a larger --max-seq-len (the model's context is {declared})" if declared > ctx else "a model with a longer context"
+        if one_shot:
+            return f"the prompt does not fit: the context is {ctx} tokens; shorten -p, pass fewer --image, or use {larger}"
+        queued = chat.queued()
+        return (f"this question does not fit: the context is {ctx} tokens; ask a shorter one, /clear to start over, "
+                f"or restart with {larger}" + (f". The {queued} queued: /discard drops them" if queued else ""))
+    return str(e) if isinstance(e, TinyVilaError) else f"{type(e).__name__}: {e}"
 
 
 def end_conversation(recorder: benchmark.Recorder | None) -> None:
@@ -92,21 +119,37 @@ def command(chat: Chat, line: str, recorder: benchmark.Recorder | None = None) -
     name, _, arg = line.partition(" ")
     if name == "/quit":
         return False
-    if name == "/image" and arg.strip():
-        chat.add_image(arg.strip())
+    if name == "/image":
+        if not arg.strip():
+            print("usage: /image PATH")
+            return True
+        try:
+            chat.add_image(arg.strip())
+        except EvalModeError:
+            print("error: evaluation mode (--eval-multiturn) answers every question against the first question's "
+                  "images: /clear starts a new evaluation; without --eval-multiturn images can be added as you go",
+                  file=sys.stderr)
+            return True
         print(f"[image added: {arg.strip()}; it goes with your next question]")
+    elif name == "/discard":
+        n = len(chat.images)
+        chat.discard_pending()
+        print(f"[{n} image{'s' if n != 1 else ''} discarded]")
     elif name == "/clear":
         end_conversation(recorder)
         chat.clear()
         print("[conversation cleared]")
     elif name == "/stats":
         print(f"[{chat.stats.line()}]")
-    else:
+    elif name in ("/help", "/?"):
         print(HELP)
+    else:
+        print(f"unknown command {name}; {HELP}")
     return True
 
 
 def repl(chat: Chat, show_stats: bool, recorder: benchmark.Recorder | None = None) -> None:
+    """Read questions and /commands until /quit or Ctrl-D; one failed turn never ends the conversation."""
     print(HELP)
     while True:
         try:
@@ -122,8 +165,31 @@ def repl(chat: Chat, show_stats: bool, recorder: benchmark.Recorder | None = Non
                     return
             else:
                 answer(chat, line, show_stats, recorder)
-        except TinyVilaError as e:  # bad image, context full: say so and keep the session
-            print(f"error: {e}", file=sys.stderr)
+        except KeyboardInterrupt:  # during a command (a slow image) or a prefill: that turn is undone
+            print("[stopped]")
+        except Exception as e:  # noqa: BLE001 - a bad image, a full context, any error: say so, keep the session
+            where = f"{line}: " if line.startswith("/") and not isinstance(e, TinyVilaError) else ""
+            print(f"error: {where}{explain(e, chat, one_shot=False)}", file=sys.stderr)
+
+
+def open_chat(args: argparse.Namespace) -> Chat:
+    """Load the model and open the chat the flags describe (the sampling flags are checked first)."""
+    options = Options.parse(args.options, Options.from_env())
+    if args.no_cuda_graph:
+        options = options.with_(cuda_graph=False)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              max_new_tokens=args.max_new_tokens, seed=args.seed)
+    vlm = load(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+               options=options)
+    if vlm.cfg.synthetic:
+        print(f"note: {vlm.folder} is a synthetic checkpoint with RANDOM weights; "
+              "its answers are meaningless text.", file=sys.stderr)
+    prefill = {k: v for k, v in (("prefill_keep", args.prefill_keep), ("prefill_method", args.prefill_method),
+                                 ("prefill_positions", args.prefill_positions),
+                                 ("decode_keep", args.decode_keep)) if v is not None}
+    sparsity = dataclasses.replace(vlm.cfg.sparsity, **prefill)
+    return vlm.chat(system=args.system, sampling=sampling, max_seq_len=args.max_seq_len, sparsity=sparsity,
+                    mode="eval" if args.eval_multiturn else "chat")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,23 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup and args.prompt is None:
         print("error: --warmup needs -p (the REPL's questions are not known in advance)", file=sys.stderr)
         return 1
+    chat = None
     try:
-        options = Options.parse(args.options, Options.from_env())
-        if args.no_cuda_graph:
-            options = options.with_(cuda_graph=False)
-        vlm = load(args.model, device=args.device,
-                   dtype=getattr(torch, args.dtype) if args.dtype else None, options=options)
-        if vlm.cfg.synthetic:
-            print(f"note: {vlm.folder} is a synthetic checkpoint with RANDOM weights; "
-                  "its answers are meaningless text.", file=sys.stderr)
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  max_new_tokens=args.max_new_tokens, seed=args.seed)
-        prefill = {k: v for k, v in (("prefill_keep", args.prefill_keep), ("prefill_method", args.prefill_method),
-                                     ("prefill_positions", args.prefill_positions),
-                                     ("decode_keep", args.decode_keep)) if v is not None}
-        sparsity = dataclasses.replace(vlm.cfg.sparsity, **prefill)
-        chat = vlm.chat(system=args.system, sampling=sampling, max_seq_len=args.max_seq_len, sparsity=sparsity,
-                        mode="eval" if args.eval_multiturn else "chat")
+        chat = open_chat(args)
         if args.warmup:
             warm_up(chat, args.image, args.prompt)
         recorder = benchmark.Recorder(args.device) if args.benchmark else None
@@ -163,8 +215,11 @@ def main(argv: list[str] | None = None) -> int:
             if recorder is not None:
                 recorder.close()
     except (TinyVilaError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {explain(e, chat, one_shot=args.prompt is not None)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # while loading or encoding: nothing to keep
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -9,6 +9,7 @@ The loop follows gpt-fast/nanochat: prefill once, then one cached decode step pe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -17,7 +18,7 @@ import torch
 
 from . import ops
 from .cuda_graph import GraphLRU, capture
-from .errors import ContextLimitError
+from .errors import ArgumentError, ContextLimitError
 from .kv_cache import KVCache, StepIndex
 from .retrieval import PACKED_ROOM, FastV, Retrieval
 from .text import rope_table
@@ -47,7 +48,8 @@ def prefill_bucket(T: int) -> int:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters. A value out of range raises
+    ArgumentError (a ValueError) naming the field."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -56,8 +58,22 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
-            raise ValueError(f"invalid sampling parameters: {self}")
+        def bad(name: str, rule: str) -> ArgumentError:
+            return ArgumentError(name, f"SamplingParams.{name} must be {rule}, got {getattr(self, name)!r}")
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise bad("temperature", "a finite number >= 0 (0 = greedy)")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "a whole number >= 0 (0 = off)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1] (1 = off)")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise bad("max_new_tokens", "a whole number >= 1")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "a whole number or None")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
