@@ -13,6 +13,7 @@ from PIL import Image
 
 from tinyvila.config import PRESETS, VisionConfig
 from tinyvila.errors import ImageError
+from tinyvila import image
 from tinyvila.image import normalise_pixels, preprocess, resize_uint8
 
 SIGLIP = VisionConfig(image_size=64)
@@ -84,7 +85,10 @@ def test_resize_ignores_aspect_ratio():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (np.zeros((8, 8, 3), np.float32), "dtype float32"),
+    (np.full((8, 8, 3), 1.5, np.float32), r"float image must hold finite values in \[0, 1\], got 1.5..1.5"),
+    (np.full((8, 8, 3), np.nan, np.float32), "finite values"),
+    (np.zeros((8, 8, 3), np.int64), "dtype int64"),
+    (np.full((8, 8, 3), 70000, np.int32), "values 70000..70000"),
     (np.zeros((8, 8), np.uint8), r"shape \(8, 8\)"),
     (np.zeros((8, 8, 4), np.uint8), r"shape \(8, 8, 4\)"),
     (np.zeros((0, 8, 3), np.uint8), r"shape \(0, 8, 3\)"),
@@ -156,3 +160,96 @@ def test_normalise_pixels_rejects_other_input():
         normalise_pixels(torch.zeros(1, 3, 8, 8), SIGLIP)
     with pytest.raises(ImageError, match="uint8 from resize_uint8"):
         normalise_pixels(torch.zeros(1, 8, 8, 4, dtype=torch.uint8), SIGLIP)
+
+
+# -- untrusted files and unusual pixel types ---------------------------------------------------------
+def _save(tmp_path, a: np.ndarray, name: str, **kw):
+    path = tmp_path / name
+    Image.fromarray(a).save(path, **kw)
+    return path
+
+
+def test_pixel_limit_refuses_a_huge_png_before_decoding(tmp_path, monkeypatch):
+    path = _save(tmp_path, np.zeros((300, 400, 3), np.uint8), "big.png")
+    with pytest.raises(ImageError, match="big.png: 400x300 .* over the limit .*MAX_PIXELS"):
+        preprocess(path, SIGLIP, max_pixels=100_000)
+    monkeypatch.setattr(image, "MAX_PIXELS", 100_000)
+    with pytest.raises(ImageError, match="big.png"):
+        preprocess(path, SIGLIP)
+    assert preprocess(path, SIGLIP, max_pixels=120_000).shape == (1, 3, 64, 64)
+
+
+def test_a_huge_jpeg_is_decoded_downscaled(tmp_path, monkeypatch):
+    path = _save(tmp_path, _gradient(800, 1200), "big.jpg", quality=95)
+    decoded = []
+    real = image._to_rgb
+    monkeypatch.setattr(image, "_to_rgb", lambda im, what: decoded.append(im.size) or real(im, what))
+    small = preprocess(path, SIGLIP, max_pixels=1200 * 800 // 16)
+    assert decoded == [(300, 200)]  # decoded at 1/4 scale (DCT scaling), not in full
+    full = preprocess(path, SIGLIP)
+    assert decoded[-1] == (1200, 800) and (small - full).abs().max() < 0.1  # the same picture
+
+
+def test_pillow_decompression_bomb_is_an_image_error(tmp_path, monkeypatch):
+    path = _save(tmp_path, np.zeros((100, 100, 3), np.uint8), "bomb.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow raises past twice this
+    with pytest.raises(ImageError, match="bomb.png: refused by Pillow's decompression-bomb limit"):
+        preprocess(path, SIGLIP)
+
+
+def test_closed_pil_image_is_an_image_error():
+    im = Image.fromarray(_random())
+    im.close()
+    with pytest.raises(ImageError, match="image: cannot read the PIL image.*closed"):
+        preprocess(im, SIGLIP)
+
+
+@pytest.mark.parametrize("fmt", ["EPS", "ICO", "TGA"])
+def test_formats_outside_the_allow_list_are_refused(tmp_path, fmt):
+    path = tmp_path / f"x.{fmt.lower()}"
+    Image.fromarray(_random(32, 32)).save(path, format=fmt)
+    with pytest.raises(ImageError, match=f"x.{fmt.lower()}: cannot read image \\(not a JPEG, PNG"):
+        preprocess(path, SIGLIP)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF", "PPM"])
+def test_allowed_formats_load(tmp_path, fmt):
+    path = tmp_path / f"x.{fmt.lower()}"
+    Image.fromarray(_random(32, 32)).save(path, format=fmt)
+    assert preprocess(path, SIGLIP).shape == (1, 3, 64, 64)
+
+
+def test_16_bit_png_is_scaled_not_clipped(tmp_path):
+    grey = (np.arange(64 * 64, dtype=np.uint32).reshape(64, 64) * 16).astype(np.uint16)  # 0..65520
+    path = _save(tmp_path, grey, "deep.png")
+    assert Image.open(path).mode == "I;16"
+    got = resize_uint8(path, SIGLIP)[0, :, :, 0].numpy()
+    want = resize_uint8(np.repeat(np.rint(grey / 257).astype(np.uint8)[..., None], 3, -1), SIGLIP)[0, :, :, 0].numpy()
+    assert np.array_equal(got, want) and got.min() < 10 and got.max() > 240  # not all white
+
+
+@pytest.mark.parametrize("mode", ["I", "F"])
+def test_wide_pil_modes_are_scaled(mode):
+    ramp = np.linspace(0, 1, 64 * 64).reshape(64, 64)
+    a = (ramp * 65535).astype(np.int32) if mode == "I" else ramp.astype(np.float32)
+    got = resize_uint8(Image.fromarray(a), SIGLIP)[0, :, :, 0].numpy()
+    want = resize_uint8(np.repeat(np.rint(ramp * 255).astype(np.uint8)[..., None], 3, -1), SIGLIP)[0, :, :, 0].numpy()
+    assert np.abs(got.astype(int) - want).max() <= 1 and got.max() > 240
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32, np.float64])
+def test_uint16_and_float_arrays_are_scaled(dtype):
+    a8 = _random()
+    a = (a8.astype(np.uint16) * 257) if dtype == np.uint16 else (a8 / 255).astype(dtype)
+    assert torch.equal(resize_uint8(a, SIGLIP), resize_uint8(a8, SIGLIP))
+
+
+def test_exif_rotation_is_applied(tmp_path):
+    a = _gradient(40, 80)  # landscape as stored
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to view": the camera was held upright
+    path = _save(tmp_path, a, "phone.jpg", exif=exif, quality=95)
+    seen = image.load_image(path)
+    assert seen.size == (40, 80)  # portrait, as the photo is meant to be seen
+    stored = Image.open(path).convert("RGB")  # the pixels as stored, no orientation applied
+    assert np.array_equal(np.asarray(seen), np.asarray(stored.transpose(Image.Transpose.ROTATE_270)))
