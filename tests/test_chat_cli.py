@@ -274,3 +274,44 @@ def test_the_cli_strips_control_characters_the_api_passes_through(folder, capsys
     rc = cli.main(["--model", folder, "-p", "hi", "--no-stats"])
     out, _ = capsys.readouterr()
     assert rc == 0 and out == "a[2Jb\tc\n\n"
+
+
+@pytest.fixture
+def demo_home(tmp_path, monkeypatch):
+    """The demo built (or found) in tmp_path only, with the repository root as the working directory."""
+    monkeypatch.setenv("TINYVILA_CHECKPOINTS", str(tmp_path))
+    monkeypatch.setattr(tinyvila.api, "checkpoint_dirs", lambda: [tmp_path])
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    return tmp_path
+
+
+def test_the_readme_python_example_runs_as_written_on_the_demo(demo_home, capsys):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    code = readme.split("From Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'tinyvila.load("demo")' in code and code.count("chat.ask(") == 2
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "tok/s" in out and "\ufffd" not in out
+    assert len(out.split()) > 100  # two answers of words
+
+
+def test_the_demo_answers_in_words_and_its_tokenizer_agrees_with_hf(demo_home):
+    vlm = tinyvila.load("demo")
+    assert vlm.cfg.text.max_seq_len >= 2048
+    chat = vlm.chat(sampling=tinyvila.SamplingParams(max_new_tokens=64))
+    chat.add_image(DEMO_IMAGE)
+    text = "".join(chat.ask("What is in this picture?"))
+    words = [t for t in chat.turns[0][2] if 256 <= t < 256 + 2 * len(tinyvila.loader._WORDS)]
+    assert "\ufffd" not in text and len(words) >= 0.9 * len(chat.turns[0][2])
+    tokenizers = pytest.importorskip("tokenizers")
+    hf = tokenizers.Tokenizer.from_file(str(vlm.folder / "tokenizer.json"))
+    prompt = "What is in the picture? The red house, on the left.<|eot_id|> théâtre"
+    assert hf.encode(prompt).ids == vlm.tokenizer.encode(prompt)
+    assert len(vlm.tokenizer.encode(prompt, add_special_tokens=False)) < len(prompt.encode()) / 2
+
+
+def test_a_demo_of_the_old_format_is_rebuilt(demo_home):
+    build_synthetic(demo_home / "demo", "tiny-siglip-llama", seed=0)  # a byte tokenizer and 512 tokens of context
+    vlm = tinyvila.load("demo")
+    assert vlm.cfg.text.max_seq_len == tinyvila.api.DEMO_PRESET.text.max_seq_len != 512
+    assert vlm.tokenizer.encode(" the", add_special_tokens=False) == [256]  # the word vocabulary

@@ -37,7 +37,16 @@ from .tokenizer import IMAGE_TOKEN, TEMPLATES, BPETokenizer, StreamDecoder, stop
 from .vlm import VLM
 
 DEMO_MODEL = "demo"              # built on first use: tiny, random weights, for the README demo
-DEMO_PRESET = "tiny-siglip-llama"
+
+
+def _demo_config() -> VLMConfig:
+    """The tiny SigLIP + LLaMA preset with a 4096-token context: the README's conversation and several answers of
+    the default length fit. (Its tokenizer has whole words: `ensure_synthetic(words=True)` in resolve_model.)"""
+    cfg = preset("tiny-siglip-llama")
+    return dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, max_seq_len=4096))
+
+
+DEMO_PRESET = _demo_config()
 
 
 def checkpoint_dirs() -> list[Path]:
@@ -66,7 +75,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         # repo's), else ./checkpoints; rebuilt if partial or stale (safe when several processes start at once).
         folder = next((p for p in looked if (p / "config.json").is_file()), None) or \
             next((p for p in looked if p.parent.is_dir()), Path.cwd() / "checkpoints" / DEMO_MODEL)
-        return ensure_synthetic(folder, DEMO_PRESET, seed=0)
+        return ensure_synthetic(folder, DEMO_PRESET, seed=0, words=True)
     for folder in looked:
         if (folder / "config.json").is_file():
             return folder
@@ -129,7 +138,11 @@ def from_config(cfg: VLMConfig | str, *, device: str | torch.device = "cpu", see
 
 @dataclass
 class Stats:
-    """What the last turn cost and how large the conversation is."""
+    """What the last turn cost and how large the conversation is; `line()` is the CLI's stats line.
+
+    `finish`, why the answer ended: "stop" (the model emitted a stop token), "max_tokens" (the sampling's
+    max_new_tokens reached), "context" (the KV cache is full: clear() or a larger max_seq_len to go on) or
+    "interrupted" (the reader stopped early: close(), Ctrl-C, an error, or a later ask() or clear())."""
 
     encode_ms: float = 0.0          # vision encoder + projector for images added this turn
     prefill_ms: float = 0.0

@@ -410,16 +410,53 @@ def _iter_ids(tok: dict) -> Iterator[int]:
     yield from (vocab.values() if isinstance(vocab, dict) else range(len(vocab)))
 
 
-def synthetic_tokenizer(cfg: VLMConfig) -> dict:
-    """A byte-level tokenizer.json holding the template's special tokens (adding its BOS, as the
-    real tokenizer would); raises ValueError if its ids do not fit the config's vocab."""
+# Whole words for a synthetic tokenizer (`synthetic_tokenizer(words=True)`: the demo's), most useful first: as
+# " word", then as " Word", at the ids after the bytes, as many as a config's vocabulary holds. Prompts then take
+# about as many tokens as with a real tokenizer, and a random model's answers are words.
+_WORDS = """
+the of and a to in is it that for on with as at by from this was are be or an not but all they we you he she
+his her their its our one two three there here what which who when where why how can will would could should
+may might must has have had do does did some many much more most few other such only own same very also just
+then now still even again never always often every each both either into over under above below between behind
+through across along around after before while because if so than too well yes no about near far picture image
+photo scene view light color shape line edge corner side top bottom left right middle front back center red
+blue green yellow orange purple pink brown black white gray dark bright small large big little long short tall
+wide round flat old new young good great high low clear soft warm cold house home room door window wall floor
+roof table chair bed car road street city town tree flower grass sky cloud sun moon star water river sea lake
+hill mountain field garden park bridge tower boat train plane bird dog cat horse fish man woman child people
+person face hand eye head hair arm leg foot body day night morning evening time year place part way thing
+group number word name book paper box bag cup glass plate bottle ball toy robot gripper camera screen sign
+letter text shadow surface pattern object see look show find make take get give go come know think want like
+need use work call try ask seem feel leave put keep let begin help turn start run move live hold bring write
+sit stand play learn change watch follow stop open close read walk grow said made went came
+""".split()
+
+
+def synthetic_tokenizer(cfg: VLMConfig, words: bool = False) -> dict:
+    """A byte-level tokenizer.json: the 256 bytes, then (`words`) whole words (`_WORDS`), as many as the config's
+    vocabulary holds, then the template's special tokens (adding its BOS, as the real tokenizer would). With words
+    it is HF's `ignore_merges` BPE: a word found in the vocabulary is one token, any other text is bytes; the ids
+    run on without a gap, as HF's tokenizers want. Raises ValueError if the bytes and specials do not fit the
+    config's vocab."""
     from .tokenizer import TEMPLATES, byte_tokenizer_json
+    from .tokenizer.bpe import bytes_to_unicode
 
     template = TEMPLATES[cfg.template]
-    tok = byte_tokenizer_json(list(template.special_tokens), bos=template.bos)
+    tok = byte_tokenizer_json(list(template.special_tokens), bos=template.bos)  # specials at 256..
     top = max(_iter_ids(tok), default=-1)
     if top >= cfg.text.vocab_size:
         raise ValueError(f"byte tokenizer needs {top + 1} ids but the config's vocab_size is {cfg.text.vocab_size}")
+    if not words:
+        return tok
+    space = bytes_to_unicode()[ord(" ")]
+    forms = list(dict.fromkeys([space + w for w in _WORDS] + [space + w.capitalize() for w in _WORDS]))
+    forms = forms[:cfg.text.vocab_size - 1 - top]
+    tok["model"]["vocab"].update({w: 256 + i for i, w in enumerate(forms)})
+    tok["model"]["ignore_merges"] = True
+    for added in tok["added_tokens"]:  # the specials move past the words
+        added["id"] += len(forms)
+    for special in tok["post_processor"]["special_tokens"].values():
+        special["ids"] = [i + len(forms) for i in special["ids"]]
     return tok
 
 
@@ -429,20 +466,24 @@ def _synthetic_config(cfg_or_preset: VLMConfig | str) -> VLMConfig:
 
 
 def build_synthetic(folder: str | os.PathLike, cfg_or_preset: VLMConfig | str, seed: int = 0, *,
-                    overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+                    overwrite: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES, words: bool = False) -> Path:
     """Writes a random-weight checkpoint (config with synthetic=True, weights, byte tokenizer.json).
 
     The template's stop tokens live in the byte tokenizer, so the preset's `eos_ids` (ids of a real
-    tokenizer) are cleared. A real-size preset (vila-8b) writes ~16 GB and takes minutes.
+    tokenizer) are cleared. A real-size preset (vila-8b) writes ~16 GB and takes minutes. `words`: the tokenizer
+    holds whole words too (`synthetic_tokenizer`), and the model prefers them to bytes (the demo's).
     """
     cfg = _synthetic_config(cfg_or_preset)
-    tok = synthetic_tokenizer(cfg)
+    tok = synthetic_tokenizer(cfg, words)
     sd = random_state_dict(cfg, seed)
+    if words:  # the byte tokens' output rows scaled down: greedy answers are words, not stray (invalid) bytes
+        sd["text.embed.weight" if cfg.text.tie_embeddings else "text.lm_head.weight"][:256] *= 0.25
     return save_checkpoint(folder, cfg, sd, {"tokenizer.json": json.dumps(tok, ensure_ascii=False)},
                            overwrite=overwrite, max_shard_bytes=max_shard_bytes)
 
 
-def ensure_synthetic(folder: str | os.PathLike, cfg_or_preset: VLMConfig | str, seed: int = 0) -> Path:
+def ensure_synthetic(folder: str | os.PathLike, cfg_or_preset: VLMConfig | str, seed: int = 0,
+                     words: bool = False) -> Path:
     """`build_synthetic` unless `folder` already holds that checkpoint; safe when several processes run it at once
     (each builds in its own temp folder and the first rename wins; the others use its folder). A leftover partial
     folder (no config.json or no weights), or a synthetic one of another config or tokenizer, is rebuilt; a folder
@@ -450,20 +491,20 @@ def ensure_synthetic(folder: str | os.PathLike, cfg_or_preset: VLMConfig | str, 
     folder = Path(folder)
     cfg = _synthetic_config(cfg_or_preset)
     for _ in range(5):
-        state = _synthetic_state(folder, cfg)
+        state = _synthetic_state(folder, cfg, words)
         if state in ("current", "foreign"):
             return folder
         if state == "stale":
             _discard(folder)
         try:
-            return build_synthetic(folder, cfg, seed)
+            return build_synthetic(folder, cfg, seed, words=words)
         except FileExistsError:
             continue  # it appeared meanwhile: look at it again
     raise CheckpointError(f"{folder}: could not build the synthetic checkpoint (it keeps changing underneath); "
                           "remove the folder and try again")
 
 
-def _synthetic_state(folder: Path, cfg: VLMConfig) -> str:
+def _synthetic_state(folder: Path, cfg: VLMConfig, words: bool = False) -> str:
     """'missing', 'current' (that exact config and tokenizer), 'stale' (partial, or synthetic but different) or
     'foreign' (a checkpoint with real weights)."""
     if not folder.exists():
@@ -475,7 +516,7 @@ def _synthetic_state(folder: Path, cfg: VLMConfig) -> str:
         tok = json.loads((folder / found.tokenizer).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return "stale"
-    if found == cfg and tok == synthetic_tokenizer(cfg):
+    if found == cfg and tok == synthetic_tokenizer(cfg, words):
         return "current"
     return "stale" if found.synthetic else "foreign"
 
