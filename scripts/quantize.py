@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     except (TinyVilaError, FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the checkpoint's temp folder is already removed: a line, not a traceback
+        print(f"\ninterrupted: nothing was written to {getattr(args, 'dst', 'the destination')}", file=sys.stderr)
+        return 130
     print(f"wrote {folder}")
     return 0
 

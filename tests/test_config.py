@@ -82,7 +82,7 @@ NONSENSE = [  # (section, field, value, words the message must hold): each loade
     ("quant", "group_size", 100, "quant.group_size must be 32, 64 or 128"),
     ("sparsity", "decode_keep", "all", "sparsity.decode_keep must be a finite number"),
     (None, "template", "chatml", "template must be one of"),
-    (None, "dtype", "float64", "dtype must be one of float16, bfloat16, float32"),
+    (None, "dtype", "fp16", "dtype must be one of float16, bfloat16, float32, float64"),
     (None, "tokenizer", "/etc/passwd", "tokenizer must be a file name inside the checkpoint folder"),
     (None, "tokenizer", "../other/tokenizer.json", "tokenizer must be a file name inside the checkpoint folder"),
     (None, "eos_ids", [600], "eos_ids must be ids below text.vocab_size (512)"),

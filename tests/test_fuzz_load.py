@@ -1,6 +1,6 @@
 """Seeded fuzzing of `tinyvila.load`: corrupt the demo checkpoint's files, expect only clear errors.
 
-Run: pytest tests/test_fuzz_load.py (about 15 s on one CPU core). The demo-sized checkpoint is built once;
+Run: pytest tests/test_fuzz_load.py (350 cases, about 5 s on one CPU core). The demo-sized checkpoint is built once;
 each case copies it, applies one seeded mutation to the safetensors header, config.json, tokenizer.json
 or a sentencepiece tokenizer.model, and loads it. A failure must be a `TinyVilaError` whose message
 names the mutated file (and, for a config value, the field). A mutation that loads must give a model that
@@ -24,7 +24,7 @@ from tinyvila.api import DEMO_PRESET
 from tinyvila.errors import TinyVilaError
 from tinyvila.loader import WEIGHTS, build_synthetic
 
-N_CASES = 40  # per family: header, config, tokenizer.json; sentencepiece gets 20
+N_CASES = 100  # per family: header, config, tokenizer.json; sentencepiece gets 50
 POOL = ["x", "", -1, 0, 1, 3, 0.5, -0.5, 512.5, 10**12, 1e308, math.nan, math.inf, None, True, False, [], [1, "a"],
         {}, {"a": 1}, "llama", "mistral", "float64", "../x", "/etc/passwd", 2**70]
 

@@ -370,9 +370,17 @@ def test_filesystem_oddities_name_the_file(copy, tmp_path, victim, oddity):
 # -- finite weights (verify=) -----------------------------------------------------------------------------
 def test_verify_finds_nan_weights(copy):
     _rewrite(copy, lambda sd: sd["text.layers.1.mlp.w2.weight"].view(-1)[7:9].fill_(float("nan")))
-    tinyvila.load(copy)  # unchecked by default: a memory map, no weight read
+    tinyvila.load(copy)  # unchecked by default on the CPU: a memory map, no weight read
     with pytest.raises(CheckpointError, match=f"{WEIGHTS}: text.layers.1.mlp.w2.weight: holds NaN or infinite"):
         tinyvila.load(copy, verify=True)
+
+
+@pytest.mark.gpu
+def test_weights_are_verified_on_a_gpu_by_default(copy):
+    _rewrite(copy, lambda sd: sd["vision.pos_embed"].view(-1)[3].fill_(float("inf")))
+    with pytest.raises(CheckpointError, match="vision.pos_embed: holds NaN or infinite"):
+        tinyvila.load(copy, device="cuda")
+    tinyvila.load(copy, device="cuda", verify=False)
 
 
 # -- devices --------------------------------------------------------------------------------------------
@@ -428,3 +436,38 @@ def test_partial_or_stale_demo_is_rebuilt(tmp_path, monkeypatch):
     assert tinyvila.load("demo").cfg.sparsity.prefill_keep == 1.0
     _set_config(tmp_path / "demo", synthetic=False)  # real weights under that name are never touched
     assert tinyvila.load("demo").cfg.synthetic is False
+
+
+def test_ctrl_c_during_a_checkpoint_write_prints_a_line(tmp_path, monkeypatch, capsys):
+    import tinyvila.loader as loader
+    from scripts import quantize
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loader, "_write_extras", interrupted)  # after the weights: most of the work is done
+    assert quantize.main(["synthetic", "--preset", "tiny-siglip-llama", str(tmp_path / "ck")]) == 130
+    assert capsys.readouterr().err.strip() == f"interrupted: nothing was written to {tmp_path / 'ck'}"
+    assert list(tmp_path.iterdir()) == []  # the temp folder is gone too
+
+
+def test_cli_refuses_a_context_past_the_declared_one(good, capsys):
+    from tinyvila import chat as cli
+
+    assert cli.main(["--model", str(good), "--max-seq-len", "513", "-p", "hi", "--device", "cpu"]) == 1
+    assert "--max-seq-len 513 is past the model's declared context of 512 tokens" in capsys.readouterr().err
+    assert cli.main(["--model", str(good), "--max-seq-len", "512", "-p", "hi", "--max-new-tokens", "2",
+                     "--device", "cpu"]) == 0
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--device", "gpu"], "device 'gpu' (--device): tinyvila runs on cpu, cuda or cuda:N"),
+    (["--verify"], "weights are not finite"),
+])
+def test_cli_load_errors_are_one_line(copy, capsys, argv, words):
+    from tinyvila import chat as cli
+
+    _rewrite(copy, lambda sd: sd["text.norm.weight"].fill_(float("inf")))
+    assert cli.main(["--model", str(copy), "-p", "hi", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and "Traceback" not in err

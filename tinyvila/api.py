@@ -113,10 +113,10 @@ class Model:
 
 
 def load(name_or_path: str | os.PathLike, *, device: str | torch.device = "cpu",
-         dtype: torch.dtype | None = None, options: Options | None = None, verify: bool = False) -> Model:
+         dtype: torch.dtype | None = None, options: Options | None = None, verify: bool | None = None) -> Model:
     """Load a checkpoint folder or a named model (see `resolve_model`). `options`: the runtime switches
     (tinyvila.Options; default: Options.from_env(), i.e. the defaults unless TINYVILA_CUDA_GRAPH / TINYVILA_PDL
-    turn something off). `verify`: also check that every weight is finite (reads them all). The device, config
+    turn something off). `verify`: check that every weight is finite (None: on a GPU only). The device, config
     and tokenizer are checked before any weight is read; every problem raises a TinyVilaError naming it."""
     device = resolve_device(device)
     folder = resolve_model(name_or_path)

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="default: the checkpoint's")
+    p.add_argument("--verify", action="store_true", default=None,
+                   help="check at load that every weight is finite also on the CPU (always done on a GPU)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -180,7 +182,7 @@ def open_chat(args: argparse.Namespace) -> Chat:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, seed=args.seed)
     vlm = load(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-               options=options)
+               options=options, verify=args.verify)
     if vlm.cfg.synthetic:
         print(f"note: {vlm.folder} is a synthetic checkpoint with RANDOM weights; "
               "its answers are meaningless text.", file=sys.stderr)
@@ -188,6 +190,7 @@ def open_chat(args: argparse.Namespace) -> Chat:
                                  ("prefill_positions", args.prefill_positions),
                                  ("decode_keep", args.decode_keep)) if v is not None}
     sparsity = dataclasses.replace(vlm.cfg.sparsity, **prefill)
+    vlm.cfg.text.check_context(args.max_seq_len, "--max-seq-len")
     return vlm.chat(system=args.system, sampling=sampling, max_seq_len=args.max_seq_len, sparsity=sparsity,
                     mode="eval" if args.eval_multiturn else "chat")
 

@@ -24,7 +24,7 @@ MAX_SEQ_LEN = 1 << 22
 # Sizes a kernel indexes with int32, and layer counts a model is built from one by one (the deepest public
 # LLMs have ~128): past these a value is a typo, and building the model alone would take hours.
 MAX_SIZE, MAX_LAYERS = 1 << 31, 1024
-DTYPES = ("float16", "bfloat16", "float32")
+DTYPES = ("float16", "bfloat16", "float32", "float64")  # float64: exactness tests
 
 
 def _describe(t: str, positive: bool) -> str:
@@ -219,6 +219,13 @@ class TextConfig:
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
+
+    def check_context(self, n: int | None, name: str = "max_seq_len") -> None:
+        """ConfigError if a KV cache of `n` tokens runs past the declared context (RoPE positions the model never
+        saw in training). The CLI checks `--max-seq-len`; benchmarks at synthetic shapes may pass more to chat()."""
+        if n is not None and n > self.max_seq_len:
+            raise ConfigError(f"{name} {n} is past the model's declared context of {self.max_seq_len} tokens "
+                              f"(config.json text.max_seq_len); pass at most {self.max_seq_len}")
 
     @property
     def qkv_dim(self) -> int:
