@@ -352,7 +352,7 @@ class VLMConfig:
         try:
             return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, UnicodeDecodeError, RecursionError, ValueError) as e:  # JSONDecodeError, ConfigError
-            raise CheckpointError(f"{path}: not a valid tinyvila config: {e}; fix that field, or rebuild the "
+            raise CheckpointError(f"{path}: not a valid tinyvila config: {e}; fix config.json, or rebuild the "
                                   "checkpoint with scripts/quantize.py") from None
 
 
