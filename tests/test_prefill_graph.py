@@ -22,8 +22,8 @@ from tinyvila.generate import PREFILL_GRAPH_MAX, Decoder, SamplingParams, genera
 
 def tiny(dtype="float64", device="cpu", text: TextConfig | None = None, **quant):
     cfg = preset("tiny-siglip-llama", dtype=dtype)
-    if text is not None:
-        cfg = dataclasses.replace(cfg, text=text)
+    if text is not None:  # the projector follows the LLM's width (VLMConfig checks they agree)
+        cfg = dataclasses.replace(cfg, text=text, projector=dataclasses.replace(cfg.projector, out_dim=text.dim))
     if quant:
         cfg = dataclasses.replace(cfg, quant=QuantConfig(**quant))
     return from_config(cfg, device=device, seed=0)
