@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 # The budgets: set in docs/design.md, changed only together with it.
-TINYVILA_BUDGET = 4550
+TINYVILA_BUDGET = 5250
 CSRC_TRITON_BUDGET = 4450
 
 ROOT = Path(__file__).resolve().parents[1]
