@@ -1,0 +1,87 @@
+"""Decode step time of the first chat of a process against later chats of the same process.
+
+The end-to-end bench (scripts/bench.py) measures the first chat a process opens. After the structure refactor that
+chat's CUDA-graph decode step ran ~4% slower than before it while later chats of the same process ran as fast as
+ever, and only with programmatic dependent launch on (docs/benchmarks.md, "Structure refactor"). This script
+measures exactly that: it opens `--chats` chats one after another on one model, fills each one's cache with a
+`--context`-token prompt, and times `Decoder.greedy` batches of `--batch` graph-replayed steps (one host sync per
+batch, so the host's work between batches is out of the number).
+
+    python -m scripts.first_chat_decode --chats 3
+    python -m scripts.first_chat_decode --chats 3 --options pdl=0
+
+Synthetic vila-8b W4A16 weights (speed does not depend on the values). Prints one line per chat, then one JSON
+line (GPU, versions, commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+
+import tinyvila
+from scripts.benches import common
+from tinyvila.api import from_config
+from tinyvila.config import QuantConfig, preset
+from tinyvila.options import Options
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="vila-8b")
+    p.add_argument("--chats", type=int, default=3, help="chats opened one after another on the same model")
+    p.add_argument("--context", type=int, default=900, help="prompt tokens before decoding (about)")
+    p.add_argument("--batch", type=int, default=64, help="greedy steps per host synchronisation")
+    p.add_argument("--repeats", type=int, default=5, help="timed groups of 4 batches per chat (median taken)")
+    p.add_argument("--options", default="", metavar="NAME=VALUE,...", help="runtime options (tinyvila.Options)")
+    return p.parse_args(argv)
+
+
+def step_ms(chat, batch: int, repeats: int) -> list[float]:
+    """ms per decode step, `repeats` times: 4 batches of `batch` greedy steps from the same cache length each."""
+    dec = chat.decoder
+    start = dec.length
+
+    def timed(k: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            dec.greedy(5, batch)
+            dec.truncate(start)
+        torch.cuda.synchronize()
+        return 1000 * (time.perf_counter() - t0) / (batch * k)
+
+    timed(3)  # captures the step graph
+    return sorted(timed(4) for _ in range(repeats))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    opts = Options.parse(args.options, Options.from_env())
+    base = preset(args.preset)
+    cfg = dataclasses.replace(base, quant=QuantConfig(llm="w4a16", vision="w8a8" if base.vision else "none",
+                                                      group_size=128))
+    vlm = from_config(cfg, device="cuda", options=opts)
+    vlm.stop_ids = frozenset()
+    rows = []
+    for i in range(args.chats):
+        chat = vlm.chat(max_seq_len=args.context + 1024)
+        for _ in chat.ask("word " * (args.context // 5), tinyvila.SamplingParams(max_new_tokens=1)):
+            pass
+        times = step_ms(chat, args.batch, args.repeats)
+        rows.append({"chat": i + 1, "step_ms": times[len(times) // 2], "runs_ms": times})
+        print(f"chat {i + 1}: {times[len(times) // 2]:.4f} ms a step ({1000 / times[len(times) // 2]:.1f} tok/s); "
+              f"runs {', '.join(f'{t:.4f}' for t in times)}", flush=True)
+        del chat
+        torch.cuda.empty_cache()
+    print(json.dumps({"bench": "first_chat_decode", **vars(args), "options": dataclasses.asdict(opts), "rows": rows,
+                      **common.environment()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
