@@ -1,7 +1,8 @@
 """tinyvila: a standalone inference runtime for quantized VILA vision-language models.
 
-`pip install -e .` installs the runtime; `pip install -e ".[test]"` adds the test oracles
-(transformers, tokenizers, gguf). See README.md for the exact CPU set-up commands.
+`pip install -e .` installs the runtime (its CPU path needs no Triton); `pip install -e ".[gpu]"` adds
+Triton for the GPU kernels; `pip install -e ".[test]"` adds Triton and the test oracles (transformers,
+tokenizers, gguf). See README.md for the exact set-up commands.
 """
 
 from setuptools import setup
@@ -17,7 +18,6 @@ setup(
     package_data={"tinyvila": ["assets/*.png"]},
     install_requires=[
         "torch>=2.4",                # GPU users keep their CUDA build; CI pins the CPU build 2.13.0
-        "triton>=3.2; platform_system == 'Linux'",
         "safetensors>=0.4",
         "sentencepiece>=0.2",
         "numpy>=1.24",
@@ -27,8 +27,10 @@ setup(
     ],
     extras_require={
         "gguf": ["gguf>=0.10"],
+        "gpu": ["triton>=3.5; platform_system == 'Linux'"],  # the kernels (knobs.HookChain); CUDA torch brings it
         "test": [
             "pytest>=8",
+            "triton>=3.5; platform_system == 'Linux'",  # tests/kernels run the kernels in Triton's interpreter
             "transformers>=4.45",    # oracle for the models, image processors and tokenizers
             "tokenizers>=0.20",      # oracle for the BPE tokenizer
             "protobuf>=4",           # transformers' slow sentencepiece tokenizer
