@@ -395,3 +395,21 @@ def test_gguf_json_is_valid_for_hf(smollm, tmp_path):
     ours, _ = smollm
     for text in sample_texts(80, 9):
         assert ref.encode(text).ids == ours.encode(text), repr(text)
+
+
+def test_a_gap_in_the_ids_decodes_to_nothing_as_hf_does(tmp_path):
+    """A tokenizer whose ids skip a number loads (real vocabularies have holes), and a generated id in the hole
+    decodes to no text, as HF's tokenizers decode it, instead of failing mid-answer; past the end stays an error."""
+    tk = pytest.importorskip("tokenizers")
+    from tinyvila.config import preset
+    from tinyvila.loader import synthetic_tokenizer
+
+    spec = synthetic_tokenizer(preset("tiny-siglip-llama"))
+    hole = spec["model"]["vocab"].pop("Ā")  # byte 0x00's token: id 0 becomes a hole
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    ours, ref = load_tokenizer(path), tk.Tokenizer.from_file(str(path))
+    ids = ours.encode("hi", False) + [hole, *ours.encode(" there", False)]
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=False) == ours.decode([i for i in ids if i != hole])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ours.decode([ours.vocab_size])

@@ -279,6 +279,8 @@ class BPETokenizer(Tokenizer):
     def id_to_bytes(self, token_id: int) -> bytes:
         token = self.id_to_token.get(token_id)
         if token is None:
+            if 0 <= token_id < self.vocab_size:  # a gap in the ids: no text, as HF's decoders skip unknown ids
+                return b""
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         table = _unicode_to_bytes()
         # HF ByteLevel decoder: a token spelled in the byte alphabet maps back to its bytes;
