@@ -12,8 +12,8 @@ See README.md and docs/ for the design and the measured results.
 
 from .api import Answer, Chat, Model, Stats, load
 from .config import PRESETS, SparsityConfig, VLMConfig
-from .errors import (AnswerClosedError, ArgumentError, ChatBusyError, CheckpointError, ContextLimitError, EvalModeError,
-                     ImageError, ModelNotFoundError, TinyVilaError)
+from .errors import (AnswerClosedError, ArgumentError, ChatBusyError, CheckpointError, ConfigError, ContextLimitError,
+                     DeviceError, EvalModeError, ImageError, ModelNotFoundError, TinyVilaError, TokenizerError)
 from .generate import SamplingParams
 from .options import Options
 
@@ -22,5 +22,5 @@ Sparsity = SparsityConfig
 __all__ = [
     "load", "Model", "Chat", "Answer", "Stats", "SamplingParams", "Options", "Sparsity", "SparsityConfig", "VLMConfig", "PRESETS",
     "TinyVilaError", "CheckpointError", "ModelNotFoundError", "ImageError", "ContextLimitError",
-    "ArgumentError", "ChatBusyError", "AnswerClosedError", "EvalModeError",
+    "ArgumentError", "ChatBusyError", "AnswerClosedError", "EvalModeError", "ConfigError", "TokenizerError", "DeviceError",
 ]
