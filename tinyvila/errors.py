@@ -58,3 +58,8 @@ class AnswerClosedError(TinyVilaError, RuntimeError):
 class EvalModeError(TinyVilaError, ValueError):
     """Something evaluation mode cannot do (e.g. add images after the first round); the message says
     what to do instead."""
+
+
+class VideoError(TinyVilaError, ValueError):
+    """A video file, frame folder or stream could not be read (missing, not a video, no frame decodes,
+    unreachable), or OpenCV is not installed; the message names the source and what to do."""
