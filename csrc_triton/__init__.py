@@ -1,5 +1,9 @@
 """Triton kernels of tinyvila. Imports only torch and triton; only tinyvila/ops.py imports it.
 
+Every file takes Triton from `_triton.py`: the real package, or, where none is installed (a CPU-only install), a
+stand-in under which the files import, the `<op>_ref()` references (the CPU path) run and a kernel launch raises
+TritonMissingError saying what to install; its docstring says why a stand-in rather than separate reference files.
+
 Each kernel lives in its own file: a docstring with the math and layouts, `_<op>_kernel`, the
 launcher `<op>()` and the plain PyTorch `<op>_ref()`, tested by tests/kernels/test_<op>.py. Launchers take
 their runtime forms as keyword arguments (`pdl`, `direct`, `kernel`, ...), never from globals or the

@@ -13,8 +13,8 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+from ._triton import tl, triton
 
 # -- the interpreter -------------------------------------------------------------------------------------------
 # Triton reads TRITON_INTERPRET when a kernel is decorated, so the flag cannot change after import: read it once.

@@ -10,10 +10,8 @@ Device functions only.
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-
 from ._common import INTERPRET_JIT
+from ._triton import tl, triton
 from .rope_qkv import rope_halves
 from .rounding import round_to
 from .silu_mul import silu_mul_math

@@ -10,8 +10,7 @@ B (`x_shared`), so no shuffle or shared-memory round trip is added.
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from ._triton import tl, triton
 
 # -- magic unpack and scales (both kernels) ------------------------------------------------------------------
 def _magic_asm(out: str, magic: tuple[int, ...]) -> str:

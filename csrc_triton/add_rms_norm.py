@@ -17,10 +17,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from . import pdl
+from ._triton import tl, triton
 from .launch import Launch, Plans, tensor_key
 from .pdl import options as pdl_options
 from .rounding import round_to

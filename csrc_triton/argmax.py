@@ -16,10 +16,9 @@ two counter vectors (the step's int64 cache slot / packed row / RoPE position, a
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import pdl
+from ._triton import tl, triton
 from .pdl import options as pdl_options
 
 BLOCK = 4096

@@ -32,11 +32,10 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
 from . import pdl
 from ._common import INTERPRET
+from ._triton import tl, triton
 from .pdl import options as pdl_options
 
 LOG2E = 1.4426950408889634

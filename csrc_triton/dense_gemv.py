@@ -15,11 +15,10 @@ cuBLAS: results agree to fp32-accumulation rounding, not bit for bit.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import pdl
 from ._common import INTERPRET
+from ._triton import tl, triton
 from .pdl import options as pdl_options
 
 MAX_M = 8

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from ._common import INTERPRET_JIT, launch_rows, quantize_rows_ref, rmax_abs, row_block, row_scales, store_q
+from ._triton import tl, triton
 
 KINDS = {"gelu": 0, "gelu_tanh": 1, "quick_gelu": 2}
 _LOG2E = 1.4426950408889634

@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 import torch
-from triton import knobs
-from triton.runtime import JITFunction, driver
+
+from ._triton import JITFunction, driver, knobs
+
 
 def _no_hooks(fn) -> bool:
     """True when Triton's own launch would call no hook (profilers add launch hooks): then calling the

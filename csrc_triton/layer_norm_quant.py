@@ -12,10 +12,9 @@ float dtype. Out: q (..., K) int8, scale (...,) fp32. Each program holds ROWS wh
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import launch_rows, per_row, quantize_rows_ref, rmax_abs, row_block, row_scales, rsum, store_q
+from ._triton import tl, triton
 
 
 @triton.jit

@@ -27,10 +27,9 @@ other devices `options` is `options_ref()`.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import INTERPRET
+from ._triton import tl, triton
 
 _SUPPORTED: dict[int, bool] = {}
 

@@ -23,10 +23,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import INTERPRET
+from ._triton import tl, triton
 from .launch import Launch, Plans
 
 LOG2E = 1.4426950408889634

@@ -13,10 +13,9 @@ rounds identically. x: fp16/bf16/fp32, last dim contiguous. Used for the input o
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import launch_rows, quantize_rows_ref, rmax_abs, row_block, row_scales, store_q
+from ._triton import tl, triton
 
 
 @triton.jit

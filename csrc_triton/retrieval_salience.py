@@ -29,10 +29,9 @@ import math
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import INTERPRET
+from ._triton import tl, triton
 from .launch import Launch, Plans, tensor_key
 
 LOG2E = 1.4426950408889634

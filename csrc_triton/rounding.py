@@ -14,10 +14,9 @@ cast there and back, the behaviour `round_to` must reproduce bit for bit.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import INTERPRET_JIT
+from ._triton import tl, triton
 
 
 @triton.jit

@@ -15,12 +15,10 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-from triton.language.extra import libdevice
 
 from . import pdl
 from ._common import INTERPRET_JIT
+from ._triton import libdevice, tl, triton
 from .launch import Launch, Plans, tensor_key
 from .pdl import options as pdl_options
 from .rounding import round_to

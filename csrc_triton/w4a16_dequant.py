@@ -11,10 +11,9 @@ DEQUANT_MIN_M rows): one pass into a workspace reused across calls, then cuBLAS 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import INTERPRET, unpack_k_order
+from ._triton import tl, triton
 from .launch import Launch, Plans, tensor_key
 
 

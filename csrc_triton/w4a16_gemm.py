@@ -32,10 +32,9 @@ import functools
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import INTERPRET, check_w4_args, dequantize_ref
+from ._triton import tl, triton
 from .launch import Launch, Plans, tensor_key
 from .w4a16_dequant import w4a16_dequant
 

@@ -29,11 +29,10 @@ Limits: M <= 8 (larger M: w4a16_gemm), K % G == 0, N * K / 8 < 2^31.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import pdl
 from ._common import INTERPRET, check_w4_args, dequantize_ref
+from ._triton import tl, triton
 from ._w4a16_gemv_epilogue import finish, prenorm_finish, prenorm_parts, prenorm_rows
 from ._w4a16_gemv_operands import (load_scales, magic_planes, mma_operand, shared_x_dots, step_scales,
                                    step_zero_terms, x_shared)

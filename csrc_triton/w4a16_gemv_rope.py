@@ -17,11 +17,10 @@ entry with the RoPE arguments, so the plain kernel's signature (and compiled cod
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import pdl
 from ._common import check_rope_qkv, check_w4_args
+from ._triton import tl, triton
 from .rope_qkv import rope_qkv_ref
 from .w4a16_gemv import default_config, launch_gemv, mma_ok, mma_tile, w4a16_gemv_ref
 

@@ -20,11 +20,9 @@ kernels of w8a8_gemm_wgmma.py (see _wgmma_form; `wgmma=False` keeps the Triton k
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import INTERPRET, device_caps, tma_aligned, w8a8_ref
+from ._triton import TensorDescriptor, tl, triton
 
 
 @triton.jit
