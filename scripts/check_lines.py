@@ -10,7 +10,7 @@ from pathlib import Path
 
 # The budgets: set in docs/design.md, changed only together with it.
 TINYVILA_BUDGET = 5250
-CSRC_TRITON_BUDGET = 4450
+CSRC_TRITON_BUDGET = 4500
 
 ROOT = Path(__file__).resolve().parents[1]
 TREES = [("tinyvila", TINYVILA_BUDGET, ["tinyvila/convert"]), ("csrc_triton", CSRC_TRITON_BUDGET, [])]
