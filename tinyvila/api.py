@@ -34,7 +34,8 @@ from .image import resize_uint8
 from .loader import ensure_synthetic, load_checkpoint, random_model, resolve_device, synthetic_tokenizer
 from .options import Options
 from .tokenizer import IMAGE_TOKEN, TEMPLATES, BPETokenizer, StreamDecoder, stop_ids, turn_ids
-from .vlm import VLM
+from .video import frame_batches, strip_video_tag
+from .vlm import ENCODE_BATCH, VLM
 
 DEMO_MODEL = "demo"              # built on first use: tiny, random weights, for the README demo
 
@@ -156,6 +157,7 @@ class Stats:
     decode_rows: int = 0            # KV rows per head decode attended over at the turn's start (decode_keep < 1)
     finish: str = ""                # "stop" | "max_tokens" | "context" | "interrupted"
     first_token_ms: float = 0.0     # end of the prefill -> the first answer token on the host (inside decode_ms)
+    media_ms: float = 0.0           # decoding and sampling the turn's video frames (add_video; not in TTFT)
 
     @property
     def decode_tok_s(self) -> float:
@@ -176,6 +178,7 @@ class Stats:
                 f" | context {self.context_tokens} tok"
                 + (f" | visual {self.visual_kept}/{self.visual_tokens} kept" if self.visual_tokens else "")
                 + (f" | decode over {self.decode_rows} KV rows" if self.decode_rows else "")
+                + (f" | video decode {self.media_ms:.1f} ms" if self.media_ms else "")
                 + f" | {self.finish}")
 
 
@@ -303,7 +306,7 @@ class Chat:
             self.image_index: list[torch.Tensor] = []  # (n, k) grid index of each kept token of those
             self.documents: list[str] = []  # retrievable texts waiting for the next question
             self._anchor: tuple[int, list[int]] | None = None  # eval mode: (cache slots, ids) kept per round
-            self._encode_ms = 0.0
+            self._encode_ms = self._media_ms = 0.0
             self._inputs += 1
 
     def discard_pending(self) -> None:
@@ -311,7 +314,7 @@ class Chat:
         with self._lock:
             self._claim(None)
             self.images, self.image_index, self.documents = [], [], []
-            self._encode_ms = 0.0
+            self._encode_ms = self._media_ms = 0.0
             self._inputs += 1
 
     def _refuse_in_eval(self, what: str) -> None:
@@ -323,23 +326,54 @@ class Chat:
     def add_image(self, image) -> None:
         """Encode an image (path, PIL image, HxWx3 uint8 array) now; it joins the next question."""
         with self._lock:
-            self._claim(None)
-            self._refuse_in_eval("image")
-            model = self.vlm.model
-            if model.vision is None:
-                raise ArgumentError("image", f"{self.vlm.folder}: this model is text-only and cannot take images")
+            self._check_media("image")
             # Resized uint8 pixels: encode_images uploads a quarter of preprocess's float32 bytes and normalises
             # them on the device to the same values (on some H200 hosts the CPU-side copy of the float32 pixels
             # took ~10 ms: docs/perf_notes.md, "Slow encodes").
-            pixels = resize_uint8(image, model.cfg.vision)
-            _sync(model.device)
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                emb, idx = model.encode_images(pixels, self.sparsity, with_index=True)  # (n, k, d), (n, k)
-            _sync(model.device)
-            self.images.append(emb)
-            self.image_index.append(idx)
-            self._encode_ms += 1000 * (time.perf_counter() - t0)
+            self._add_encoded([self._encode(resize_uint8(image, self.vlm.model.cfg.vision))])
+
+    def add_video(self, source, num_frames: int = 8, fps: float | None = None) -> list[float]:
+        """Decode a video (file path, bytes, folder of frames or list of frames; tinyvila.video.read_video) and
+        sample it as VILA1.5 does: num_frames uniformly, or with `fps` at most that many a second spread over the
+        whole clip. Its frames are encoded now, in batches, and join the next question as one image each.
+        Returns the timestamps (s) of the frames used. A bad source raises VideoError and changes nothing."""
+        with self._lock:
+            self._check_media("video")
+            encoded, times, media_ms = [], [], 0.0
+            for ts, pixels, ms in frame_batches(source, self.vlm.model.cfg.vision, num_frames, fps, ENCODE_BATCH):
+                encoded.append(self._encode(pixels))
+                times += ts
+                media_ms += ms
+            self._add_encoded(encoded, media_ms)
+            return times
+
+    def _check_media(self, what: str) -> None:
+        self._claim(None)
+        self._refuse_in_eval(what)
+        if self.vlm.model.vision is None:
+            raise ArgumentError(what, f"{self.vlm.folder}: this model is text-only and cannot take {what}s")
+
+    def _encode(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(n, S, S, 3) uint8 pixels -> ((n, k, d) embeddings, (n, k) grid index, ms), through the model's
+        encode lock; the chat is not changed."""
+        model = self.vlm.model
+        _sync(model.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            emb, idx = model.encode_images(pixels, self.sparsity, with_index=True)
+        _sync(model.device)
+        return emb, idx, 1000 * (time.perf_counter() - t0)
+
+    def _add_encoded(self, encoded: list[tuple[torch.Tensor, torch.Tensor, float]], media_ms: float = 0.0) -> None:
+        """Queue `_encode` results (encoded with this chat's sparsity) for the next question, one entry per image
+        (tinyvila.live queues its cached frame embeddings here)."""
+        with self._lock:
+            self._claim(None)
+            for emb, idx, ms in encoded:
+                self.images += emb.split(1)
+                self.image_index += idx.split(1)
+                self._encode_ms += ms
+            self._media_ms += media_ms
             self._inputs += 1
 
     def add_document(self, text: str) -> None:
@@ -410,7 +444,7 @@ class Chat:
     # -- retrievable spans, decode sparsity, evaluation mode (SparseVILA decode) ---------------
     def _user_text(self, question: str, documents: list[str] | None = None) -> str:
         docs = self.documents if documents is None else documents
-        return "\n\n".join([*docs, question])
+        return "\n\n".join([*docs, strip_video_tag(question)])  # <video> is no VILA1.5 token: its eval strips it
 
     def _layout(self, ids: list[int], question: str, n_images: int, prev) -> dict:
         """Where this turn's retrievable document lies in `ids`, and (first turn) the eval anchor."""
@@ -466,7 +500,7 @@ class Chat:
             kv = (evict_to, d.length, d.cache.k_stack[:, :, :, evict_to:d.length].clone(),
                   d.cache.v_stack[:, :, :, evict_to:d.length].clone())
         chat = {k: getattr(self, k) for k in ("pending", "images", "image_index", "documents", "_anchor",
-                                              "_encode_ms", "stats", "last_logits")}
+                                              "_encode_ms", "_media_ms", "stats", "last_logits")}
         return {"chat": chat, "turns": list(self.turns), "kv": kv,
                 "decoder": (d.length, d.position, list(d._explicit), [dataclasses.replace(s) for s in d.cache.spans],
                             d.retrieval.scoring, d.retrieval.packed, d.fastv.scoring, d.fastv.key_mask)}
@@ -508,7 +542,7 @@ class Chat:
         stats = Stats(encode_ms=self._encode_ms, images=turn.n_images,
                       visual_tokens=turn.n_images * model.cfg.image_tokens,
                       visual_kept=0 if images is None else images.shape[0] * images.shape[1])
-        self._encode_ms = 0.0
+        stats.media_ms, self._encode_ms, self._media_ms = self._media_ms, 0.0, 0.0
         start = decoder.length
         _sync(model.device)
         t0 = time.perf_counter()
