@@ -1,8 +1,8 @@
 """Measuring a conversation, shared by `scripts/bench.py` and `python -m tinyvila.chat --benchmark`.
 
-- `summary(turns)`: one conversation's (or turn's) breakdown from `api.Stats`: encode, prefill,
-  decode, end to end, TTFT, decode tok/s, tokens, context, visual kept, decode rows, peak memory;
-  `line` and `table` print it the same way in both tools.
+- `summary(turns)`: one conversation's (or turn's) breakdown from `api.Stats`: encode, video decode and
+  sampling (its own column, outside e2e and TTFT), prefill, decode, end to end, TTFT, decode tok/s,
+  tokens, context, visual kept, decode rows, peak memory; `line` and `table` print it the same way in both tools.
 - `FirstUse`: counts Triton kernel loads (a compilation or a disk-cache load on first use in this
   process) and autotuner runs while active, so a timed turn that paid for them says so.
 The cost model that bench.py sets speeds beside (FLOPs, bytes a decode step reads) is
@@ -20,7 +20,8 @@ from .api import Stats
 
 # key: (header, format). The order is the print order.
 COLUMNS = {
-    "encode_ms": ("encode ms", ".1f"), "prefill_ms": ("prefill ms", ".1f"), "prefill_tokens": ("prefill tok", "d"),
+    "encode_ms": ("encode ms", ".1f"), "media_ms": ("video ms", ".1f"), "prefill_ms": ("prefill ms", ".1f"),
+    "prefill_tokens": ("prefill tok", "d"),
     "decode_ms": ("decode ms", ".1f"), "decode_tokens": ("decode tok", "d"), "e2e_ms": ("e2e ms", ".1f"),
     "ttft_ms": ("TTFT ms", ".1f"), "decode_tok_s": ("tok/s", ".1f"), "context_tokens": ("context", "d"),
     "visual": ("visual kept", "s"), "decode_rows": ("decode rows", "d"), "peak_gb": ("peak GB", ".2f"),
@@ -34,7 +35,7 @@ def summary(turns: list[Stats], peak_gb: float | None = None) -> dict:
     if not turns:
         raise ValueError("summary of no turns")
     total = {k: sum(getattr(t, k) for t in turns) for k in
-             ("encode_ms", "prefill_ms", "prefill_tokens", "decode_ms", "decode_tokens")}
+             ("encode_ms", "media_ms", "prefill_ms", "prefill_tokens", "decode_ms", "decode_tokens")}
     kept, visual = sum(t.visual_kept for t in turns), sum(t.visual_tokens for t in turns)
     return {**total, "e2e_ms": total["encode_ms"] + total["prefill_ms"] + total["decode_ms"],
             "ttft_ms": turns[0].ttft_ms,

@@ -2,15 +2,16 @@
 
     python -m tinyvila.chat --model vila-8b-awq --image x.jpg                  # multi-turn REPL
     python -m tinyvila.chat --model demo --image x.jpg -p "Describe it."      # one-shot
+    python -m tinyvila.chat --model demo --video clip.mp4 --num-frames 8 -p "What happens?"   # a video's frames
     python -m tinyvila.chat --model vila-8b-awq --image x.jpg -p "Describe it." --benchmark --warmup
 
-In the REPL: /image PATH adds an image to the next question, /discard drops the images not yet asked
-about, /clear starts over, /stats prints the last turn's numbers, /quit (or Ctrl-D) leaves; Ctrl-C stops
-an answer. An error in one turn (a bad image, a question too long for the context) is reported and
-the conversation goes on. `--benchmark` prints each
-answer's breakdown (tinyvila/benchmark.py, as scripts/bench.py does) and, when the conversation ends
-(/clear or exit), a table of its answers and their total. The only module that does terminal I/O;
-everything else goes through the Python API (tinyvila.api).
+In the REPL: /image PATH adds an image to the next question, /video PATH a video's sampled frames (as
+--num-frames and --fps say), /discard drops the images not yet asked about, /clear starts over, /stats
+prints the last turn's numbers, /quit (or Ctrl-D) leaves; Ctrl-C stops an answer. An error in one turn (a
+bad image, a question too long for the context) is reported and the conversation goes on. `--benchmark`
+prints each answer's breakdown (tinyvila/benchmark.py, as scripts/bench.py does) and, when the
+conversation ends (/clear or exit), a table of its answers and their total. The only module that does
+terminal I/O; everything else goes through the Python API (tinyvila.api).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from .errors import ArgumentError, ContextLimitError, EvalModeError, TinyVilaErr
 from .generate import SamplingParams
 from .options import Options
 
-HELP = "commands: /image PATH  /discard  /clear  /stats  /quit   (Ctrl-D quits, Ctrl-C stops an answer)"
+HELP = "commands: /image PATH  /video PATH  /discard  /clear  /stats  /quit   (Ctrl-D quits, Ctrl-C stops an answer)"
 # API argument names -> the flags that set them (errors speak the CLI's language)
 FLAGS = {name: "--" + name.replace("_", "-") for name in
-         ("temperature", "top_k", "top_p", "max_new_tokens", "seed", "max_seq_len")}
+         ("temperature", "top_k", "top_p", "max_new_tokens", "seed", "max_seq_len", "num_frames", "fps")}
 # C0 control characters other than tab and newline (and DEL) are not printed: a model's output must
 # not be able to drive the terminal (escape sequences, bells).
 _CONTROL = {c: None for c in [*range(0, 9), *range(11, 32), 127]}
@@ -40,6 +41,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tinyvila.chat", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="checkpoint folder, or a name under checkpoints/ ('demo' builds a tiny random one)")
     p.add_argument("--image", action="append", default=[], help="image file for the first question (repeatable)")
+    p.add_argument("--video", action="append", default=[], help="video file (or folder of frames) whose sampled "
+                   "frames go with the first question, one image each (repeatable; needs tinyvila[video])")
+    p.add_argument("--num-frames", type=int, default=8, help="frames sampled from each video, uniformly (default 8)")
+    p.add_argument("--fps", type=float, help="sample at most this many frames a second of video, spread over the "
+                   "whole clip (and at most --num-frames)")
     p.add_argument("-p", "--prompt", help="ask this once, print the answer and exit")
     p.add_argument("--system", help="replace the template's system prompt")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -103,7 +109,7 @@ def explain(e: Exception, chat: Chat | None, one_shot: bool) -> str:
         ctx, declared = chat.decoder.max_len, chat.vlm.cfg.text.max_seq_len
         larger = f"a larger --max-seq-len (the model's context is {declared})" if declared > ctx else "a model with a longer context"
         if one_shot:
-            return f"the prompt does not fit: the context is {ctx} tokens; shorten -p, pass fewer --image, or use {larger}"
+            return f"the prompt does not fit: the context is {ctx} tokens; shorten -p, pass fewer --image or --num-frames, or use {larger}"
         queued = chat.queued()
         return (f"this question does not fit: the context is {ctx} tokens; ask a shorter one, /clear to start over, "
                 f"or restart with {larger}" + (f". The {queued} queued: /discard drops them" if queued else ""))
@@ -116,16 +122,26 @@ def end_conversation(recorder: benchmark.Recorder | None) -> None:
         print(f"[benchmark: conversation]\n{recorder.report()}", file=sys.stderr)
 
 
-def command(chat: Chat, line: str, recorder: benchmark.Recorder | None = None) -> bool:
-    """Run a /command; returns False when the REPL should end."""
+def add_video(chat: Chat, path: str, args: argparse.Namespace | None) -> str:
+    """Queue a video's sampled frames (as --num-frames and --fps say); returns what to tell the user."""
+    times = chat.add_video(path, args.num_frames if args else 8, args.fps if args else None)
+    return f"[video added: {path}, {len(times)} frames at {times[0]:.1f}-{times[-1]:.1f} s; they go with your next question]"
+
+
+def command(chat: Chat, line: str, recorder: benchmark.Recorder | None = None,
+            args: argparse.Namespace | None = None) -> bool:
+    """Run a /command (`args`: the flags /video samples with); returns False when the REPL should end."""
     name, _, arg = line.partition(" ")
     if name == "/quit":
         return False
-    if name == "/image":
+    if name in ("/image", "/video"):
         if not arg.strip():
-            print("usage: /image PATH")
+            print(f"usage: {name} PATH")
             return True
         try:
+            if name == "/video":
+                print(add_video(chat, arg.strip(), args))
+                return True
             chat.add_image(arg.strip())
         except EvalModeError:
             print("error: evaluation mode (--eval-multiturn) answers every question against the first question's "
@@ -150,7 +166,8 @@ def command(chat: Chat, line: str, recorder: benchmark.Recorder | None = None) -
     return True
 
 
-def repl(chat: Chat, show_stats: bool, recorder: benchmark.Recorder | None = None) -> None:
+def repl(chat: Chat, show_stats: bool, recorder: benchmark.Recorder | None = None,
+         args: argparse.Namespace | None = None) -> None:
     """Read questions and /commands until /quit or Ctrl-D; one failed turn never ends the conversation."""
     print(HELP)
     while True:
@@ -163,7 +180,7 @@ def repl(chat: Chat, show_stats: bool, recorder: benchmark.Recorder | None = Non
             continue
         try:
             if line.startswith("/"):
-                if not command(chat, line, recorder):
+                if not command(chat, line, recorder, args):
                     return
             else:
                 answer(chat, line, show_stats, recorder)
@@ -204,15 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         chat = open_chat(args)
         if args.warmup:
-            warm_up(chat, args.image, args.prompt)
+            warm_up(chat, args, args.prompt)
         recorder = benchmark.Recorder(args.device) if args.benchmark else None
         try:
-            for image in args.image:
-                chat.add_image(image)
+            add_media(chat, args, quiet=args.prompt is not None)
             if args.prompt is not None:
                 answer(chat, args.prompt, not args.no_stats, recorder)
             else:
-                repl(chat, not args.no_stats, recorder)
+                repl(chat, not args.no_stats, recorder, args)
             end_conversation(recorder)
         finally:
             if recorder is not None:
@@ -226,11 +242,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def warm_up(chat: Chat, images: list[str], prompt: str) -> None:
+def add_media(chat: Chat, args: argparse.Namespace, quiet: bool = True) -> None:
+    """The --image and --video inputs, queued for the first question."""
+    for image in args.image:
+        chat.add_image(image)
+    for video in args.video:
+        said = add_video(chat, video, args)
+        if not quiet:
+            print(said)
+
+
+def warm_up(chat: Chat, args: argparse.Namespace, prompt: str) -> None:
     """Answer the one-shot prompt once, unseen, then forget it: the real answer then runs the same
     shapes with every kernel compiled and tuned."""
-    for image in images:
-        chat.add_image(image)
+    add_media(chat, args)
     for _ in chat.ask(prompt):
         pass
     chat.clear()
