@@ -14,8 +14,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["tinyvila", "tinyvila.convert", "tinyvila.tokenizer", "csrc_triton"],
-    package_data={"tinyvila": ["assets/*.png"]},
+    packages=["tinyvila", "tinyvila.convert", "tinyvila.tokenizer", "tinyvila.serve", "csrc_triton"],
+    package_data={"tinyvila": ["assets/*.png"], "tinyvila.serve": ["static/*.html"]},
     install_requires=[
         "torch>=2.4",                # GPU users keep their CUDA build; CI pins the CPU build 2.13.0
         "safetensors>=0.4",
@@ -28,6 +28,7 @@ setup(
     extras_require={
         "gguf": ["gguf>=0.10"],
         "video": ["opencv-python-headless>=4.8"],  # video files and live streams (tinyvila/video.py, live.py)
+        "serve": ["starlette>=0.37", "uvicorn>=0.30"],  # python -m tinyvila.serve: small, pure Python, no pydantic
         "gpu": ["triton>=3.5; platform_system == 'Linux'"],  # the kernels (knobs.HookChain); CUDA torch brings it
         "test": [
             "pytest>=8",
@@ -40,6 +41,11 @@ setup(
             "onnxruntime>=1.16",     # fp32 oracle of the DINOv2 import
             "flash-colreduce>=0.2.2",  # the public SparseVILA salience kernel: oracle and bench peer
             "opencv-python-headless>=4.8",  # the [video] extra: the video and live-stream tests
+            "starlette>=0.37", "uvicorn>=0.30",  # the [serve] extra: the server tests
+            "openai>=1.40",          # the official client the server tests talk through
+            "httpx",                 # raw HTTP in the server tests
+            "selenium>=4.10",        # drives headless Chromium (Debian's chromium-driver) over the web page
+            "prometheus-client",     # parses /metrics in the server tests (an oracle; the server writes it itself)
         ],
     },
 )

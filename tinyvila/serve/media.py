@@ -1,0 +1,181 @@
+"""Media content parts -> resized RGB pixels and their digests, decoded in the request's thread, off the engine.
+
+URLs: `data:` (base64 or percent-encoded) always; `file://` only under the folder given by
+--allowed-local-media-path (vLLM's flag); http(s) only with --allow-http-media. Images go through tinyvila.image
+(its format allow-list and pixel limit). Video: `data:video/mp4;base64,...` (any container OpenCV reads) or a
+file, through tinyvila.video.read_video; `data:video/jpeg;base64,<f1>,<f2>,...` is vLLM's form of frames a camera
+client sampled itself. Each part's `max_frames` / `fps` (SGLang's fields) override the server's defaults. Every
+fault is a RequestError (400, or 413 for a fetched file over the size limit) naming the part.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import VisionConfig
+from ..errors import TinyVilaError
+from ..image import resize_uint8
+from .protocol import Part, RequestError, Turn
+
+FRAME_TYPES = ("video/jpeg", "video/png", "video/webp")  # data URLs that hold a list of frames, not a container
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """What media URLs a server may read, and how much."""
+
+    local_root: Path | None = None      # file:// URLs only under this folder (None: refused)
+    allow_http: bool = False            # http(s) URLs fetched by the server
+    max_bytes: int = 64 * 2**20         # a file:// or http(s) medium's size limit
+    timeout_s: float = 10.0             # http(s) fetch timeout
+    video_frames: int = 8               # frames sampled from a video without max_frames (VILA1.5's default)
+    max_frames: int = 64                # the most a request may ask for
+
+
+@dataclass
+class Media:
+    """A decoded medium: `pixels` (n, S, S, 3) uint8, resized for the vision tower (n = 1 for an image, the sampled
+    frames for a video), and `digest`, what prefix reuse compares."""
+
+    kind: str
+    pixels: np.ndarray
+    digest: str
+    timestamps: list[float] | None = None
+
+
+def load_media(turns: list[Turn], policy: MediaPolicy, cfg: VisionConfig | None) -> None:
+    """Decode every media part of every turn into `turn.media` (RequestError on any fault)."""
+    for turn in turns:
+        if turn.parts and cfg is None:
+            raise RequestError("this model is text-only: it takes no images or videos", turn.parts[0].where)
+        turn.media = [decode_part(p, policy, cfg) for p in turn.parts]
+
+
+def decode_part(part: Part, policy: MediaPolicy, cfg: VisionConfig) -> Media:
+    """One part -> Media."""
+    mime, payload = read_url(part, policy)
+    if part.kind == "image":
+        pixels, stamps = _image_pixels(payload, part.where, cfg), None
+    else:
+        pixels, stamps = _video_pixels(mime, payload, part, policy, cfg)
+    h = hashlib.sha256(part.kind.encode())
+    h.update(repr((pixels.shape, stamps)).encode())
+    h.update(pixels.tobytes())
+    return Media(part.kind, pixels, h.hexdigest(), stamps)
+
+
+# -- URLs ----------------------------------------------------------------------------------------------
+def read_url(part: Part, policy: MediaPolicy) -> tuple[str, bytes]:
+    """(mime type or "", the bytes) of a part's URL."""
+    url, where = part.url, f"{part.where}.{part.kind}_url.url"
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        return _data_url(url, where)
+    if scheme == "file":
+        return "", _local_file(url, where, policy)
+    if scheme in ("http", "https"):
+        return _fetch(url, where, policy)
+    raise RequestError(f"{where}: unsupported URL scheme {scheme or url[:20]!r}; send the file as a data: URL "
+                       "(data:image/png;base64,...)", where, code="invalid_url")
+
+
+def _data_url(url: str, where: str) -> tuple[str, bytes]:
+    header, sep, data = url[5:].partition(",")
+    if not sep:
+        raise RequestError(f"{where}: a data: URL needs a ',' before its data", where, code="invalid_url")
+    mime = header.split(";")[0].strip().lower()
+    if not header.endswith(";base64"):
+        return mime, urllib.parse.unquote_to_bytes(data)
+    if mime in FRAME_TYPES:  # the frames stay separate: split later, each its own base64
+        return mime, data.encode()
+    return mime, _b64(data, where)
+
+
+def _b64(data: str, where: str) -> bytes:
+    try:
+        return base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"{where}: the data is not valid base64", where, code="invalid_base64") from None
+
+
+def _local_file(url: str, where: str, policy: MediaPolicy) -> bytes:
+    if policy.local_root is None:
+        raise RequestError(f"{where}: file:// URLs are off on this server (start it with --allowed-local-media-path "
+                           "DIR to serve files under DIR)", where, code="invalid_url")
+    parsed = urllib.parse.urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise RequestError(f"{where}: a file:// URL must name a local path (file:///path)", where, code="invalid_url")
+    root = policy.local_root.resolve()
+    path = Path(urllib.parse.unquote(parsed.path)).resolve()
+    if not path.is_relative_to(root):
+        raise RequestError(f"{where}: {path} is outside the allowed folder {root}", where, code="invalid_url")
+    if not path.is_file():
+        raise RequestError(f"{where}: no file {path}", where, code="invalid_url")
+    if path.stat().st_size > policy.max_bytes:
+        raise RequestError(f"{where}: {path} is over the server's {policy.max_bytes} byte limit for media", where,
+                           status=413, code="media_too_large")
+    return path.read_bytes()
+
+
+def _fetch(url: str, where: str, policy: MediaPolicy) -> tuple[str, bytes]:
+    if not policy.allow_http:
+        raise RequestError(f"{where}: http(s) media URLs are off on this server (start it with --allow-http-media, "
+                           "or send the file as a data: URL)", where, code="invalid_url")
+    try:
+        with urllib.request.urlopen(url, timeout=policy.timeout_s) as r:
+            data = r.read(policy.max_bytes + 1)
+            mime = (r.headers.get_content_type() or "").lower()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise RequestError(f"{where}: cannot fetch {url[:200]} ({e})", where, code="invalid_url") from None
+    if len(data) > policy.max_bytes:
+        raise RequestError(f"{where}: {url[:200]} is over the server's {policy.max_bytes} byte limit for media",
+                           where, status=413, code="media_too_large")
+    return mime, data
+
+
+# -- pixels ---------------------------------------------------------------------------------------------
+def _image_pixels(data: bytes, where: str, cfg: VisionConfig) -> np.ndarray:
+    """Encoded image bytes -> (1, S, S, 3) uint8 through tinyvila.image, exactly as `Chat.add_image(path)` reads
+    a file (the bytes go through a temporary file so that its format and pixel checks apply unchanged)."""
+    fd, name = tempfile.mkstemp(prefix="tinyvila-image-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return resize_uint8(name, cfg).numpy()
+    except TinyVilaError as e:
+        raise RequestError(str(e).replace(name, where), where, code="invalid_image") from None
+    finally:
+        os.unlink(name)
+
+
+def _video_pixels(mime: str, data: bytes, part: Part, policy: MediaPolicy,
+                  cfg: VisionConfig) -> tuple[np.ndarray, list[float]]:
+    """A video (container bytes, or vLLM's list of frames) -> (n, S, S, 3) uint8 and the frames' timestamps."""
+    from ..video import read_video  # OpenCV is imported only when a video comes
+
+    frames = part.max_frames or policy.video_frames
+    if frames > policy.max_frames:
+        raise RequestError(f"{part.where}: max_frames {frames} is over the server's limit of {policy.max_frames} "
+                           "(--max-frames)", f"{part.where}.video_url.max_frames")
+    source = data
+    if mime in FRAME_TYPES:  # pre-sampled frames: each one an image
+        items = data.decode().split(",")
+        source = [_image_pixels(_b64(s, part.where), f"{part.where} frame {i}", cfg)[0] for i, s in enumerate(items)]
+        frames = min(len(source), part.max_frames or policy.max_frames)
+    try:
+        video = read_video(source, num_frames=frames, fps=part.fps, max_frames=frames)
+    except TinyVilaError as e:  # VideoError, or an ImageError of a frame
+        raise RequestError(f"{part.where}: {e}", part.where, code="invalid_video") from None
+    pixels = resize_uint8(list(video.frames), cfg).numpy()
+    return pixels, [float(t) for t in video.timestamps]
