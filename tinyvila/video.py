@@ -193,19 +193,24 @@ class _CapReader:
         self.cap.release()
 
     def _decodes(self, i: int) -> bool:
+        """Whether frame i decodes; the capture is reopened at the start after (seeking back from the last frame
+        of some files leaves a capture that returns nothing)."""
         self.cap.set(self._cv2.CAP_PROP_POS_FRAMES, i)
         ok = self.cap.grab()
-        self.cap.set(self._cv2.CAP_PROP_POS_FRAMES, 0)
+        self._reopen()
         return ok
 
     def _recount(self) -> None:
-        """Count the frames that decode in order, then reopen at the start (broken files may not seek back)."""
+        """Count the frames that decode in order; picks are then reached by decoding forward (no seeks)."""
         n = 0
         while self.cap.grab():
             n += 1
+        self._reopen()
+        self.count, self.seekable = n, False
+
+    def _reopen(self) -> None:
         self.cap.release()
         self.cap = open_capture(self.source, self.label, self.stream)
-        self.count, self.seekable = n, False
 
     def frames(self, indices: list[int]) -> Iterator[tuple[int, float, np.ndarray]]:
         """(index, timestamp s, HxWx3 RGB) of each pick that decodes, in order; unreadable ones are skipped."""
