@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from . import benchmark
+from . import benchmark, tp
 from .api import Chat, load
 from .errors import ArgumentError, ContextLimitError, EvalModeError, TinyVilaError
 from .generate import SamplingParams
@@ -78,6 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graph", action="store_true", help="run eagerly, without CUDA graphs (debugging)")
     p.add_argument("--options", default="", metavar="NAME=VALUE,...",
                    help="runtime switches (tinyvila.Options, e.g. 'pdl=0,fused_norm_gemv=off'); for A/B runs")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N ranks (GPUs cuda:0..N-1, or "
+                   "CPU processes with --device cpu), spawned here; under torchrun its ranks are used")
     return p.parse_args(argv)
 
 
@@ -198,9 +200,14 @@ def open_chat(args: argparse.Namespace) -> Chat:
         options = options.with_(cuda_graph=False)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, seed=args.seed)
-    vlm = load(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-               options=options, verify=args.verify)
-    if vlm.cfg.synthetic:
+    rank = getattr(args, "tp_rank", None)  # tp.Rank under --tp (tp_main)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if rank is None:
+        vlm = load(args.model, device=args.device, dtype=dtype, options=options, verify=args.verify)
+    else:
+        vlm = tp.load(args.model, rank, device=tp.rank_device(args.device, rank.rank), dtype=dtype, options=options,
+                      verify=args.verify)
+    if vlm.cfg.synthetic and not (rank is not None and rank.rank):
         print(f"note: {vlm.folder} is a synthetic checkpoint with RANDOM weights; "
               "its answers are meaningless text.", file=sys.stderr)
     prefill = {k: v for k, v in (("prefill_keep", args.prefill_keep), ("prefill_method", args.prefill_method),
@@ -208,12 +215,42 @@ def open_chat(args: argparse.Namespace) -> Chat:
                                  ("decode_keep", args.decode_keep)) if v is not None}
     sparsity = dataclasses.replace(vlm.cfg.sparsity, **prefill)
     vlm.cfg.text.check_context(args.max_seq_len, "--max-seq-len")
-    return vlm.chat(system=args.system, sampling=sampling, max_seq_len=args.max_seq_len, sparsity=sparsity,
+    chat = vlm.chat(system=args.system, sampling=sampling, max_seq_len=args.max_seq_len, sparsity=sparsity,
                     mode="eval" if args.eval_multiturn else "chat")
+    return chat if rank is None or rank.rank else tp.Leader(chat, rank)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def tp_main(args: argparse.Namespace) -> int:
+    """--tp N (or torchrun): every rank loads its shard; rank 0 runs this CLI, the others follow its requests."""
+    env = tp.from_env()
+    if env is not None and args.tp not in (1, env[1]):
+        print(f"error: --tp {args.tp}, but torchrun started {env[1]} ranks (WORLD_SIZE)", file=sys.stderr)
+        return 1
+    return _tp_rank(*env, args) if env is not None else tp.launch(args.tp, _tp_rank, args)
+
+
+def _tp_rank(rank: int, world: int, args: argparse.Namespace) -> int:
+    """One rank of tp_main; errors are rank 0's to print (every rank meets the same ones)."""
+    r = tp.init(rank, world, tp.rank_device(args.device, rank))
+    args = argparse.Namespace(**vars(args), tp_rank=r)
+    try:
+        if rank == 0:
+            return main(args=args)
+        try:
+            chat = open_chat(args)
+        except Exception:  # noqa: BLE001 - tp.load told rank 0, which reports it
+            return 1
+        return tp.follow(chat, r)
+    finally:
+        if rank == 0:
+            tp.quit(r)
+        torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
+    args = parse_args(argv) if args is None else args
+    if getattr(args, "tp_rank", None) is None and (args.tp > 1 or tp.from_env() is not None):
+        return tp_main(args)
     if args.warmup and args.prompt is None:
         print("error: --warmup needs -p (the REPL's questions are not known in advance)", file=sys.stderr)
         return 1

@@ -393,6 +393,26 @@ PRESETS: dict[str, VLMConfig] = {
         text=SHEARED_LLAMA_2_7B, vision=SIGLIP_SO400M, projector=ProjectorConfig(out_dim=2560),
         template="vicuna_v1", tokenizer="tokenizer.model", eos_ids=(2,), dtype="float16",
     ),
+    # VILA1.5-13B: the same vision side -> a Llama-2-13B LLM, vicuna_v1 template, sentencepiece. Shapes from
+    # Llama-2-13B's published config (40 layers, hidden 5120, 40 heads = 40 KV heads, FFN 13824, vocab 32000,
+    # 4096 context, rope_theta 1e4, RMSNorm eps 1e-5); the template and the 5120-wide projector from the reference
+    # notes (VILA's conv-mode mapping; TinyChat's per-model hidden sizes).
+    "vila-13b": VLMConfig(
+        text=TextConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824,
+                        rope_theta=10000.0, max_seq_len=4096),
+        vision=SIGLIP_SO400M, projector=ProjectorConfig(out_dim=5120),
+        template="vicuna_v1", tokenizer="tokenizer.model", eos_ids=(2,), dtype="float16",
+    ),
+    # VILA1.5-40B: the same vision side -> a Yi-34B LLM, VILA's hermes-2 (ChatML) template, sentencepiece.
+    # Layers, widths, heads, FFN and vocab from the reference notes (60 layers, hidden 7168, 56 heads / 8 KV heads
+    # of 128, FFN 20480, vocab 64000); rope_theta 5e6, 4096 context and eos id 2 (<|endoftext|>) from Yi-34B's
+    # published config. Splits over 2, 4 or 8 ranks at W4 g128 (tinyvila/tp.py).
+    "vila-40b": VLMConfig(
+        text=TextConfig(vocab_size=64000, dim=7168, n_layers=60, n_heads=56, n_kv_heads=8, ffn_dim=20480,
+                        rope_theta=5000000.0, max_seq_len=4096),
+        vision=SIGLIP_SO400M, projector=ProjectorConfig(out_dim=7168),
+        template="hermes-2", tokenizer="tokenizer.model", eos_ids=(2,), dtype="float16",
+    ),
     # Tiny shapes for tests and the offline demo (random weights). 64 px / 8 px patches = 8x8 grid.
     "tiny-siglip-llama": VLMConfig(
         text=TextConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,

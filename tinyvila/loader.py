@@ -216,17 +216,20 @@ def load_model(folder: str | os.PathLike, *, device: str | torch.device = "cpu",
 
 
 def load_checkpoint(folder: str | os.PathLike, *, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | str | None = None, verify: bool | None = None) -> tuple[VLM, Tokenizer]:
+                    dtype: torch.dtype | str | None = None, verify: bool | None = None,
+                    shard=None) -> tuple[VLM, Tokenizer]:
     """`load_model` and `read_tokenizer` of a folder: the config, then the tokenizer (small, and the likelier
-    to be wrong), then the weights, each checked before the next is read."""
+    to be wrong), then the weights, each checked before the next is read. `shard(model)`, when given, slices
+    the loaded model in place before it moves to `device` (tensor parallelism: tinyvila/tp.py)."""
     folder = Path(folder)
     device = resolve_device(device)
     cfg = _read_config(folder)
     tok = read_tokenizer(folder, cfg)
-    return _load_weights(folder, cfg, device, dtype, verify), tok
+    return _load_weights(folder, cfg, device, dtype, verify, shard), tok
 
 
-def _load_weights(folder: Path, cfg: VLMConfig, device: torch.device, dtype, verify: bool | None) -> VLM:
+def _load_weights(folder: Path, cfg: VLMConfig, device: torch.device, dtype, verify: bool | None,
+                  shard=None) -> VLM:
     model = _meta_model(cfg)
     specs, where, problems = read_headers(folder)
     problems += check_tensors(specs, expected_tensors(cfg, model), where)
@@ -237,11 +240,13 @@ def _load_weights(folder: Path, cfg: VLMConfig, device: torch.device, dtype, ver
     if left:
         raise RuntimeError(f"tensors left on the meta device after loading (a module holds state "
                            f"that is not in its state_dict): {', '.join(left)}")
+    if shard is not None:  # on the memory map: only this rank's slice is read and moved
+        shard(model)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = model.to(device=device, dtype=dtype).eval()
     bad = not_finite(model) if verify or (verify is None and device.type == "cuda") else []
     if bad:
-        raise _fail(folder, "weights are not finite", [f"{where[k]}: {k}: holds NaN or infinite values" for k in bad])
+        raise _fail(folder, "weights are not finite", [f"{where.get(k, '?')}: {k}: holds NaN or infinite values" for k in bad])
     return model
 
 

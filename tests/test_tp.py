@@ -1,0 +1,166 @@
+"""Tensor parallelism (tinyvila/tp.py) on CPU: two gloo ranks in two spawned processes equal one process.
+
+One spawned pair runs every case (spawning costs seconds a process) and writes its results to a file per rank;
+the test process computes TP=1 itself and compares: prefill logits to 1e-5 and greedy tokens identical, for
+dense fp32, KV heads replicated (one KV head, Qwen2's q/k/v bias), SparseVILA (prefill and decode keep 0.5:
+each rank's decode selection equals TP=1's for its own KV heads) and W4 (group 32, loaded from a checkpoint
+through the loader's slicing); and rank 0 leading rank 1 through sampled answers, one closed early.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tinyvila import tp
+from tinyvila.api import from_config, load
+from tinyvila.config import QuantConfig, SparsityConfig, preset
+from tinyvila.errors import ConfigError
+from tinyvila.generate import SamplingParams
+from tinyvila.loader import build_synthetic
+
+GREEDY = SamplingParams(max_new_tokens=10)
+PIXELS = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+SPARSE = SparsityConfig(prefill_keep=0.5, decode_keep=0.5, decode_window=0)
+
+
+def _configs():
+    base = preset("tiny-siglip-llama")  # 4 heads, 2 KV heads, FFN 128: splits in two
+    return {"dense": base, "kv_replicated": preset("tiny-clip-qwen2"),
+            "w4": dataclasses.replace(base, quant=QuantConfig(llm="w4a16", group_size=32))}
+
+
+def _conversation(model, sparsity=None) -> dict:
+    """Two turns about one image: each turn's prefill logits, the answers' tokens and, with decode retrieval,
+    the first turn's packed slots (n_layers, B, Hkv, rows)."""
+    chat = model.chat(sampling=GREEDY, sparsity=sparsity)
+    chat.add_image(PIXELS)
+    out = {"logits": [], "tokens": [], "packed": None}
+    for q in ("What is in the image?", "And the colours?"):
+        answer = chat.ask(q)
+        next(answer)
+        if sparsity is not None and out["packed"] is None:
+            out["packed"] = chat.decoder.retrieval.packed.idx.clone()
+        list(answer)
+        out["logits"].append(chat.last_logits.clone())
+        out["tokens"].append(list(chat.turns[-1][2]))
+    return out
+
+
+def _cases(rank, folder) -> dict:
+    """Every case's conversation at this rank (None: TP=1)."""
+    def shard(m):
+        if rank is not None:
+            tp.shard_model(m.model, rank)
+        return m
+
+    cfgs = _configs()
+    results = {name: _conversation(shard(from_config(cfgs[name], seed=1))) for name in ("dense", "kv_replicated")}
+    results["sparse"] = _conversation(shard(from_config(cfgs["dense"], seed=1)), SPARSE)
+    w4 = load(folder) if rank is None else tp.load(folder, rank, device="cpu")
+    results["w4"] = _conversation(w4)
+    return results
+
+
+def _worker(rank: int, world: int, store: str, folder: str, out: str) -> None:
+    torch.set_num_threads(1)
+    r = tp.init(rank, world, torch.device("cpu"), init_method=f"file://{store}")
+    results = _cases(r, folder)
+    # Rank 0 leads rank 1 (tp.Leader / tp.follow): sampled answers stay in lock-step, one closed early.
+    chat = from_config(_configs()["dense"], seed=1)
+    tp.shard_model(chat.model, r)
+    chat = chat.chat(sampling=SamplingParams(temperature=1.0, max_new_tokens=12))
+    if rank == 0:
+        lead = tp.Leader(chat, r)
+        lead.add_image(PIXELS)
+        stream = lead.ask("Describe it.")
+        next(stream), next(stream)
+        stream.close()
+        list(lead.ask("More."))
+        tp.quit(r)
+    else:
+        r.joined = True
+        tp.follow(chat, r)
+    results["led"] = [list(t[2]) for t in chat.turns]
+    torch.save(results, f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """TP=1 results here, and each of the two ranks' results from one spawned pair."""
+    tmp = tmp_path_factory.mktemp("tp")
+    folder = build_synthetic(tmp / "w4", _configs()["w4"], seed=2)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, 2, str(tmp / "store"), str(folder), str(tmp / "out")))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    single = _cases(None, folder)
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    return single, [torch.load(tmp / f"out.{r}") for r in range(2)]
+
+
+@pytest.mark.parametrize("case", ["dense", "kv_replicated", "sparse", "w4"])
+def test_tp2_equals_tp1(ranks, case):
+    single, pair = ranks
+    want = single[case]
+    for got in pair:
+        assert got[case]["tokens"] == want["tokens"]
+        for a, b in zip(got[case]["logits"], want["logits"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert all(len(t) > 1 for t in want["tokens"])  # the decode path ran, not only the prefill
+
+
+def test_decode_retrieval_selects_per_rank_among_its_own_kv_heads(ranks):
+    single, pair = ranks
+    full = single["sparse"]["packed"]  # (n_layers, B, Hkv, rows)
+    n = full.shape[2] // 2
+    assert not torch.equal(full[:, :, :n], full[:, :, n:])  # heads choose differently: the split is visible
+    for r, got in enumerate(pair):
+        assert torch.equal(got["sparse"]["packed"], full[:, :, r * n:(r + 1) * n])
+
+
+def test_rank0_leads_sampled_answers_in_lock_step(ranks):
+    _, (lead, follow) = ranks
+    assert len(lead["led"]) == 2 and 0 < len(lead["led"][0]) < 12  # the first answer closed after two pieces
+    assert lead["led"] == follow["led"]
+
+
+def test_tp1_is_todays_model():
+    model = from_config("tiny-siglip-llama", seed=1).model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tp.shard_model(model, tp.Rank(0, 1))
+    assert not any(isinstance(m, tp.RowParallel) for m in model.modules())
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("cfg, world, where", [
+    (preset("tiny-siglip-llama"), 3, "text.layers.0.attn.wqkv: its 4 query heads"),
+    (preset("tiny-clip-qwen2"), 4, None),  # 4 heads, 1 KV head replicated on 4 ranks: fine
+    (dataclasses.replace(preset("tiny-siglip-llama"), quant=QuantConfig(llm="w4a16", group_size=64)), 2,
+     "text.layers.0.attn.wo: its W4 input of 64 columns would split into parts of 32, not whole groups of 64"),
+])
+def test_bad_rank_counts_are_named(cfg, world, where):
+    model = from_config(cfg).model
+    if where is None:
+        tp.shard_model(model, tp.Rank(0, world))
+        assert model.text.layers[0].attn.n_kv_heads == 1 and model.text.cfg.n_heads == 1
+        return
+    with pytest.raises(ConfigError, match=f"{where}.*cannot be split over {world} ranks \\(--tp {world}\\)"):
+        tp.shard_model(model, tp.Rank(0, world))
+    assert model.text.layers[0].attn.n_heads == cfg.text.n_heads  # nothing was sliced
+
+
+def test_the_40b_preset_splits_up_to_8_ranks_at_w4_g128():
+    text = preset("vila-40b").text
+    for world in (2, 4, 8):
+        tp.check_split(text, world, 128)
+    with pytest.raises(ConfigError, match="56 query heads.*--tp 3"):
+        tp.check_split(text, 3, 128)
+    assert tp.local_config(text, 2).n_kv_heads == 4
