@@ -8,6 +8,7 @@ through the loader's slicing); and rank 0 leading rank 1 through sampled answers
 """
 
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -164,3 +165,18 @@ def test_the_40b_preset_splits_up_to_8_ranks_at_w4_g128():
     with pytest.raises(ConfigError, match="56 query heads.*--tp 3"):
         tp.check_split(text, 3, 128)
     assert tp.local_config(text, 2).n_kv_heads == 4
+
+
+def test_cli_tp2_spawns_its_ranks_and_answers_as_tp1():
+    """`python -m tinyvila.chat --tp 2` on the demo: rank 0 in the command's own process, rank 1 spawned."""
+    import subprocess
+    from pathlib import Path
+
+    import tinyvila
+
+    image = str(Path(tinyvila.__file__).parent / "assets" / "demo.png")
+    cmd = [sys.executable, "-m", "tinyvila.chat", "--model", "demo", "--device", "cpu", "--image", image,
+           "-p", "Describe it.", "--max-new-tokens", "12", "--no-stats"]
+    one, two = (subprocess.run(cmd + ["--tp", n], capture_output=True, text=True, timeout=120) for n in ("1", "2"))
+    assert one.returncode == two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout and len(one.stdout.split()) > 3
