@@ -13,14 +13,17 @@ See README.md and docs/ for the design and the measured results.
 from .api import Answer, Chat, Model, Stats, load
 from .config import PRESETS, SparsityConfig, VLMConfig
 from .errors import (AnswerClosedError, ArgumentError, ChatBusyError, CheckpointError, ConfigError, ContextLimitError,
-                     DeviceError, EvalModeError, ImageError, ModelNotFoundError, TinyVilaError, TokenizerError)
+                     DeviceError, EvalModeError, ImageError, ModelNotFoundError, TinyVilaError, TokenizerError, VideoError)
 from .generate import SamplingParams
+from .live import LiveSession
 from .options import Options
+from .video import Video, read_video
 
 Sparsity = SparsityConfig
 
 __all__ = [
-    "load", "Model", "Chat", "Answer", "Stats", "SamplingParams", "Options", "Sparsity", "SparsityConfig", "VLMConfig", "PRESETS",
+    "load", "Model", "Chat", "Answer", "Stats", "LiveSession", "read_video", "Video", "SamplingParams", "Options", "Sparsity", "SparsityConfig", "VLMConfig", "PRESETS",
     "TinyVilaError", "CheckpointError", "ModelNotFoundError", "ImageError", "ContextLimitError",
     "ArgumentError", "ChatBusyError", "AnswerClosedError", "EvalModeError", "ConfigError", "TokenizerError", "DeviceError",
+    "VideoError",
 ]

@@ -1,0 +1,207 @@
+"""LiveSession (tinyvila/live.py) on the tiny model: frame input, sampling, the newest-wins slot, the cached window,
+attached sources, concurrent push and ask, a memory soak, and that nothing outlives close()."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import tinyvila.live
+from tinyvila import LiveSession
+from tinyvila.api import from_config
+from tinyvila.errors import ArgumentError, ImageError, VideoError
+from tinyvila.generate import SamplingParams
+
+SHORT = SamplingParams(max_new_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    return from_config("tiny-siglip-llama")
+
+
+def frame(i: int, size: int = 32) -> np.ndarray:
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+
+
+def live_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("tinyvila-live")]
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_frames_of_every_kind_and_bad_ones(vlm):
+    with LiveSession(vlm, window=4, sample_fps=None) as live:
+        rgb = frame(1)
+        for f, bgr in ((rgb, False), (np.ascontiguousarray(rgb[..., ::-1]), True), (Image.fromarray(rgb), False),
+                       (torch.from_numpy(rgb), False), (torch.from_numpy(rgb).permute(2, 0, 1), False)):
+            assert live.push(f, bgr=bgr)
+            assert live.wait(timeout=30)
+        assert all(torch.equal(f.emb, live._frames[0].emb) for f in live._frames)  # the same frame five ways
+        for bad in (rgb[..., 0], rgb.astype(np.float32), np.zeros((8, 8, 4), np.uint8), np.zeros((0, 8, 3), np.uint8),
+                    "frame.png", None):
+            with pytest.raises(ImageError, match="frame"):
+                live.push(bad)
+    for kwargs in ({"window": 0}, {"sample_fps": 0}, {"sample_fps": float("inf")}, {"window": 40}):
+        with pytest.raises(ArgumentError, match=next(iter(kwargs))):
+            LiveSession(vlm, **kwargs)  # 40 frames of 16 tokens do not fit the 512-token context
+    assert live_threads() == []
+
+
+def test_sampling_follows_the_timestamps(vlm):
+    with LiveSession(vlm, sample_fps=3) as live:
+        taken = [i for i in range(100) if live.push(frame(0), timestamp=i / 30)]
+        assert taken == list(range(0, 100, 10))  # due every 1/3 s of the frames' clock
+        assert live.push(frame(0), timestamp=0.0)  # the clock went back (a new source): sampled at once
+        assert live.wait(timeout=30)
+        c = live.counts
+        assert c["pushed"] == 101 and c["sampled"] == 11 and c["encoded"] + c["dropped"] == 11
+
+
+def test_a_busy_encoder_keeps_only_the_newest_frame(vlm, monkeypatch):
+    live = LiveSession(vlm, sample_fps=None)
+    started, release = threading.Event(), threading.Event()
+    encode = live.chat._encode
+
+    def slow_encode(pixels):
+        started.set()
+        assert release.wait(30)
+        return encode(pixels)
+
+    monkeypatch.setattr(live.chat, "_encode", slow_encode)
+    try:
+        live.push(frame(0), timestamp=0.0)
+        assert started.wait(30)  # the encoder holds frame 0
+        t0 = time.perf_counter()
+        for i in range(1, 6):
+            assert live.push(frame(i), timestamp=i)  # the push never waits for the busy encoder
+        assert time.perf_counter() - t0 < 1.0
+        release.set()
+        assert live.wait(timeout=30)
+        assert [f.timestamp for f in live._frames] == [0.0, 5.0]
+        assert live.counts["dropped"] == 4 and live.counts["encoded"] == 2
+    finally:
+        release.set()
+        live.close()
+
+
+def test_the_window_slides_encoding_only_new_frames_and_answers_as_asked(vlm, monkeypatch):
+    live = LiveSession(vlm, window=3, sample_fps=None)
+    calls = []
+    encode = live.chat._encode
+    monkeypatch.setattr(live.chat, "_encode", lambda pixels: calls.append(1) or encode(pixels))
+    with live:
+        with pytest.raises(VideoError, match="no frame has been encoded yet"):
+            live.ask("anything?")
+        for i in range(5):
+            live.push(frame(i), timestamp=i)
+            assert live.wait(timeout=30)
+        answer = live.ask("What changed?", SHORT)
+        assert live.timestamps == [2.0, 3.0, 4.0]
+        for i in range(5, 8):  # the window moves on before the answer is read
+            live.push(frame(i), timestamp=i)
+            assert live.wait(timeout=30)
+        text = "".join(answer)
+        assert len(calls) == 8  # each frame encoded once; asking encoded nothing
+        chat = vlm.chat()  # the same three frames as images: the same answer and logits
+        for i in (2, 3, 4):
+            chat.add_image(frame(i))
+        assert "".join(chat.ask("What changed?", SHORT)) == text
+        assert torch.equal(chat.last_logits, live.chat.last_logits)
+        assert live.stats.images == 3 and live.stats.encode_ms == 0
+        "".join(live.ask("And now?", SHORT))
+        assert live.timestamps == [5.0, 6.0, 7.0] and len(calls) == 8
+    with pytest.raises(VideoError, match="closed"):
+        live.ask("after close?")
+    assert not live.push(frame(0)) and live_threads() == []
+
+
+def _clip(path, n: int, fps: float) -> str:
+    cv2 = pytest.importorskip("cv2")
+    w = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), fps, (32, 32))
+    for i in range(n):
+        w.write(frame(i))
+    w.release()
+    return str(path)
+
+
+def test_attach_a_file_and_bad_sources(vlm, tmp_path, monkeypatch):
+    path = _clip(tmp_path / "clip.avi", 30, 10)  # 3 s
+    released = []
+    open_capture = tinyvila.live.open_capture
+
+    def tracked(*args, **kwargs):
+        cap = open_capture(*args, **kwargs)
+        release = cap.release
+        return type("Cap", (), {"read": lambda s: cap.read(), "get": lambda s, p: cap.get(p),
+                                "release": lambda s: (released.append(1), release())})()
+
+    monkeypatch.setattr(tinyvila.live, "open_capture", tracked)
+    with LiveSession(vlm, window=8, sample_fps=2) as live:
+        live.attach(path, realtime=False)  # every sampled frame encoded, on the file's clock
+        assert live.wait(timeout=60) and not live.attached
+        assert [f.timestamp for f in live._frames] == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0, 2.5])
+        assert live.counts["dropped"] == 0 and released == [1]
+        t0 = time.perf_counter()
+        live.attach(_clip(tmp_path / "fast.avi", 10, 40))  # realtime: 10 frames at 40 fps take 0.25 s
+        assert live.wait(timeout=60) and time.perf_counter() - t0 > 0.2
+        live.attach(path)
+        live.detach()  # stops a capture mid-file and releases it
+        assert not live.attached and released == [1, 1, 1]
+        for bad in (tmp_path / "missing.mp4", "rtsp://127.0.0.1:9/none", "/dev/video99"):
+            with pytest.raises(VideoError, match=str(bad).replace(".", r"\.")):
+                live.attach(bad)
+    assert live_threads() == []
+
+
+def test_push_from_a_capture_thread_while_answers_stream(vlm):
+    stop, errors, pushed = threading.Event(), [], [0]
+
+    def capture(live):
+        try:
+            while not stop.is_set():
+                live.push(frame(pushed[0] % 7), bgr=True)
+                pushed[0] += 1
+                time.sleep(0.002)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with LiveSession(vlm, window=4, sample_fps=None) as live:
+        thread = threading.Thread(target=capture, args=(live,))
+        thread.start()
+        try:
+            assert live.wait_frames(4, timeout=30)
+            for q in range(3):
+                before = pushed[0]
+                pieces = list(live.ask(f"Question {q}?", SHORT))
+                assert live.stats.finish in ("stop", "max_tokens") and live.stats.images == 4 and pieces
+            assert pushed[0] > before  # frames kept coming while answers streamed
+        finally:
+            stop.set()
+            thread.join()
+    assert errors == [] and live_threads() == []
+
+
+def test_memory_stays_flat_over_a_soak(vlm):
+    """20,000 frames at full speed, a question every 200: RSS at the end within 5% of RSS after the first 1,000."""
+    live = LiveSession(vlm, window=8, sample_fps=10)
+    t0, mid = time.perf_counter(), None
+    with live:
+        for i in range(20000):
+            live.push(frame(i % 50), timestamp=i / 30)
+            if i % 200 == 199:
+                assert live.wait_frames(1, timeout=30)  # at full speed most frames are dropped: the encoder is busy
+                "".join(live.ask("What is happening?", SHORT))
+            if i == 999:
+                mid = rss_kib()
+        end = rss_kib()
+        assert len(live._frames) == 8 and live.counts["pushed"] == 20000 and live.counts["encoded"] > 100
+    assert end <= mid * 1.05, (mid, end)
+    assert time.perf_counter() - t0 < 30 and live_threads() == []
