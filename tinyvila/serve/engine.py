@@ -237,7 +237,7 @@ class Engine:
                  "prompt_tokens_details": {"cached_tokens": cached, "image_tokens": entry.image_tokens,
                                            "video_tokens": entry.video_tokens}}
         info = {"line": stats.line(), "encode_ms": round(stats.encode_ms, 2), "prefill_ms": round(stats.prefill_ms, 2),
-                "prefill_tokens": stats.prefill_tokens, "ttft_ms": round(stats.ttft_ms, 2),
+                "prefill_tokens": prompt - cached, "ttft_ms": round(stats.ttft_ms, 2),
                 "decode_tokens_per_second": round(stats.decode_tok_s, 1), "context_tokens": stats.context_tokens,
                 "prefix_reused": reused}
         return {"finish": finish, "usage": usage, "stats": info}

@@ -1,0 +1,474 @@
+"""`python -m tinyvila.serve` over real HTTP: the official `openai` client, raw requests (httpx), disconnects, prefix
+reuse, a small load, /metrics. Servers run the demo model on a free loopback port, started and stopped here; the
+expected answers come from the same model's in-process `Chat` (greedy), never from hard-coded text.
+"""
+
+import base64
+import concurrent.futures
+import copy
+import gc
+import io
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="the server tests need the test extra: pip install -e '.[test]'")
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+from PIL import Image  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+import tinyvila  # noqa: E402
+from tinyvila.api import Chat  # noqa: E402
+from tinyvila.serve.app import create_app  # noqa: E402
+from tinyvila.serve.engine import Engine, Job, PrefixCache  # noqa: E402
+from tinyvila.serve.media import MediaPolicy  # noqa: E402
+from tinyvila.serve.protocol import Defaults, RequestError, StopMatcher, parse_request  # noqa: E402
+
+DEMO_IMAGE = Path(tinyvila.__file__).parent / "assets" / "demo.png"
+KEY = "test-key"
+MAX_BODY = 1 << 20
+
+
+class Server:
+    """An engine and its app under uvicorn in a thread, on a free 127.0.0.1 port."""
+
+    def __init__(self, vlm, *, cache_size=4, max_queue=64, **app_kw):
+        self.engine = Engine(vlm, cache_size=cache_size, max_queue=max_queue)
+        app_kw.setdefault("defaults", Defaults(model="demo", max_tokens=16))
+        self.app = create_app(self.engine, model_name="demo", **app_kw)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def metric(self, name: str, **labels) -> float:
+        return self.engine.metrics.get(name, **labels)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+        self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    return tinyvila.load("demo")
+
+
+@pytest.fixture(scope="module")
+def server(vlm):
+    s = Server(vlm, api_key=KEY, max_body=MAX_BODY)
+    yield s
+    s.close()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=60)
+
+
+def answer_in_process(vlm, questions, max_tokens=16, media=()):
+    """The answers of a stateful in-process Chat asked `questions` in turn; media [(kind, source)] go with the
+    first. Returns (answers, the Chat)."""
+    chat = vlm.chat(sampling=tinyvila.SamplingParams(max_new_tokens=max_tokens))
+    for kind, source in media:
+        chat.add_image(source) if kind == "image" else chat.add_video(source, num_frames=len(source)
+                                                                      if isinstance(source, list) else 4)
+    return ["".join(chat.ask(q)) for q in questions], chat
+
+
+def data_url(path: Path, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def image_message(text: str) -> dict:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(DEMO_IMAGE, "image/png")}},
+                                        {"type": "text", "text": text}]}
+
+
+def post(server, body, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=60,
+                      **({"json": body} if isinstance(body, (dict, list)) else {"content": body}), **kw)
+
+
+# -- the official client -----------------------------------------------------------------------------------
+def test_models_list(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["demo"] and models[0].object == "model"
+
+
+def test_completion_equals_the_in_process_chat(client, vlm):
+    (want,), chat = answer_in_process(vlm, ["What is in the picture?"], 8)
+    r = client.chat.completions.create(model="any-name-at-all", max_tokens=8,
+                                       messages=[{"role": "user", "content": "What is in the picture?"}])
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("length" if chat.stats.finish == "max_tokens" else "stop")
+    assert r.usage.completion_tokens == chat.stats.decode_tokens
+    assert r.usage.prompt_tokens == chat.stats.context_tokens - chat.stats.decode_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens and r.model == "any-name-at-all"
+
+
+def test_streamed_completion_with_usage(client, vlm):
+    (want,), chat = answer_in_process(vlm, ["Tell me more."], 12)
+    chunks = list(client.chat.completions.create(model="demo", max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 messages=[{"role": "user", "content": "Tell me more."}]))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # streamed, not one blob
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length" if chat.stats.finish == "max_tokens" else "stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.stats.decode_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_image_part(client, vlm):
+    (want,), _ = answer_in_process(vlm, ["What is it?"], 10, [("image", DEMO_IMAGE)])
+    r = client.chat.completions.create(model="demo", max_tokens=10, messages=[image_message("What is it?")])
+    assert r.choices[0].message.content == want
+    details = r.usage.prompt_tokens_details.model_dump()
+    assert details["image_tokens"] == vlm.cfg.image_tokens and details["video_tokens"] == 0
+
+
+def write_clip(path: Path, n: int = 12) -> Path:
+    cv2 = pytest.importorskip("cv2")
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 10, (64, 48))
+    for i in range(n):
+        frame = np.zeros((48, 64, 3), np.uint8)
+        frame[:, : 5 * i + 4] = (20 * i, 255 - 20 * i, (37 * i) % 256)
+        writer.write(frame)
+    writer.release()
+    return path
+
+
+def test_video_part_mp4_with_max_frames(client, vlm, tmp_path):
+    clip = write_clip(tmp_path / "clip.mp4")
+    (want,), _ = answer_in_process(vlm, ["What happens?"], 10, [("video", str(clip))])  # 4 frames
+    part = {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4"), "max_frames": 4}}
+    r = client.chat.completions.create(model="demo", max_tokens=10, messages=[
+        {"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}])
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens_details.model_dump()["video_tokens"] == 4 * vlm.cfg.image_tokens
+
+
+def test_video_part_presampled_jpeg_frames(client, vlm):
+    frames = []
+    for i in range(3):
+        buf = io.BytesIO()
+        Image.fromarray(np.full((40, 56, 3), 60 * i, np.uint8)).save(buf, "JPEG")
+        frames.append(buf.getvalue())
+    decoded = [np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in frames]
+    (want,), _ = answer_in_process(vlm, ["Describe."], 8, [("video", decoded)])
+    url = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+    r = client.chat.completions.create(model="demo", max_tokens=8, messages=[
+        {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                     {"type": "text", "text": "Describe."}]}])
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens_details.model_dump()["video_tokens"] == 3 * vlm.cfg.image_tokens
+
+
+def test_bad_image_is_a_400_and_is_not_retried(client, server):
+    before = server.metric("requests_total", code="400")
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": [bad, {"type": "text",
+                                                                                                  "text": "hi"}]}])
+    assert e.value.status_code == 400 and "messages[0].content[0]" in e.value.message
+    assert server.metric("requests_total", code="400") == before + 1  # the client retries 5xx, never this
+
+
+def test_stop_strings_cut_the_answer(client, vlm):
+    (full,), _ = answer_in_process(vlm, ["Go on."], 16)
+    words = full.split()
+    stop = words[len(words) // 2]
+    want = full[:full.index(stop)]
+    for stream in (False, True):
+        r = client.chat.completions.create(model="demo", max_tokens=16, stop=[stop, "\x00never"], stream=stream,
+                                           messages=[{"role": "user", "content": "Go on."}])
+        if stream:
+            chunks = list(r)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            text, finish = r.choices[0].message.content, [r.choices[0].finish_reason]
+        assert text == want and finish == ["stop"]
+
+
+@pytest.mark.parametrize("pieces", [["ab", "cSTOPd"], ["abcS", "TO", "Pd"], ["abc", "S", "T", "O", "P"]])
+def test_stop_matcher_across_pieces(pieces):
+    m = StopMatcher(["STOP"])
+    out, hit = "", False
+    for p in pieces:
+        text, hit = m.push(p)
+        out += text
+        if hit:
+            break
+    assert hit and out == "abc"
+    m = StopMatcher(["STOP"])
+    assert "".join(m.push(p)[0] for p in ["aS", "Tb", "S"]) + m.flush() == "aSTbS"  # held back, then released
+
+
+# -- raw HTTP ----------------------------------------------------------------------------------------------
+def assert_error(r, status, param=None, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+
+
+def test_malformed_json(server):
+    assert_error(post(server, b'{"messages": [}'), 400, code="invalid_json")
+
+
+def test_body_over_the_limit_is_413(server):
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]})
+    assert_error(post(server, big), 413, code="request_too_large")
+
+    def chunks():  # no Content-Length: the limit applies while the body is read
+        for _ in range(MAX_BODY // 65536 + 2):
+            yield b" " * 65536
+    assert_error(post(server, chunks()), 413, code="request_too_large")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "q"}], "temperature": -1}, "temperature"),
+    ({"messages": [{"role": "user", "content": "q"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "q"}], "top_p": "high"}, "top_p"),
+    ({"messages": [{"role": "user", "content": "q"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "q"}], "stop": [""]}, "stop"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}]},
+     "messages[0].content[0].image_url.url"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
+     "messages[0].content[0].image_url.url"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x"}}]}]},
+     "messages[0].content[0].image_url.url"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA",
+                                                                                   "max_frames": 1000}}]}]},
+     "messages[0].content[0].video_url.max_frames"),
+])
+def test_bad_requests_are_400_naming_the_field(server, body, param):
+    assert_error(post(server, body), 400, param=param)
+
+
+def test_bad_base64(server):
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@not-base64@@@"}}
+    assert_error(post(server, {"messages": [{"role": "user", "content": [part]}]}), 400,
+                 param="messages[0].content[0].image_url.url", code="invalid_base64")
+
+
+def test_bad_video_is_a_400(server):
+    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"junk" * 50).decode()}}
+    assert_error(post(server, {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "?"}]}]}), 400,
+                 param="messages[0].content[0]", code="invalid_video")
+
+
+def test_api_key(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert_error(post(server, body, key=None), 401, code="invalid_api_key")
+    assert_error(post(server, body, key="wrong"), 401, code="invalid_api_key")
+    assert_error(httpx.get(server.url + "/v1/models"), 401)
+    assert post(server, body).status_code == 200
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"  # open, for load balancers
+    assert_error(httpx.get(server.url + "/v2/nothing"), 404)
+
+
+def test_context_overflow_is_a_400_and_the_server_goes_on(server, client, vlm):
+    long = "word " * (vlm.cfg.text.max_seq_len + 10)
+    assert_error(post(server, {"messages": [{"role": "user", "content": long}]}), 400,
+                 code="context_length_exceeded")
+    (want,), _ = answer_in_process(vlm, ["Short one."], 6)
+    r = client.chat.completions.create(model="demo", max_tokens=6, messages=[{"role": "user", "content": "Short one."}])
+    assert r.choices[0].message.content == want
+
+
+def test_without_the_serve_extra_it_prints_the_pip_command():
+    code = ("import sys; sys.modules['uvicorn'] = None; from tinyvila.serve.__main__ import main; "
+            "sys.exit(main(['--model', 'demo']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and 'pip install "tinyvila[serve]"' in r.stderr, r.stderr
+
+
+# -- disconnects, prefix reuse, load -----------------------------------------------------------------------
+def test_disconnect_mid_stream_frees_the_worker(vlm):
+    body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 3500, "stream": True}
+    next_body = {"messages": [{"role": "user", "content": "And now?"}], "max_tokens": 8}
+    endless = copy.copy(vlm)  # the same weights with no stop token: every answer runs to max_tokens
+    endless.stop_ids = frozenset()
+    a = Server(endless)
+    try:
+        with httpx.stream("POST", a.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            got = [line for line, _ in zip(lines, range(4)) if line.startswith("data:")]
+        assert len(got) >= 2  # the answer was streaming when the client left
+        deadline = time.monotonic() + 20
+        while a.metric("cancelled_total") < 1:
+            assert time.monotonic() < deadline, "the worker never noticed the disconnect"
+            time.sleep(0.01)
+        assert 0 < a.metric("completion_tokens_total") < 1000  # of 3500: it stopped early
+        after = post(a, next_body, key=None).json()["choices"][0]["message"]["content"]
+    finally:
+        a.close()
+    b = Server(endless)
+    try:
+        fresh = post(b, next_body, key=None).json()["choices"][0]["message"]["content"]
+    finally:
+        b.close()
+    assert after == fresh
+
+
+QUESTIONS = ["What is in the image?", "What colour is it?", "Is it large?", "Where is it?", "Why?"]
+
+
+def run_conversation(server, questions, max_tokens=10):
+    """Ask `questions` statelessly (each request resends the whole conversation, the image in the first message);
+    -> the responses' JSON."""
+    messages, out = [], []
+    for i, q in enumerate(questions):
+        messages.append(image_message(q) if i == 0 else {"role": "user", "content": q})
+        r = post(server, {"model": "demo", "messages": messages, "max_tokens": max_tokens}, key=None).json()
+        out.append(r)
+        messages.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+    return out
+
+
+def test_prefix_reuse_equals_no_reuse_and_prefills_only_the_suffix(vlm):
+    answers, chat = answer_in_process(vlm, QUESTIONS[:1], 10, [("image", DEMO_IMAGE)])
+    prefills = [chat.stats.prefill_tokens]
+    for q in QUESTIONS[1:]:
+        answers.append("".join(chat.ask(q, tinyvila.SamplingParams(max_new_tokens=10))))
+        prefills.append(chat.stats.prefill_tokens)
+    reuse, fresh = Server(vlm, cache_size=4), Server(vlm, cache_size=0)
+    try:
+        with_reuse, without = run_conversation(reuse, QUESTIONS), run_conversation(fresh, QUESTIONS)
+        assert reuse.metric("prefix_cache_hits_total") == 4 and reuse.metric("prefix_cache_misses_total") == 0
+        assert fresh.metric("prefix_cache_misses_total") == 4
+        # an edited history matches no cached chat: prefilled whole, answered as the no-reuse server answers it
+        edited = [image_message(QUESTIONS[0]), {"role": "assistant", "content": "something else"},
+                  {"role": "user", "content": QUESTIONS[1]}]
+        r1, r2 = (post(s, {"messages": edited, "max_tokens": 10}, key=None).json() for s in (reuse, fresh))
+        assert reuse.metric("prefix_cache_misses_total") == 1 and r1["choices"] == r2["choices"]
+    finally:
+        reuse.close()
+        fresh.close()
+    for k, (a, b) in enumerate(zip(with_reuse, without)):
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"] == answers[k]
+        assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"]
+        assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+        assert a["stats"]["prefill_tokens"] == prefills[k]  # the same suffix the stateful Chat prefilled
+        assert b["stats"]["prefill_tokens"] == b["usage"]["prompt_tokens"]  # everything, every time
+        assert a["stats"]["prefix_reused"] == (k > 0) and not b["stats"]["prefix_reused"]
+        if k > 0:  # the whole earlier conversation came from the cache
+            prev = with_reuse[k - 1]["usage"]
+            assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == prev["total_tokens"] - 1
+            assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def test_bounded_load_50_requests_from_8_threads(vlm):
+    prompts = [f"Question number {i}?" for i in range(5)]
+    want = {p: answer_in_process(vlm, [p], 3)[0][0] for p in prompts}
+    chats = lambda: sum(type(o) is Chat for o in gc.get_objects())  # noqa: E731
+    gc.collect()
+    before = chats()  # the chats other servers keep
+    s = Server(vlm, cache_size=4)
+    try:
+        def ask(i):
+            p = prompts[i % len(prompts)]
+            r = post(s, {"messages": [{"role": "user", "content": p}], "max_tokens": 3}, key=None)
+            return p, r.status_code, r.json()["choices"][0]["message"]["content"]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(ask, range(16)))  # warm-up: allocator pools, threads, connections
+            gc.collect()
+            rss = _rss_mb()
+            results = list(pool.map(ask, range(50)))
+        gc.collect()
+        assert all(code == 200 and text == want[p] for p, code, text in results)
+        assert len(s.engine.cache.entries) <= 4 and s.engine.queue.qsize() == 0
+        assert chats() - before <= 4, f"{chats() - before} chats alive: the LRU does not bound them"
+        assert _rss_mb() - rss < 64, "memory grew under load"
+    finally:
+        s.close()
+
+
+def test_full_queue_is_503(vlm):
+    engine = Engine(vlm, cache_size=0, max_queue=1)
+    started = threading.Event()
+    req = parse_request({"messages": [{"role": "user", "content": "long"}], "max_tokens": 3000, "stream": True},
+                        Defaults())
+    first = Job(req, lambda kind, _: started.set() if kind == "start" else None)
+    second = Job(req, lambda *_: None)
+    try:
+        engine.submit(first)
+        assert started.wait(30)
+        engine.submit(second)  # waits in the queue
+        with pytest.raises(RequestError) as e:
+            engine.submit(Job(req, lambda *_: None))
+        assert e.value.status == 503 and e.value.code == "queue_full"
+    finally:
+        first.cancelled.set()
+        second.cancelled.set()
+        engine.close()
+
+
+def test_prefix_cache_gives_way_when_memory_is_short():
+    free = {"bytes": 0}
+    cache = PrefixCache(8, free_bytes=lambda: free["bytes"])
+    for k in "abc":
+        cache.put(k, object())
+
+    def free_after_drop():  # each chat dropped frees 100 bytes
+        return 100 * (3 - len(cache.entries))
+    cache.free_bytes = free_after_drop
+    cache.make_room(150)
+    assert list(cache.entries) == ["c"]  # oldest first, and only as many as needed
+    cache.put("d", object())
+    small = PrefixCache(2)
+    for k in "xyz":
+        small.put(k, object())
+    assert list(small.entries) == ["y", "z"]
+
+
+def test_metrics_exposition(server, client):
+    client.chat.completions.create(model="demo", max_tokens=3, messages=[{"role": "user", "content": "Count."}])
+    text = httpx.get(server.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("tinyvila_requests", "tinyvila_prefix_cache_hits", "tinyvila_prefix_cache_misses",
+                 "tinyvila_queue_depth", "tinyvila_ttft_seconds", "tinyvila_decode_tokens_per_second",
+                 "tinyvila_completion_tokens"):
+        assert name in families, name
+    assert [f.type for f in (families["tinyvila_ttft_seconds"], families["tinyvila_queue_depth"],
+                             families["tinyvila_requests"])] == ["histogram", "gauge", "counter"]
+    ttft = {(s.name, s.labels.get("le")): s.value for s in families["tinyvila_ttft_seconds"].samples}
+    buckets = [v for (n, le), v in ttft.items() if n.endswith("_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == ttft[("tinyvila_ttft_seconds_count", None)] > 0
+    ok = [s.value for s in families["tinyvila_requests"].samples if s.labels.get("code") == "200"]
+    assert ok and ok[0] >= 1
+    for kind in ("HELP", "TYPE"):
+        assert f"# {kind} tinyvila_ttft_seconds " in text
