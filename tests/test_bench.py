@@ -113,3 +113,14 @@ def test_on_cuda_the_warmup_leaves_nothing_to_compile_and_peaks_are_per_pipeline
         assert r["first_use"] == 0, f"{r['pipeline']}: the measured run compiled or autotuned"
         assert r["resident_gb_before"] < 0.1 and r["peak_gb"] > 0
     assert "WARNING" not in out
+
+
+def test_cpu_bench_runs_each_pipeline_and_reports_json(capsys):
+    """scripts/bench_cpu.py at one layer: every pipeline answers and lands in the JSON line (timings not asserted:
+    they are the bench's job on a quiet machine, docs/benchmarks.md)."""
+    from scripts import bench_cpu
+
+    assert bench_cpu.main(["--layers", "1", "--new-tokens", "3", "--repeats", "1", "--dtype", "float32"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["pipeline"] for r in out["rows"]] == ["dense", "w4", "w4+cache"]
+    assert all(r["decode_tok_s"] > 0 and len(r["runs_tok_s"]) == 1 for r in out["rows"])

@@ -195,9 +195,19 @@ def argmax_step(logits: torch.Tensor, token: torch.Tensor, out: torch.Tensor, co
 GEMV_MAX_M = 8  # rows up to which the decode GEMVs (W4 and dense) take over from the GEMMs (they stream W once)
 
 
+def w4_reference_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
+                        ) -> torch.Tensor:
+    """The (N, K) weights the reference W4 linear multiplies by for activations of `dtype`: w = q * s + b in fp32,
+    rounded to `dtype` as a dense checkpoint would hold it, then widened to the math dtype (fp32, or fp64)."""
+    from csrc_triton._common import dequantize_ref
+
+    ct = torch.promote_types(dtype, torch.float32)
+    return dequantize_ref(qweight, scales, zeros).to(dtype).to(ct)
+
+
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                 opts: Options = DEFAULT) -> torch.Tensor:
+                 opts: Options = DEFAULT, dense: torch.Tensor | None = None) -> torch.Tensor:
     """Linear with packed W4 weights (tinyvila/quant.py layout): (..., K) -> (..., N) in x's dtype.
 
     On CUDA: the Triton GEMV for at most GEMV_MAX_M rows (decode), the GEMM otherwise (prefill), which
@@ -206,6 +216,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     Elsewhere: the reference, w = q * s + b in fp32 rounded to x's dtype, then an fp32 matmul.
     norm (part, eps): x is an RMSNorm's weight * h, not yet normalised (decode_step.NormedRows.xg); each row's
     product is scaled by rsqrt(mean(h^2) + eps) from the partial sums `part`. Rows <= GEMV_MAX_M.
+    dense: on the reference path, `w4_reference_weight(..., x.dtype)` computed once by the caller (quant.W4A16Linear's
+    CPU cache, Options.w4_cpu_cache), used instead of dequantizing every weight on every call: the same bits.
     """
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
     if norm is not None and x2.shape[0] > GEMV_MAX_M:
@@ -220,11 +232,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         else:
             y = w4a16_gemm(x2.contiguous(), qweight, scales, zeros, bias, direct=opts.direct_launch)
     else:
-        from csrc_triton._common import dequantize_ref
-
         ct = torch.promote_types(x.dtype, torch.float32)  # fp32 math, or fp64 for a float64 model
-        w = dequantize_ref(qweight, scales, zeros).to(x.dtype)  # rounded as a dense checkpoint would hold it
-        y = x2.to(ct) @ w.to(ct).T
+        w = w4_reference_weight(qweight, scales, zeros, x.dtype) if dense is None else dense
+        y = x2.to(ct) @ w.T
         if norm is not None:
             part, eps = norm
             y = y * torch.rsqrt(part.to(ct).sum(0)[: x2.shape[0]] / x2.shape[1] + eps)[:, None]

@@ -40,6 +40,8 @@ class Options:
     w4_gemv_kernel   the W4 GEMV's inner form: "auto" (tuned table), "mma" or "fma" where the shape allows
     w8a8_persistent  the persistent int8 GEMM at the shapes it was tuned for (False: the plain kernel)
     w8a8_wgmma       the Gluon wgmma int8 GEMM where the persistent kernel would run (Hopper, Triton 3.6)
+    w4_cpu_cache     off CUDA, each W4 linear keeps its dequantized weights after the first call (fp32: 4 bytes a
+                     weight, 8x the packed size) instead of dequantizing all of them for every token; the same bits
     """
 
     cuda_graph: bool = True
@@ -52,6 +54,7 @@ class Options:
     w4_gemv_kernel: str = "auto"
     w8a8_persistent: bool = True
     w8a8_wgmma: bool = True
+    w4_cpu_cache: bool = False
 
     def __post_init__(self):
         if self.fused_norm_gemv not in _NORM_MODES:

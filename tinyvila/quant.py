@@ -115,9 +115,23 @@ class W4A16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N)."""
-        return ops.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias, opts=self.options)
+        dense = self._dense(x.dtype) if self.options.w4_cpu_cache and not x.is_cuda else None
+        return ops.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias, opts=self.options, dense=dense)
+
+    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The reference path's dequantized weights for activations of `dtype`, made on the first call and kept
+        (Options.w4_cpu_cache): a CPU decode step otherwise spends most of its time re-dequantizing every weight."""
+        cached = getattr(self, "_dense_cache", None)
+        if cached is None or cached[0] != dtype or cached[1].device != self.qweight.device:
+            cached = self._dense_cache = (dtype, ops.w4_reference_weight(self.qweight, self.scales, self.zeros, dtype))
+        return cached[1]
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._dense_cache = None  # new weights
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
+        self._dense_cache = None  # moved or cast: made again from the new buffers on the next call
         # Module.to(dtype=...) / .half() would round the fp32 zeros; move them by device only.
         zeros = self._buffers.pop("zeros")
         try:

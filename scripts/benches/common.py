@@ -117,15 +117,17 @@ def matmul_tflops(dtype=torch.float16) -> float:
 
 
 def environment() -> dict:
-    """GPU, versions and commit, for the JSON line."""
-    import triton
-
+    """GPU, versions and commit, for the JSON line (triton: None where it is not installed, e.g. a CPU-only bench)."""
+    try:
+        import triton
+    except ImportError:
+        triton = None
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
     return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "triton": triton.__version__, "commit": commit or "unknown"}
+            "torch": torch.__version__, "triton": triton and triton.__version__, "commit": commit or "unknown"}
 
 
 def ints(text: str) -> list[int]:
