@@ -396,6 +396,19 @@ def test_cuda_without_cuda_is_a_clear_error(good):
         tinyvila.load(good, device="cuda")
 
 
+def test_cuda_without_triton_is_refused_at_load_naming_the_extra(good, monkeypatch):
+    """A CUDA device but no Triton (a CPU install later given a GPU): refused before loading, not at the first
+    kernel launch mid-answer."""
+    import importlib.util
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(DeviceError, match=r"need Triton.*pip install -e \"\.\[gpu\]\""):
+        tinyvila.load(good, device="cuda")
+
+
 # -- the first-use demo build ------------------------------------------------------------------------
 def _build_demo(root: str, barrier, results) -> None:
     """One of several processes starting the demo at once (spawned: module level)."""

@@ -11,6 +11,7 @@ for which tensors a config needs.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -276,6 +277,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
         raise DeviceError(f"{where}: this machine has {torch.cuda.device_count()} CUDA devices, cuda:0 to "
                           f"cuda:{torch.cuda.device_count() - 1}")
+    if dev.type == "cuda" and importlib.util.find_spec("triton") is None:  # the GPU kernels are Triton's
+        raise DeviceError(f"{where}: the GPU kernels need Triton, which is not installed: pip install -e \".[gpu]\" "
+                          "(CUDA builds of torch usually bring it)")
     return dev
 
 
