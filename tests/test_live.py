@@ -205,3 +205,18 @@ def test_memory_stays_flat_over_a_soak(vlm):
         assert len(live._frames) == 8 and live.counts["pushed"] == 20000 and live.counts["encoded"] > 100
     assert end <= mid * 1.05, (mid, end)
     assert time.perf_counter() - t0 < 30 and live_threads() == []
+
+
+def test_camera_demo_answers_about_a_file(tmp_path, capsys):
+    from scripts import camera_demo
+    from tinyvila.loader import build_synthetic
+
+    build_synthetic(tmp_path / "tiny", "tiny-siglip-llama", seed=1)
+    clip = _clip(tmp_path / "clip.avi", 40, 20)
+    argv = ["--model", str(tmp_path / "tiny"), "--source", clip, "--every", "0.3", "--max-answers", "2",
+            "--max-new-tokens", "2", "--device", "cpu"]
+    assert camera_demo.main(argv) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if "TTFT" in x]
+    assert len(lines) == 2 and all(x.startswith("[") for x in lines)
+    assert camera_demo.main([*argv[:2], "--source", str(tmp_path / "none.mp4")]) == 1
+    assert "none.mp4: cannot open" in capsys.readouterr().err and live_threads() == []

@@ -150,8 +150,8 @@ def cv2_module(what: str):
 
 
 def open_capture(source, what: str, stream: bool = False):
-    """An opened cv2.VideoCapture of a file, URL (`stream`: open and read timeouts set) or camera index, or
-    VideoError naming `what`."""
+    """An opened cv2.VideoCapture of a file, URL (`stream`: open and read timeouts set) or camera (an index or
+    /dev/videoN), or VideoError naming `what`."""
     cv2 = cv2_module(what)
     if stream:
         cap = cv2.VideoCapture(source, cv2.CAP_FFMPEG, [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, OPEN_TIMEOUT_MS,
@@ -160,7 +160,9 @@ def open_capture(source, what: str, stream: bool = False):
         cap = cv2.VideoCapture(source)
     if not cap.isOpened():
         cap.release()
+        camera = isinstance(source, int) or str(source).startswith("/dev/")
         raise VideoError(f"{what}: cannot open " + ("the stream (unreachable, or not a video)" if stream else
+                         "the camera (no such device, busy, or no permission)" if camera else
                          "as a video (not a video file OpenCV's FFmpeg reads, or corrupt)"))
     return cap
 
