@@ -472,3 +472,84 @@ def test_metrics_exposition(server, client):
     assert ok and ok[0] >= 1
     for kind in ("HELP", "TYPE"):
         assert f"# {kind} tinyvila_ttft_seconds " in text
+
+
+# -- media sources behind flags, history replay ----------------------------------------------------------
+def test_file_urls_only_under_the_allowed_folder(vlm, tmp_path):
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "demo.png").write_bytes(DEMO_IMAGE.read_bytes())
+    clip = write_clip(media / "clip.mp4")
+    (want_image,), _ = answer_in_process(vlm, ["What?"], 6, [("image", DEMO_IMAGE)])
+    (want_video,), _ = answer_in_process(vlm, ["What?"], 6, [("video", str(clip))])
+    s = Server(vlm, policy=MediaPolicy(local_root=media))
+    try:
+        def ask(kind, url):
+            part = {"type": f"{kind}_url", f"{kind}_url": {"url": url, **({"max_frames": 4} if kind == "video" else {})}}
+            return post(s, {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "What?"}]}],
+                            "max_tokens": 6}, key=None)
+        assert ask("image", (media / "demo.png").as_uri()).json()["choices"][0]["message"]["content"] == want_image
+        assert ask("video", clip.as_uri()).json()["choices"][0]["message"]["content"] == want_video
+        assert_error(ask("image", f"file://{media}/../media/../{DEMO_IMAGE.name}"), 400, code="invalid_url")
+        assert_error(ask("image", DEMO_IMAGE.as_uri()), 400, code="invalid_url")  # outside the folder
+        assert_error(ask("image", (media / "none.png").as_uri()), 400, code="invalid_url")
+    finally:
+        s.close()
+
+
+def test_http_media_only_with_the_flag(vlm, tmp_path):
+    import functools
+    import http.server
+
+    (tmp_path / "demo.png").write_bytes(DEMO_IMAGE.read_bytes())
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a: None
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{files.server_address[1]}/demo.png"
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": url},
+                                                      {"type": "text", "text": "What?"}]}], "max_tokens": 6}
+    (want,), _ = answer_in_process(vlm, ["What?"], 6, [("image", DEMO_IMAGE)])
+    on = Server(vlm, policy=MediaPolicy(allow_http=True))
+    small = Server(vlm, policy=MediaPolicy(allow_http=True, max_bytes=100))
+    try:
+        assert post(on, body, key=None).json()["choices"][0]["message"]["content"] == want
+        assert_error(post(small, body, key=None), 413, code="media_too_large")
+        missing = json.loads(json.dumps(body).replace("demo.png", "none.png"))
+        assert_error(post(on, missing, key=None), 400, code="invalid_url")
+    finally:
+        on.close()
+        small.close()
+        files.shutdown()
+
+
+def test_presampled_frames_over_max_frames_are_sampled_before_decoding(client, vlm):
+    frames = []
+    for i in range(5):
+        buf = io.BytesIO()
+        Image.fromarray(np.full((32, 32, 3), 50 * i, np.uint8)).save(buf, "PNG")
+        frames.append(buf.getvalue())
+    from tinyvila.video import sample_indices
+
+    picks = sample_indices(5, 2)
+    decoded = [np.asarray(Image.open(io.BytesIO(frames[i])).convert("RGB")) for i in picks]
+    (want,), _ = answer_in_process(vlm, ["Describe."], 8, [("video", decoded)])
+    items = [base64.b64encode(f).decode() for f in frames]
+    items[[i for i in range(5) if i not in picks][0]] = "@@not-base64@@"  # never decoded: not picked
+    url = "data:video/png;base64," + ",".join(items)
+    r = client.chat.completions.create(model="demo", max_tokens=8, messages=[{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url, "max_frames": 2}}, {"type": "text", "text": "Describe."}]}])
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens_details.model_dump()["video_tokens"] == 2 * vlm.cfg.image_tokens
+
+
+def test_add_turn_replays_history_and_is_a_transaction(vlm):
+    (first, second), stateful = answer_in_process(vlm, ["One?", "Two?"], 8, [("image", DEMO_IMAGE)])
+    chat = vlm.chat(sampling=tinyvila.SamplingParams(max_new_tokens=8))
+    chat.add_image(DEMO_IMAGE)
+    with pytest.raises(tinyvila.ContextLimitError):
+        chat.add_turn("One?", "word " * vlm.cfg.text.max_seq_len)
+    assert chat.turns == [] and chat.decoder.length == 0 and len(chat.images) == 1  # nothing changed
+    chat.add_turn("One?", first)
+    assert "".join(chat.ask("Two?")) == second
+    assert chat.decoder.length == stateful.decoder.length

@@ -60,8 +60,8 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None, m
     async def chat_completions(request: HTTPRequest) -> Response:
         received = time.perf_counter()
         authorise(request)
-        req = parse_request(_json(await _read_body(request, max_body)), defaults)
-        await run_in_threadpool(load_media, req.turns, policy, vision)
+        body = await _read_body(request, max_body)
+        req = await run_in_threadpool(_parse, body, defaults, policy, vision)  # a large body takes a while
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -150,6 +150,13 @@ async def _read_body(request: HTTPRequest, limit: int) -> bytes:
             raise too_large
         chunks.append(part)
     return b"".join(chunks)
+
+
+def _parse(body: bytes, defaults: Defaults, policy: MediaPolicy, vision):
+    """The request, checked, its media decoded (in a worker thread of the event loop's pool)."""
+    req = parse_request(_json(body), defaults)
+    load_media(req.turns, policy, vision)
+    return req
 
 
 def _json(body: bytes):

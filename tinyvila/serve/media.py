@@ -76,8 +76,8 @@ def decode_part(part: Part, policy: MediaPolicy, cfg: VisionConfig) -> Media:
 
 
 # -- URLs ----------------------------------------------------------------------------------------------
-def read_url(part: Part, policy: MediaPolicy) -> tuple[str, bytes]:
-    """(mime type or "", the bytes) of a part's URL."""
+def read_url(part: Part, policy: MediaPolicy) -> tuple[str, bytes | Path]:
+    """(mime type or "", the bytes) of a part's URL; a file:// URL's checked path instead of its bytes."""
     url, where = part.url, f"{part.where}.{part.kind}_url.url"
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
@@ -109,7 +109,7 @@ def _b64(data: str, where: str) -> bytes:
         raise RequestError(f"{where}: the data is not valid base64", where, code="invalid_base64") from None
 
 
-def _local_file(url: str, where: str, policy: MediaPolicy) -> bytes:
+def _local_file(url: str, where: str, policy: MediaPolicy) -> Path:
     if policy.local_root is None:
         raise RequestError(f"{where}: file:// URLs are off on this server (start it with --allowed-local-media-path "
                            "DIR to serve files under DIR)", where, code="invalid_url")
@@ -125,7 +125,7 @@ def _local_file(url: str, where: str, policy: MediaPolicy) -> bytes:
     if path.stat().st_size > policy.max_bytes:
         raise RequestError(f"{where}: {path} is over the server's {policy.max_bytes} byte limit for media", where,
                            status=413, code="media_too_large")
-    return path.read_bytes()
+    return path
 
 
 def _fetch(url: str, where: str, policy: MediaPolicy) -> tuple[str, bytes]:
@@ -145,37 +145,47 @@ def _fetch(url: str, where: str, policy: MediaPolicy) -> tuple[str, bytes]:
 
 
 # -- pixels ---------------------------------------------------------------------------------------------
-def _image_pixels(data: bytes, where: str, cfg: VisionConfig) -> np.ndarray:
-    """Encoded image bytes -> (1, S, S, 3) uint8 through tinyvila.image, exactly as `Chat.add_image(path)` reads
-    a file (the bytes go through a temporary file so that its format and pixel checks apply unchanged)."""
+def _image_pixels(data: bytes | Path, where: str, cfg: VisionConfig) -> np.ndarray:
+    """An image file or its bytes -> (1, S, S, 3) uint8 through tinyvila.image, exactly as `Chat.add_image(path)`
+    reads a file (bytes go through a temporary file so that its format and pixel checks apply unchanged)."""
+    if isinstance(data, Path):
+        return _resize(data, where, cfg)
     fd, name = tempfile.mkstemp(prefix="tinyvila-image-")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        return resize_uint8(name, cfg).numpy()
-    except TinyVilaError as e:
-        raise RequestError(str(e).replace(name, where), where, code="invalid_image") from None
+        return _resize(Path(name), where, cfg)
     finally:
         os.unlink(name)
 
 
-def _video_pixels(mime: str, data: bytes, part: Part, policy: MediaPolicy,
+def _resize(path: Path, where: str, cfg: VisionConfig) -> np.ndarray:
+    try:
+        return resize_uint8(path, cfg).numpy()
+    except TinyVilaError as e:  # ImageError: not an allowed format, corrupt, over the pixel limit
+        raise RequestError(str(e).replace(str(path), where), where, code="invalid_image") from None
+
+
+def _video_pixels(mime: str, data: bytes | Path, part: Part, policy: MediaPolicy,
                   cfg: VisionConfig) -> tuple[np.ndarray, list[float]]:
-    """A video (container bytes, or vLLM's list of frames) -> (n, S, S, 3) uint8 and the frames' timestamps."""
-    from ..video import read_video  # OpenCV is imported only when a video comes
+    """A video (a container's bytes or file, or vLLM's list of frames) -> (n, S, S, 3) uint8 and the frames'
+    timestamps (s; a frame list's are its frame numbers, as it carries no clock)."""
+    from ..video import frame_batches, sample_indices  # OpenCV is imported only when a video comes
 
     frames = part.max_frames or policy.video_frames
     if frames > policy.max_frames:
         raise RequestError(f"{part.where}: max_frames {frames} is over the server's limit of {policy.max_frames} "
                            "(--max-frames)", f"{part.where}.video_url.max_frames")
-    source = data
-    if mime in FRAME_TYPES:  # pre-sampled frames: each one an image
+    if mime in FRAME_TYPES:  # pre-sampled frames, each an image: only those picked are decoded
         items = data.decode().split(",")
-        source = [_image_pixels(_b64(s, part.where), f"{part.where} frame {i}", cfg)[0] for i, s in enumerate(items)]
-        frames = min(len(source), part.max_frames or policy.max_frames)
-    try:
-        video = read_video(source, num_frames=frames, fps=part.fps, max_frames=frames)
-    except TinyVilaError as e:  # VideoError, or an ImageError of a frame
+        picks = sample_indices(len(items), min(len(items), part.max_frames or policy.max_frames))
+        pixels = [_image_pixels(_b64(items[i], part.where), f"{part.where} frame {i}", cfg) for i in picks]
+        return np.concatenate(pixels), [float(i) for i in picks]
+    stamps, batches = [], []
+    try:  # a batch at a time: only one batch of full-size frames is ever held
+        for ts, pixels, _ in frame_batches(data, cfg, frames, part.fps, batch=8, max_frames=frames):
+            stamps += ts
+            batches.append(pixels.numpy())
+    except TinyVilaError as e:  # VideoError: not a video, no frame decodes, no OpenCV
         raise RequestError(f"{part.where}: {e}", part.where, code="invalid_video") from None
-    pixels = resize_uint8(list(video.frames), cfg).numpy()
-    return pixels, [float(t) for t in video.timestamps]
+    return np.concatenate(batches), [float(t) for t in stamps]
