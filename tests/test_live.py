@@ -189,6 +189,48 @@ def test_push_from_a_capture_thread_while_answers_stream(vlm):
     assert errors == [] and live_threads() == []
 
 
+def test_encodes_and_streamed_pieces_take_turns_on_the_device(vlm, monkeypatch):
+    """A CUDA graph captured in one thread must not see another thread's work: the encoder runs between pieces."""
+    live = LiveSession(vlm, window=2, sample_fps=None)
+    text, busy, overlaps, during = vlm.model.text, {"llm": 0, "enc": 0}, [], []
+    forward, encode = text.forward, live.chat._encode
+
+    def tracked(kind, other, fn):
+        def run(*args, **kwargs):
+            busy[kind] += 1
+            overlaps.append(busy[other])
+            time.sleep(0.002)  # widen the window in which the other thread could run
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                busy[kind] -= 1
+        return run
+
+    monkeypatch.setattr(text, "forward", tracked("llm", "enc", forward))
+    monkeypatch.setattr(live.chat, "_encode", tracked("enc", "llm", encode))
+    stop = threading.Event()
+
+    def capture():
+        while not stop.is_set():
+            live.push(frame(live.counts["pushed"] % 5))
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=capture)
+    with live:
+        thread.start()
+        try:
+            assert live.wait_frames(2, timeout=30)
+            for _ in range(3):
+                before = live.counts["encoded"]
+                "".join(live.ask("Go on?", SamplingParams(max_new_tokens=12)))
+                during.append(live.counts["encoded"] - before)
+        finally:
+            stop.set()
+            thread.join()
+    assert overlaps and not any(overlaps)
+    assert sum(during) > 0  # frames were encoded while answers streamed, between their pieces
+
+
 def test_memory_stays_flat_over_a_soak(vlm):
     """20,000 frames at full speed, a question every 200: RSS at the end within 5% of RSS after the first 1,000."""
     live = LiveSession(vlm, window=8, sample_fps=10)

@@ -11,7 +11,8 @@ Threads. `push` may be called from any thread and never waits: it checks the fra
 many were dropped). One encoder thread takes the slot, encodes the frame once (the model's encode lock) and appends
 its embedding to the window of the last `window` frames; `attach` adds one capture thread that pushes a source's
 frames through OpenCV. `ask` (one thread at a time, as a Chat) snapshots the window and answers about it as it was
-then, while frames keep arriving.
+then, while frames keep arriving. The encoder and the answer take turns on the device (a lock per encode and per
+streamed piece): a CUDA graph captured in one thread must not see another thread's kernels or copies.
 
 Asking re-prefills the window from the cached frame embeddings (a sliding window encodes only its new frames).
 Reusing the KV cache of the frames still in the window is the alternative: it needs the frames kept at fixed cache
@@ -27,6 +28,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +93,7 @@ class LiveSession:
         self.error: BaseException | None = None  # the encoder's last failure, raised by the next ask()
         self.capture_error: VideoError | None = None  # why the attached stream stopped, if it failed
         self._cond = threading.Condition()
+        self._device = threading.Lock()  # one of: a frame's encode, the ask's set-up, one streamed piece
         self._frames: deque[_Frame] = deque(maxlen=window)
         self._slot: tuple[np.ndarray, float] | None = None
         self._due, self._last, self._busy, self._closed = -math.inf, -math.inf, False, False
@@ -143,7 +146,9 @@ class LiveSession:
                 self._cond.notify_all()
             frame, error = None, None
             try:
-                emb, idx, _ = self.chat._encode(resize_uint8(rgb, cfg))
+                pixels = resize_uint8(rgb, cfg)
+                with self._device:
+                    emb, idx, _ = self.chat._encode(pixels)
                 frame = _Frame(t, emb, idx)
             except Exception as e:  # noqa: BLE001 - kept for the next ask(); the stream goes on
                 error = e
@@ -226,10 +231,10 @@ class LiveSession:
             return self._cond.wait_for(lambda: self._closed or len(self._frames) >= min(n, self.window), timeout)
 
     # -- asking -----------------------------------------------------------------------------------
-    def ask(self, question: str, sampling: SamplingParams | None = None) -> Answer:
-        """Answer about the window as it is now (its frames' timestamps: `timestamps`), streamed as Chat.ask's
-        answer is; frames keep arriving meanwhile. VideoError when no frame has been encoded yet, when the
-        encoder failed since the last ask, or after close()."""
+    def ask(self, question: str, sampling: SamplingParams | None = None) -> Iterator[str]:
+        """Answer about the window as it is now (its frames' timestamps: `timestamps`): an iterator of text pieces
+        with `close()`, as Chat.ask's answer; frames keep arriving meanwhile. VideoError when no frame has been
+        encoded yet, when the encoder failed since the last ask, or after close()."""
         with self._cond:
             if self._closed:
                 raise VideoError("this LiveSession is closed; open a new one")
@@ -239,12 +244,24 @@ class LiveSession:
         if not frames:
             raise VideoError("live: no frame has been encoded yet; push() frames or attach() a source first "
                              "(wait_frames() waits for them)")
-        with self.chat._lock:  # one transaction: nothing of another thread's comes between
+        with self._device, self.chat._lock:  # one transaction: nothing of another thread's comes between
             self.chat.clear()
             self.chat._add_encoded([(f.emb, f.idx, 0.0) for f in frames])
             answer = self.chat.ask(question, sampling)
         self.timestamps = [f.timestamp for f in frames]
-        return answer
+        return self._stream(answer)
+
+    def _stream(self, answer: Answer) -> Iterator[str]:
+        """The answer's pieces, each made under the device lock (the encoder runs between them)."""
+        try:
+            while True:
+                with self._device:
+                    piece = next(answer, None)
+                if piece is None:
+                    return
+                yield piece
+        finally:
+            answer.close()
 
     @property
     def stats(self) -> Stats:
