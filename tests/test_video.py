@@ -109,6 +109,7 @@ def test_frame_folders_lists_and_bytes(tmp_path):
     video = read_video(items, num_frames=4)
     assert video.indices == vila_picks(10, 4) and all((f == frame(i)).all() for f, i in zip(video.frames, video.indices))
     assert read_video(items[:3]).indices == [0, 1, 2]
+    assert read_video(np.stack([frame(i) for i in range(9)]), num_frames=3).indices == vila_picks(9, 3)
     path = write_clip(tmp_path / "clip.avi", 23)
     from_bytes = read_video(open(path, "rb").read(), num_frames=6)
     assert from_bytes.indices == read_video(path, num_frames=6).indices == vila_picks(23, 6)

@@ -65,9 +65,9 @@ def sample_indices(frame_count: int, n: int) -> list[int]:
 
 def read_video(source, num_frames: int = 8, fps: float | None = None, *, max_frames: int | None = None) -> Video:
     """Decode and sample a video. `source`: a video file path (or stream URL), a folder of frame images, the
-    bytes of a video file, or a sequence of frames (HxWx3 uint8 RGB arrays, PIL images or paths: pre-sampled,
-    used as they are, at most num_frames of them chosen uniformly). `fps`: sample at most this many frames a
-    second of video, spread over the whole clip. `max_frames`: a hard cap on the frames returned.
+    bytes of a video file, or a sequence of frames (HxWx3 uint8 RGB arrays, PIL images or paths, or one TxHxWx3
+    array: pre-sampled, used as they are, at most num_frames of them chosen uniformly). `fps`: sample at most this
+    many frames a second of video, spread over the whole clip. `max_frames`: a hard cap on the frames returned.
     Raises VideoError naming the source (missing, not a video, no frame decodes, unreachable, no OpenCV)."""
     _check_args(num_frames, fps, max_frames)
     frames, times, idx = [], [], []
@@ -131,6 +131,8 @@ def _open(source):
         if not path.is_file():
             raise VideoError(f"{path}: video file not found")
         return _CapReader(str(path))
+    if isinstance(source, np.ndarray) and source.ndim == 4:  # (T, H, W, 3) frames
+        source = list(source)
     if isinstance(source, Sequence) and not isinstance(source, str):
         if not source:
             raise VideoError("frames: empty list; pass at least one frame")
