@@ -16,21 +16,21 @@ import threading
 import time
 from pathlib import Path
 
+import cv2
+import httpx
 import numpy as np
+import openai  # the test extra has the server's test tools: a missing one is a broken set-up, not a skip
 import pytest
+import uvicorn
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
-openai = pytest.importorskip("openai", reason="the server tests need the test extra: pip install -e '.[test]'")
-import httpx  # noqa: E402
-import uvicorn  # noqa: E402
-from PIL import Image  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-import tinyvila  # noqa: E402
-from tinyvila.api import Chat  # noqa: E402
-from tinyvila.serve.app import create_app  # noqa: E402
-from tinyvila.serve.engine import Engine, Job, PrefixCache  # noqa: E402
-from tinyvila.serve.media import MediaPolicy  # noqa: E402
-from tinyvila.serve.protocol import Defaults, RequestError, StopMatcher, parse_request  # noqa: E402
+import tinyvila
+from tinyvila.api import Chat
+from tinyvila.serve.app import create_app
+from tinyvila.serve.engine import Engine, Job, PrefixCache
+from tinyvila.serve.media import MediaPolicy
+from tinyvila.serve.protocol import Defaults, RequestError, StopMatcher, parse_request
 
 DEMO_IMAGE = Path(tinyvila.__file__).parent / "assets" / "demo.png"
 KEY = "test-key"
@@ -146,7 +146,6 @@ def test_image_part(client, vlm):
 
 
 def write_clip(path: Path, n: int = 12) -> Path:
-    cv2 = pytest.importorskip("cv2")
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 10, (64, 48))
     for i in range(n):
         frame = np.zeros((48, 64, 3), np.uint8)
