@@ -591,3 +591,27 @@ class Chat:
                         "max_tokens" if len(answer) == sampling.max_new_tokens else
                         "context" if decoder.length >= decoder.max_len else "interrupted")
         self.stats = stats
+
+    def add_turn(self, question: str, answer: str) -> None:
+        """Record a past exchange without generating it (e.g. a conversation a stateless HTTP client resends):
+        the question, with the images and documents queued, and the answer text are prefilled now, as if this
+        chat had asked and answered them. A transaction like `ask`: ContextLimitError (or any failure) changes
+        nothing."""
+        with self._lock:
+            self._claim("add_turn()")
+            if self.mode == "eval":
+                raise EvalModeError('eval mode evicts every round\'s question and answer, so none can be recorded: '
+                                    'open the chat with mode="chat"')
+            turn = self._plan(question, self.sampling)
+            answer_ids = self.vlm.tokenizer.encode(answer, add_special_tokens=False)
+            turn.ids += answer_ids[:-1]  # its last token waits in `pending`, as a generated answer's does
+            per_image = None if turn.images is None else turn.images.shape[1]
+            self._check_fits(self.decoder.length, self.vlm.model.n_embeds(turn.ids, per_image) + 1)
+            saved = self._save(None)
+            try:
+                self._prefill(turn)
+            except BaseException:
+                self._restore(saved)
+                raise
+            self.turns.append((question, turn.n_images, answer_ids))
+            self.pending = answer_ids[-1:]
