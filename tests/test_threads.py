@@ -155,3 +155,29 @@ def test_concurrent_image_encodes_on_one_model_are_not_mixed(vlm, monkeypatch):
     run_threads(lambda i: chats[i].add_image(image(i)), 3)
     for i, chat in enumerate(chats):
         torch.testing.assert_close(chat.images[0], alone[i], rtol=0, atol=0)
+
+
+def test_chats_of_one_model_take_turns_on_the_device(vlm, monkeypatch):
+    """Prefills and runs of decode steps of different chats never overlap (VLM.device_lock): on CUDA they share the
+    W4 GEMM's scratch and the kernels' workspaces, which another thread's launches in between would overwrite."""
+    text, inside, most = vlm.model.text, [0], [0]
+    real = type(text).forward
+
+    def forward(self, *args, **kwargs):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.002)  # long enough for another thread to come in, were it let in
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(type(text), "forward", forward)
+    alone = [conversation(vlm, i) for i in range(2)]
+    together = [None] * 2
+
+    def fn(i):
+        together[i] = conversation(vlm, i)
+
+    run_threads(fn, 2)
+    assert most[0] == 1 and together == alone

@@ -272,7 +272,7 @@ class Chat:
             raise ArgumentError("max_seq_len", f"max_seq_len must be a positive number of tokens, got {max_seq_len!r}")
         self.mode = mode
         self.vlm, self.system, self.sampling, self.sparsity = vlm, system, sampling, sparsity
-        self.decoder = Decoder(vlm.model.text, max_seq_len)
+        self.decoder = Decoder(vlm.model.text, max_seq_len, device_lock=vlm.model.device_lock)
         self.stats = Stats()
         self.last_logits: torch.Tensor | None = None   # logits after the last prefill (tests, tools)
         self._lock = threading.RLock()
@@ -355,7 +355,7 @@ class Chat:
 
     def _encode(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(n, S, S, 3) uint8 pixels -> ((n, k, d) embeddings, (n, k) grid index, ms), through the model's
-        encode lock; the chat is not changed."""
+        device lock; the chat is not changed."""
         model = self.vlm.model
         _sync(model.device)
         t0 = time.perf_counter()

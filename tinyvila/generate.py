@@ -10,6 +10,7 @@ The loop follows gpt-fast/nanochat: prefill once, then one cached decode step pe
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -142,8 +143,12 @@ class Decoder:
     """
 
     def __init__(self, text_model, max_seq_len: int | None = None, cuda_graph: bool | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, packed_room: int = PACKED_ROOM):
+                 prefill_chunk: int = PREFILL_CHUNK, packed_room: int = PACKED_ROOM,
+                 device_lock: threading.RLock | None = None):
         self.model = text_model
+        # Held around each prefill and each run of decode steps: the decoders of one model share device buffers
+        # (VLM.device_lock says which), so another thread's launches must not come between one call's kernels.
+        self.device_lock = threading.RLock() if device_lock is None else device_lock
         w = text_model.embed.weight
         self.cache = KVCache(text_model.cfg, max_seq_len=max_seq_len, dtype=w.dtype, device=w.device)
         self.retrieval = Retrieval(self.cache, packed_room, text_model.options)
@@ -184,6 +189,10 @@ class Decoder:
         later tokens continue after the last of them. Runs in chunks of `prefill_chunk` tokens, so a
         long (video) prompt needs activation memory for one chunk, not for all of it. A first turn
         (empty cache) replays a CUDA graph at a padded length instead (see the class docstring)."""
+        with self.device_lock:
+            return self._prefill(h, positions)
+
+    def _prefill(self, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         T = h.shape[1]
         self.check_room(T)
         explicit = positions is not None
@@ -312,9 +321,10 @@ class Decoder:
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         """Append one token; returns the next-token logits (V,)."""
-        self._begin(token, 1)
-        logits = self._run(None).clone()  # a graph's output buffer is overwritten by the next replay
-        self._set_length(self.length + 1)
+        with self.device_lock:
+            self._begin(token, 1)
+            logits = self._run(None).clone()  # a graph's output buffer is overwritten by the next replay
+            self._set_length(self.length + 1)
         return logits
 
     @torch.inference_mode()
@@ -323,11 +333,12 @@ class Decoder:
         `vocab_size` logits) that followed each appended token. One host synchronisation in all."""
         if not 1 <= n <= MAX_BATCH:
             raise ValueError(f"greedy decodes 1..{MAX_BATCH} tokens per call, got {n}")
-        self._begin(token, n)
-        for _ in range(n):
-            self._run(vocab_size)
-        self._set_length(self.length + n)
-        return self._out[:n].tolist()
+        with self.device_lock:
+            self._begin(token, n)
+            for _ in range(n):
+                self._run(vocab_size)
+            self._set_length(self.length + n)
+            return self._out[:n].tolist()
 
     def _begin(self, token: int, n: int) -> None:
         """Before n decode steps (eager, host values): the step index at the cache's end, a RoPE table that

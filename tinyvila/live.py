@@ -8,7 +8,7 @@
 
 Threads. `push` may be called from any thread and never waits: it checks the frame, keeps it only when it is due
 (`sample_fps`), and puts it in a one-frame slot, replacing a frame not yet taken (the newest wins; `counts` says how
-many were dropped). One encoder thread takes the slot, encodes the frame once (the model's encode lock) and appends
+many were dropped). One encoder thread takes the slot, encodes the frame once (under the model's device lock) and appends
 its embedding to the window of the last `window` frames; `attach` adds one capture thread that pushes a source's
 frames through OpenCV. `ask` (one thread at a time, as a Chat) snapshots the window and answers about it as it was
 then, while frames keep arriving. The encoder and the answer take turns on the device (a lock per encode and per

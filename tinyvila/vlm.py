@@ -44,9 +44,11 @@ class VLM(GraphOwner, nn.Module):
         if cfg.quant.llm == "w4a16":  # packed W4 LLM linears, stored as such in the checkpoint
             swap_linears(self.text, cfg.quant)
         self._graphs: GraphCache | None = None  # encode graphs, made on first CUDA use (_encode_graphs)
-        # Every chat of this model encodes through the same static input buffers (the encode graphs' and the
-        # encoder's own): one encode at a time, or two threads' images would mix.
-        self._encode_lock = threading.Lock()
+        # Every chat of this model runs on the device through this lock: an encode, a prefill, a run of decode steps
+        # (generate.Decoder). They share buffers on the device: the encode graphs' static inputs (two threads'
+        # images would mix), the W4 GEMM's dequantization scratch, the kernels' split-K workspaces and counters.
+        # One stream keeps those consistent only while no other thread's launches come between one call's kernels.
+        self.device_lock = threading.RLock()
 
     def set_options(self, options: Options) -> VLM:
         """Run with these runtime options from now on (every submodule that reads them; tinyvila/options.py).
@@ -82,7 +84,7 @@ class VLM(GraphOwner, nn.Module):
         if pixels.dtype == torch.uint8:
             pixels = normalise_pixels(pixels.to(self.device), self.cfg.vision)
         pixels = pixels.to(self.device, self.dtype)
-        with self._encode_lock:
+        with self.device_lock:
             out, idx = self._encode_all(pixels, sparsity)
         return (out, idx) if with_index else out
 
