@@ -197,12 +197,11 @@ GEMV_MAX_M = 8  # rows up to which the decode GEMVs (W4 and dense) take over fro
 
 def w4_reference_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
                         ) -> torch.Tensor:
-    """The (N, K) weights the reference W4 linear multiplies by for activations of `dtype`: w = q * s + b in fp32,
-    rounded to `dtype` as a dense checkpoint would hold it, then widened to the math dtype (fp32, or fp64)."""
+    """The dense (N, K) weights a W4 linear stands for, in `dtype`: w = q * s + b in fp32, rounded to `dtype` as a
+    dense checkpoint would hold them."""
     from csrc_triton._common import dequantize_ref
 
-    ct = torch.promote_types(dtype, torch.float32)
-    return dequantize_ref(qweight, scales, zeros).to(dtype).to(ct)
+    return dequantize_ref(qweight, scales, zeros).to(dtype)
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -216,9 +215,12 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     Elsewhere: the reference, w = q * s + b in fp32 rounded to x's dtype, then an fp32 matmul.
     norm (part, eps): x is an RMSNorm's weight * h, not yet normalised (decode_step.NormedRows.xg); each row's
     product is scaled by rsqrt(mean(h^2) + eps) from the partial sums `part`. Rows <= GEMV_MAX_M.
-    dense: on the reference path, `w4_reference_weight(..., x.dtype)` computed once by the caller (quant.W4A16Linear's
-    CPU cache, Options.w4_cpu_cache), used instead of dequantizing every weight on every call: the same bits.
+    dense: off CUDA, `w4_reference_weight(..., x.dtype)` kept by the caller (quant.W4A16Linear's cache,
+    Options.w4_cpu_cache): the linear is then F.linear with those weights, bit for bit the dense model's linear (a
+    few ulps from the fp32 reference, at the dense model's speed instead of dequantizing every weight every call).
     """
+    if dense is not None and norm is None and not x.is_cuda:
+        return F.linear(x, dense, bias)
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
     if norm is not None and x2.shape[0] > GEMV_MAX_M:
         raise ValueError(f"w4a16_linear: norm= takes at most {GEMV_MAX_M} rows (the decode GEMV), got {x2.shape[0]}")
@@ -233,8 +235,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             y = w4a16_gemm(x2.contiguous(), qweight, scales, zeros, bias, direct=opts.direct_launch)
     else:
         ct = torch.promote_types(x.dtype, torch.float32)  # fp32 math, or fp64 for a float64 model
-        w = w4_reference_weight(qweight, scales, zeros, x.dtype) if dense is None else dense
-        y = x2.to(ct) @ w.T
+        y = x2.to(ct) @ w4_reference_weight(qweight, scales, zeros, x.dtype).to(ct).T
         if norm is not None:
             part, eps = norm
             y = y * torch.rsqrt(part.to(ct).sum(0)[: x2.shape[0]] / x2.shape[1] + eps)[:, None]

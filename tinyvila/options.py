@@ -40,8 +40,9 @@ class Options:
     w4_gemv_kernel   the W4 GEMV's inner form: "auto" (tuned table), "mma" or "fma" where the shape allows
     w8a8_persistent  the persistent int8 GEMM at the shapes it was tuned for (False: the plain kernel)
     w8a8_wgmma       the Gluon wgmma int8 GEMM where the persistent kernel would run (Hopper, Triton 3.6)
-    w4_cpu_cache     off CUDA, each W4 linear keeps its dequantized weights after the first call (fp32: 4 bytes a
-                     weight, 8x the packed size) instead of dequantizing all of them for every token; the same bits
+    w4_cpu_cache     off CUDA, each W4 linear keeps its dequantized weights after the first call (the dense model's
+                     memory, 4x the packed size) and runs as the dense linear of them, instead of dequantizing all
+                     of them for every token (a few ulps from the fp32 reference path)
     """
 
     cuda_graph: bool = True

@@ -119,8 +119,8 @@ class W4A16Linear(nn.Module):
         return ops.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias, opts=self.options, dense=dense)
 
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The reference path's dequantized weights for activations of `dtype`, made on the first call and kept
-        (Options.w4_cpu_cache): a CPU decode step otherwise spends most of its time re-dequantizing every weight."""
+        """The dense weights in `dtype`, made on the first call and kept (Options.w4_cpu_cache): a CPU decode step
+        otherwise spends most of its time dequantizing every weight again. Costs the dense model's memory."""
         cached = getattr(self, "_dense_cache", None)
         if cached is None or cached[0] != dtype or cached[1].device != self.qweight.device:
             cached = self._dense_cache = (dtype, ops.w4_reference_weight(self.qweight, self.scales, self.zeros, dtype))
