@@ -208,9 +208,9 @@ def load_model(folder: str | os.PathLike, *, device: str | torch.device = "cpu",
 
     Every tensor's presence, name, shape and dtype is checked from the file headers before any data
     is read; a mismatch raises `CheckpointError` naming the file, the tensor, found vs expected.
-    `verify` also checks that every floating weight is finite; None (the default) does it on a GPU, where it
-    costs 10 ms for 17 GB, not on the CPU, where it would read every page of the memory map (the numbers are in
-    docs/checkpoint_format.md). Nothing on disk is ever written.
+    `verify` also checks that every floating weight is finite; None (the default) does it on a GPU, where it is
+    one read of the uploaded weights, not on the CPU, where it would read every page of the memory map (20x the
+    load time; docs/checkpoint_format.md). Nothing on disk is ever written.
     """
     folder = Path(folder)
     return _load_weights(folder, _read_config(folder), resolve_device(device), dtype, verify)
