@@ -124,3 +124,13 @@ def test_cpu_bench_runs_each_pipeline_and_reports_json(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["pipeline"] for r in out["rows"]] == ["dense", "w4", "w4+cache"]
     assert all(r["decode_tok_s"] > 0 and len(r["runs_tok_s"]) == 1 for r in out["rows"])
+
+
+def test_load_bench_times_both_ways(capsys, tmp_path):
+    from scripts import bench_load
+
+    assert bench_load.main(["--preset", "tiny-siglip-llama", "--device", "cpu", "--repeats", "1",
+                            "--dir", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["load_ms"] > 0 and out["load_verify_ms"] > 0 and out["weights_gb"] > 0
+    assert not any(tmp_path.iterdir())  # the temporary checkpoint is gone
