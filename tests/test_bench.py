@@ -38,6 +38,10 @@ def test_image_conversation_every_pipeline(capsys):
         first = r["turns"][0]
         assert r["ttft_ms"] == pytest.approx(first["encode_ms"] + first["prefill_ms"] + first["first_token_ms"])
         assert 0 < r["ttft_ms"] < r["e2e_ms"] and r["floor_tok_s"] > 0 and r["of_floor"] > 0
+        second = r["turns"][1]  # the follow-up TTFT column: the median over rounds 2.. (one here)
+        assert r["followup_ttft_ms"] == pytest.approx(second["encode_ms"] + second["prefill_ms"] +
+                                                      second["first_token_ms"])
+    assert "follow-up TTFT ms" in out
     # Prefill pruning keeps half of the 16 visual tokens; decode attends over fewer rows than the cache.
     assert rows["sparse"]["visual"] == "8/16" and rows["quant"]["visual"] == "16/16"
     assert rows["sparse"]["prefill_tokens"] == rows["quant"]["prefill_tokens"] - 8
