@@ -29,7 +29,8 @@ tinyvila pipelines run under --options (tinyvila.options.Options fields, on top 
 
 Prints a table (tinyvila.benchmark's columns, the follow-up TTFT: the median over rounds 2 and later, plus
 speed-ups over the first pipeline and the decode bandwidth floor), the sparse-vs-dense stage speed-ups beside
-what FLOPs (prefill) and bytes read (decode) predict, the speed targets this mode measures, then one JSON line (GPU, torch, triton, commit).
+what FLOPs (prefill) and bytes read (decode) predict, the speed targets this mode measures, then one JSON line
+(GPU, torch, triton, commit).
 """
 
 from __future__ import annotations
@@ -453,7 +454,8 @@ def report(args, rows: list[dict], speedups: dict | None, checks: list[dict], bw
           f"{args.device}, KV cache {max_seq_len}, copy bandwidth {bw_gbs:.0f} GB/s")
     ref = rows[0]["pipeline"]
     extra = {"followup_ttft_ms": ("follow-up TTFT ms", ".1f"), "step_tok_s": ("step tok/s", ".1f"),
-             "floor_tok_s": ("floor tok/s", ".0f"), "of_floor": ("of floor", ".3f"), "x_e2e": (f"e2e x{ref}", ".2f"), "x_decode": (f"decode x{ref}", ".2f")}
+             "floor_tok_s": ("floor tok/s", ".0f"), "of_floor": ("of floor", ".3f"), "x_e2e": (f"e2e x{ref}", ".2f"),
+             "x_decode": (f"decode x{ref}", ".2f")}
     print(bm.table([{**r, **over_ref(rows[0], r)} for r in rows], "pipeline", extra))
     notes(args, rows, bw_gbs)
     if speedups:
