@@ -22,7 +22,8 @@ from .video import Video, read_video
 Sparsity = SparsityConfig
 
 __all__ = [
-    "load", "Model", "Chat", "Answer", "Stats", "LiveSession", "read_video", "Video", "SamplingParams", "Options", "Sparsity", "SparsityConfig", "VLMConfig", "PRESETS",
+    "load", "Model", "Chat", "Answer", "Stats", "LiveSession", "read_video", "Video", "SamplingParams", "Options",
+    "Sparsity", "SparsityConfig", "VLMConfig", "PRESETS",
     "TinyVilaError", "CheckpointError", "ModelNotFoundError", "ImageError", "ContextLimitError",
     "ArgumentError", "ChatBusyError", "AnswerClosedError", "EvalModeError", "ConfigError", "TokenizerError", "DeviceError",
     "VideoError",

@@ -111,7 +111,8 @@ def explain(e: Exception, chat: Chat | None, one_shot: bool) -> str:
         ctx, declared = chat.decoder.max_len, chat.vlm.cfg.text.max_seq_len
         larger = f"a larger --max-seq-len (the model's context is {declared})" if declared > ctx else "a model with a longer context"
         if one_shot:
-            return f"the prompt does not fit: the context is {ctx} tokens; shorten -p, pass fewer --image or --num-frames, or use {larger}"
+            return (f"the prompt does not fit: the context is {ctx} tokens; shorten -p, pass fewer --image or "
+                    f"--num-frames, or use {larger}")
         queued = chat.queued()
         return (f"this question does not fit: the context is {ctx} tokens; ask a shorter one, /clear to start over, "
                 f"or restart with {larger}" + (f". The {queued} queued: /discard drops them" if queued else ""))

@@ -371,7 +371,8 @@ def save_checkpoint(folder: str | os.PathLike, cfg: VLMConfig, state_dict: Mappi
     """
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not overwrite)):
-        raise FileExistsError(f"{folder}: exists and is not empty; pass overwrite=True (scripts/quantize.py --overwrite) to replace it")
+        raise FileExistsError(f"{folder}: exists and is not empty; pass overwrite=True (scripts/quantize.py "
+                              "--overwrite) to replace it")
     found = {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()}
     problems = check_tensors(found, expected_tensors(cfg), {k: "state_dict" for k in state_dict})
     if problems:
