@@ -165,12 +165,18 @@ def test_video_part_mp4_with_max_frames(client, vlm, tmp_path):
     assert r.usage.prompt_tokens_details.model_dump()["video_tokens"] == 4 * vlm.cfg.image_tokens
 
 
-def test_video_part_presampled_jpeg_frames(client, vlm):
+def encoded_frames(n: int, shape: tuple[int, int], step: int, fmt: str) -> list[bytes]:
+    """n flat frames of `shape`, frame i at gray level step * i, each encoded as `fmt`."""
     frames = []
-    for i in range(3):
+    for i in range(n):
         buf = io.BytesIO()
-        Image.fromarray(np.full((40, 56, 3), 60 * i, np.uint8)).save(buf, "JPEG")
+        Image.fromarray(np.full((*shape, 3), step * i, np.uint8)).save(buf, fmt)
         frames.append(buf.getvalue())
+    return frames
+
+
+def test_video_part_presampled_jpeg_frames(client, vlm):
+    frames = encoded_frames(3, (40, 56), 60, "JPEG")
     decoded = [np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in frames]
     (want,), _ = answer_in_process(vlm, ["Describe."], 8, [("video", decoded)])
     url = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
@@ -523,11 +529,7 @@ def test_http_media_only_with_the_flag(vlm, tmp_path):
 
 
 def test_presampled_frames_over_max_frames_are_sampled_before_decoding(client, vlm):
-    frames = []
-    for i in range(5):
-        buf = io.BytesIO()
-        Image.fromarray(np.full((32, 32, 3), 50 * i, np.uint8)).save(buf, "PNG")
-        frames.append(buf.getvalue())
+    frames = encoded_frames(5, (32, 32), 50, "PNG")
     from tinyvila.video import sample_indices
 
     picks = sample_indices(5, 2)
