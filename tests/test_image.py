@@ -62,10 +62,23 @@ def test_input_kinds_agree(tmp_path):
     a = _gradient()
     path = tmp_path / "g.png"
     Image.fromarray(a).save(path)
-    batch = preprocess([a, Image.fromarray(a), path, str(path)], SIGLIP)
-    assert batch.shape == (4, 3, 64, 64)
-    for i in range(1, 4):
+    batch = preprocess([a, Image.fromarray(a), path, str(path), path.read_bytes()], SIGLIP)
+    assert batch.shape == (5, 3, 64, 64)
+    for i in range(1, 5):
         assert torch.equal(batch[i], batch[0])
+
+
+def test_file_bytes_get_the_file_checks(tmp_path):
+    """An image file's contents (bytes) go through the same format allow-list and pixel limit as its path."""
+    path = tmp_path / "x.tga"
+    Image.fromarray(_random(32, 32)).save(path, format="TGA")
+    with pytest.raises(ImageError, match=r"image \(\d+ bytes\): cannot read image \(not a JPEG, PNG"):
+        preprocess(path.read_bytes(), SIGLIP)
+    Image.fromarray(_random(40, 40)).save(path.with_suffix(".png"))
+    with pytest.raises(ImageError, match=r"image \(\d+ bytes\): 40x40 is .* over the limit"):
+        preprocess(path.with_suffix(".png").read_bytes(), SIGLIP, max_pixels=1000)
+    with pytest.raises(ImageError, match=r"image \(3 bytes\): cannot read image"):
+        preprocess(b"abc", SIGLIP)
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "L", "P", "CMYK"])

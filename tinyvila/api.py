@@ -324,7 +324,8 @@ class Chat:
                                 'with mode="chat" takes them as the conversation goes')
 
     def add_image(self, image) -> None:
-        """Encode an image (path, PIL image, HxWx3 uint8 array) now; it joins the next question."""
+        """Encode an image (path, the bytes of an image file, PIL image, HxWx3 uint8 array) now; it joins the next
+        question."""
         with self._lock:
             self._check_media("image")
             # Resized uint8 pixels: encode_images uploads a quarter of preprocess's float32 bytes and normalises

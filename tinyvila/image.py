@@ -14,6 +14,7 @@ downscaled), EXIF rotation applied as a camera user expects, 16-bit and float pi
 from __future__ import annotations
 
 import functools
+import io
 import os
 import warnings
 from pathlib import Path
@@ -25,7 +26,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from .config import VisionConfig
 from .errors import ImageError
 
-ImageInput = Image.Image | str | os.PathLike | np.ndarray
+ImageInput = Image.Image | str | os.PathLike | bytes | np.ndarray  # bytes: an image file's contents
 
 # Files are decoded in full up to this many pixels (64 Mi, 192 MiB as RGB: past any camera photo, so preprocessing
 # stays HF's to the bit). A larger JPEG is decoded at 1/2, 1/4 or 1/8 scale (DCT scaling, `Image.draft`) to fit;
@@ -48,41 +49,48 @@ def load_image(image: ImageInput, what: str = "image", max_pixels: int | None = 
             return _to_rgb(ImageOps.exif_transpose(image), what)
         except (ValueError, OSError) as e:  # a closed image, a lazily opened file that is gone or corrupt
             raise ImageError(f"{what}: cannot read the PIL image ({e}); pass an open image or a file path") from None
+    limit = MAX_PIXELS if max_pixels is None else max_pixels
     if isinstance(image, (str, os.PathLike)):
-        return _open_file(Path(image), MAX_PIXELS if max_pixels is None else max_pixels)
+        path = Path(image)
+        if not path.is_file():
+            raise ImageError(f"{path}: image file not found")
+        return _open_file(path, str(path), limit)
+    if isinstance(image, (bytes, bytearray, memoryview)):  # a file's contents: the same format and pixel checks
+        return _open_file(io.BytesIO(image), f"{what} ({len(image)} bytes)", limit)
     if isinstance(image, np.ndarray):
         return _from_array(image, what)
-    raise ImageError(f"{what}: expected a PIL image, a file path or an HxWx3 uint8 array, got {type(image).__name__}")
+    raise ImageError(f"{what}: expected a PIL image, a file path, a file's bytes or an HxWx3 uint8 array, got "
+                     f"{type(image).__name__}")
 
 
-def _open_file(path: Path, max_pixels: int) -> Image.Image:
-    if not path.is_file():
-        raise ImageError(f"{path}: image file not found")
+def _open_file(path: Path | io.BytesIO, name: str, max_pixels: int) -> Image.Image:
+    """An image file (a path, or its contents) -> RGB, through the format allow-list and the pixel limit; errors name
+    it as `name`."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit applies below
             im = Image.open(path, formats=FORMATS)
         with im:
-            _fit(im, path, max_pixels)
-            return _to_rgb(ImageOps.exif_transpose(im), str(path))  # forces the full decode while the file is open
+            _fit(im, name, max_pixels)
+            return _to_rgb(ImageOps.exif_transpose(im), name)  # forces the full decode while the file is open
     except ImageError:
         raise
     except Image.DecompressionBombError as e:
-        raise ImageError(f"{path}: refused by Pillow's decompression-bomb limit ({e})") from None
+        raise ImageError(f"{name}: refused by Pillow's decompression-bomb limit ({e})") from None
     except UnidentifiedImageError:
-        raise ImageError(f"{path}: cannot read image (not a {', '.join(FORMATS)} file, or corrupt)") from None
+        raise ImageError(f"{name}: cannot read image (not a {', '.join(FORMATS)} file, or corrupt)") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
-        raise ImageError(f"{path}: cannot read image ({e})") from None
+        raise ImageError(f"{name}: cannot read image ({e})") from None
 
 
-def _fit(im: Image.Image, path: Path, max_pixels: int) -> None:
+def _fit(im: Image.Image, name: str, max_pixels: int) -> None:
     """Sets up `im` (opened, not decoded) to decode to at most max_pixels, or raises ImageError."""
     w, h = im.size
     if w * h > max_pixels and im.format in _DRAFT:
         scale = next((s for s in (2, 4, 8) if (w // s) * (h // s) <= max_pixels), 8)
         im.draft("RGB", (w // scale, h // scale))
     if im.size[0] * im.size[1] > max_pixels:
-        raise ImageError(f"{path}: {w}x{h} is {w * h / 2**20:.0f} Mi pixels, over the limit of {max_pixels / 2**20:.0f} "
+        raise ImageError(f"{name}: {w}x{h} is {w * h / 2**20:.0f} Mi pixels, over the limit of {max_pixels / 2**20:.0f} "
                          "Mi (tinyvila.image.MAX_PIXELS); downscale the image, or raise the limit")
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import os
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -146,24 +144,13 @@ def _fetch(url: str, where: str, policy: MediaPolicy) -> tuple[str, bytes]:
 
 # -- pixels ---------------------------------------------------------------------------------------------
 def _image_pixels(data: bytes | Path, where: str, cfg: VisionConfig) -> np.ndarray:
-    """An image file or its bytes -> (1, S, S, 3) uint8 through tinyvila.image, exactly as `Chat.add_image(path)`
-    reads a file (bytes go through a temporary file so that its format and pixel checks apply unchanged)."""
-    if isinstance(data, Path):
-        return _resize(data, where, cfg)
-    fd, name = tempfile.mkstemp(prefix="tinyvila-image-")
+    """An image file or its bytes -> (1, S, S, 3) uint8 through tinyvila.image, with the format and pixel checks
+    `Chat.add_image` applies; a bad image is a 400 naming the part."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return _resize(Path(name), where, cfg)
-    finally:
-        os.unlink(name)
-
-
-def _resize(path: Path, where: str, cfg: VisionConfig) -> np.ndarray:
-    try:
-        return resize_uint8(path, cfg).numpy()
+        return resize_uint8(data, cfg).numpy()
     except TinyVilaError as e:  # ImageError: not an allowed format, corrupt, over the pixel limit
-        raise RequestError(str(e).replace(str(path), where), where, code="invalid_image") from None
+        raise RequestError(str(e).replace(str(data) if isinstance(data, Path) else "image", where, 1), where,
+                           code="invalid_image") from None
 
 
 def _video_pixels(mime: str, data: bytes | Path, part: Part, policy: MediaPolicy,
