@@ -38,6 +38,11 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=64, help="greedy steps per host synchronisation")
     p.add_argument("--repeats", type=int, default=5, help="timed groups of 4 batches per chat (median taken)")
     p.add_argument("--options", default="", metavar="NAME=VALUE,...", help="runtime options (tinyvila.Options)")
+    p.add_argument("--pad-mb", default="", metavar="MB,...",
+                   help="before chat i, allocate (and keep) the i-th of these many MB: moves the chat's buffers")
+    p.add_argument("--keep", action="store_true", help="keep every chat alive (later chats get fresh addresses)")
+    p.add_argument("--prime", action="store_true",
+                   help="first run a throwaway chat with a 16-token prompt and 8 decode steps, unmeasured")
     return p.parse_args(argv)
 
 
@@ -67,15 +72,27 @@ def main(argv=None) -> int:
                                                       group_size=128))
     vlm = from_config(cfg, device="cuda", options=opts)
     vlm.stop_ids = frozenset()
-    rows = []
+    rows, kept = [], []
+    pads = [int(x) for x in args.pad_mb.split(",")] if args.pad_mb else []
+    if args.prime:
+        warm = vlm.chat(max_seq_len=args.context + 1024)
+        for _ in warm.ask("word " * 3, tinyvila.SamplingParams(max_new_tokens=8)):
+            pass
+        del warm
+        torch.cuda.empty_cache()
     for i in range(args.chats):
+        if i < len(pads) and pads[i]:
+            kept.append(torch.empty(pads[i] << 20, dtype=torch.uint8, device="cuda"))
         chat = vlm.chat(max_seq_len=args.context + 1024)
         for _ in chat.ask("word " * (args.context // 5), tinyvila.SamplingParams(max_new_tokens=1)):
             pass
         times = step_ms(chat, args.batch, args.repeats)
-        rows.append({"chat": i + 1, "step_ms": times[len(times) // 2], "runs_ms": times})
+        kv = chat.decoder.cache.k_stack.data_ptr()
+        rows.append({"chat": i + 1, "step_ms": times[len(times) // 2], "runs_ms": times, "kv_ptr": hex(kv)})
         print(f"chat {i + 1}: {times[len(times) // 2]:.4f} ms a step ({1000 / times[len(times) // 2]:.1f} tok/s); "
-              f"runs {', '.join(f'{t:.4f}' for t in times)}", flush=True)
+              f"runs {', '.join(f'{t:.4f}' for t in times)}; kv at {kv:#x}", flush=True)
+        if args.keep:
+            kept.append(chat)
         del chat
         torch.cuda.empty_cache()
     print(json.dumps({"bench": "first_chat_decode", **vars(args), "options": dataclasses.asdict(opts), "rows": rows,
