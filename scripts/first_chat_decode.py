@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import os
 import time
 
 import torch
@@ -41,8 +43,12 @@ def parse_args(argv):
     p.add_argument("--pad-mb", default="", metavar="MB,...",
                    help="before chat i, allocate (and keep) the i-th of these many MB: moves the chat's buffers")
     p.add_argument("--keep", action="store_true", help="keep every chat alive (later chats get fresh addresses)")
-    p.add_argument("--prime", action="store_true",
-                   help="first run a throwaway chat with a 16-token prompt and 8 decode steps, unmeasured")
+    p.add_argument("--prime", choices=["graph", "eager", "prefill", "short"], default=None,
+                   help="first run a throwaway chat, unmeasured: 8 graph-replayed decode steps after a 3-word prompt "
+                        "(graph), the same eagerly (eager), the prompt's prefill only (prefill), or graph with a "
+                        "256-token cache (short)")
+    p.add_argument("--step-warmups", type=int, default=1, help="eager warm-ups before each decode-step capture")
+    p.add_argument("--dump", default="", metavar="DIR", help="write each chat's decode-step graph as DOT here")
     return p.parse_args(argv)
 
 
@@ -74,9 +80,23 @@ def main(argv=None) -> int:
     vlm.stop_ids = frozenset()
     rows, kept = [], []
     pads = [int(x) for x in args.pad_mb.split(",")] if args.pad_mb else []
+    if args.step_warmups != 1:
+        from tinyvila import cuda_graph, generate
+        generate.capture = functools.partial(cuda_graph.capture, warmups=args.step_warmups)
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+
+        class DebugGraph(torch.cuda.CUDAGraph):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                self.enable_debug_mode()
+
+        torch.cuda.CUDAGraph = DebugGraph
     if args.prime:
-        warm = vlm.chat(max_seq_len=args.context + 1024)
-        for _ in warm.ask("word " * 3, tinyvila.SamplingParams(max_new_tokens=8)):
+        warm = vlm.chat(max_seq_len=256 if args.prime == "short" else args.context + 1024)
+        warm.decoder.cuda_graph = args.prime != "eager"
+        n = 1 if args.prime == "prefill" else 8
+        for _ in warm.ask("word " * 3, tinyvila.SamplingParams(max_new_tokens=n)):
             pass
         del warm
         torch.cuda.empty_cache()
@@ -91,6 +111,10 @@ def main(argv=None) -> int:
         rows.append({"chat": i + 1, "step_ms": times[len(times) // 2], "runs_ms": times, "kv_ptr": hex(kv)})
         print(f"chat {i + 1}: {times[len(times) // 2]:.4f} ms a step ({1000 / times[len(times) // 2]:.1f} tok/s); "
               f"runs {', '.join(f'{t:.4f}' for t in times)}; kv at {kv:#x}", flush=True)
+        if args.dump:
+            for key, entry in chat.decoder.graphs.entries.items():
+                if key[0] == "step":
+                    entry[0].debug_dump(os.path.join(args.dump, f"chat{i + 1}_step.dot"))
         if args.keep:
             kept.append(chat)
         del chat
