@@ -48,6 +48,9 @@ def parse_args(argv):
                         "(graph), the same eagerly (eager), the prompt's prefill only (prefill), or graph with a "
                         "256-token cache (short)")
     p.add_argument("--step-warmups", type=int, default=1, help="eager warm-ups before each decode-step capture")
+    p.add_argument("--throwaway", choices=["capture", "replay"], default=None,
+                   help="the first decode-step capture of the process is done twice, the first graph dropped "
+                        "(replay: after replaying it once)")
     p.add_argument("--dump", default="", metavar="DIR", help="write each chat's decode-step graph as DOT here")
     return p.parse_args(argv)
 
@@ -70,6 +73,29 @@ def step_ms(chat, batch: int, repeats: int) -> list[float]:
     return sorted(timed(4) for _ in range(repeats))
 
 
+def throwaway(mode: str) -> None:
+    """Patch Decoder._capture: its first call in the process captures a decode-step graph it drops (after one
+    replay, with the step state put back, for mode "replay") before the graph it keeps."""
+    from tinyvila import generate
+
+    orig, done = generate.Decoder._capture, []
+
+    def first_twice(self, vocab_size):
+        if not done:
+            done.append(True)
+            graph, _ = orig(self, vocab_size)
+            if mode == "replay":
+                live = (*self.cache.step_index().tensors(), self._token, self._count)
+                saved = [t.clone() for t in live]
+                graph.replay()
+                for t, v in zip(live, saved):
+                    t.copy_(v)
+            del graph
+        return orig(self, vocab_size)
+
+    generate.Decoder._capture = first_twice
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     opts = Options.parse(args.options, Options.from_env())
@@ -83,13 +109,16 @@ def main(argv=None) -> int:
     if args.step_warmups != 1:
         from tinyvila import cuda_graph, generate
         generate.capture = functools.partial(cuda_graph.capture, warmups=args.step_warmups)
+    if args.throwaway:
+        throwaway(args.throwaway)
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
 
         class DebugGraph(torch.cuda.CUDAGraph):
-            def __init__(self, *a, **k):
-                super().__init__(*a, **k)
-                self.enable_debug_mode()
+            def __new__(cls, keep_graph: bool = True):
+                graph = super().__new__(cls, keep_graph=True)
+                graph.enable_debug_mode()
+                return graph
 
         torch.cuda.CUDAGraph = DebugGraph
     if args.prime:
