@@ -80,7 +80,8 @@ def vlm(name: str, quant: str):
     real vision encoder and projector shapes feeding a tiny LLM (the LLM plays no part here)."""
     if name == "so400m":
         tiny = preset("tiny-siglip-llama")
-        cfg = dataclasses.replace(preset("vila-8b"), text=tiny.text, projector=ProjectorConfig(out_dim=tiny.text.dim))
+        cfg = dataclasses.replace(preset("vila-8b"), text=tiny.text, projector=ProjectorConfig(out_dim=tiny.text.dim),
+                                  eos_ids=tiny.eos_ids)
     else:
         cfg = preset(name)
     cfg = dataclasses.replace(cfg, dtype="float16", quant=QuantConfig(vision=quant))

@@ -270,3 +270,26 @@ def test_graph_replay_with_gapped_positions_equals_eager():
     assert replayed == eager and any(key[0] == "step" for key in dec.graphs.entries)
     assert dec.cache.step_index().rope.shape[1] == 2 * (116 + 8)
     torch.testing.assert_close(lg, le, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_the_first_pdl_step_capture_of_a_process_is_done_twice_and_decodes_the_same(monkeypatch):
+    """The first decode-step graph a process captures with PDL is captured once more and the first dropped (it
+    replays slower: Decoder._capture); later decoders capture once; tokens equal the eager steps' either way."""
+    from tinyvila import generate as gen
+
+    vlm = tiny("float16", "cuda", llm="w4a16", group_size=32)
+    calls = []
+    real = gen.capture
+    monkeypatch.setattr(gen, "capture", lambda fn, pool, **kw: calls.append(1) or real(fn, pool, **kw))
+    monkeypatch.setattr(gen, "_STEP_CAPTURED", set())
+    counts, outs = [], []
+    for graph in (False, True, True):
+        calls.clear()
+        dec = Decoder(vlm.model.text, cuda_graph=graph)
+        dec.pad_prefill = True  # the eager side runs the first prefill as the graph does
+        outs.append(list(generate(dec, dec.prefill(prompt(vlm)), SamplingParams(max_new_tokens=8), batch=4)))
+        counts.append((len(calls), sum(key[0] == "step" for key in dec.graphs.entries)))
+    assert outs[1] == outs[2] == outs[0]
+    # one prefill capture each; two step captures the first time, one after; one step graph kept each time
+    assert counts == [(0, 0), (3, 1), (2, 1)]

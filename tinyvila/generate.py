@@ -28,6 +28,7 @@ PREFILL_CHUNK = 4096  # prompt tokens per prefill pass: bounds activation memory
 MAX_BATCH = 64        # greedy tokens per host synchronisation, at most
 PREFILL_GRAPH_MAX = 2048  # longest padded first-turn prefill replayed from a CUDA graph (longer: eager)
 MAX_GRAPHS = 16           # decode-step and prefill graphs a decoder keeps (least recently used dropped first)
+_STEP_CAPTURED: set[torch.device] = set()  # devices this process has captured a PDL decode step on (Decoder._capture)
 
 
 def prefill_bucket(T: int) -> int:
@@ -397,6 +398,13 @@ class Decoder:
         # The eager warm-up step writes K/V at the next slot (overwritten by the real step) and advances
         # the device state, which is restored before the capture.
         live = (*self.cache.step_index().tensors(), self._token, self._count)
+        device = self._token.device
+        if self.model.options.pdl and device not in _STEP_CAPTURED:
+            # The first decode-step graph a process captures with PDL replays ~5% slower than every later
+            # capture of the same step (eager warm-ups do not help; a dropped first capture does):
+            # docs/perf_notes.md, "First step graph".
+            _STEP_CAPTURED.add(device)
+            self._capture_graph(lambda: self._step(vocab_size), restore=live)
         return self._capture_graph(lambda: self._step(vocab_size), restore=live)
 
     def _capture_graph(self, fn, restore: tuple = ()) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
