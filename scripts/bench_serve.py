@@ -64,7 +64,9 @@ class Server:
         from tinyvila.serve.engine import Engine
         from tinyvila.serve.protocol import Defaults
 
-        self.engine = Engine(vlm, max_seq_len=max_seq_len)
+        # One cached conversation: after the warm-up the LRU is full, so every new conversation reuses a chat (its
+        # KV cache and captured graphs) as a busy server's does once `--cache-size` conversations have run.
+        self.engine = Engine(vlm, max_seq_len=max_seq_len, cache_size=1)
         app = create_app(self.engine, model_name="bench", defaults=Defaults(model="bench", max_tokens=max_tokens))
         # proto IPPROTO_TCP, as `uvicorn.run(host=, port=)` binds: asyncio sets TCP_NODELAY only on such sockets,
         # and without it Nagle holds each SSE chunk for the client's delayed ACK (~40 ms).

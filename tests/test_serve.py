@@ -391,6 +391,25 @@ def test_prefix_reuse_equals_no_reuse_and_prefills_only_the_suffix(vlm):
             assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_a_new_conversation_reuses_the_chat_a_full_cache_pushes_out(vlm):
+    """cache_size 1: a second conversation takes the first one's chat (cleared, its system prompt replaced), so a
+    busy server keeps its KV caches and captured graphs; it answers as a fresh stateful Chat does, its follow-up too."""
+    want, _ = answer_in_process(vlm, QUESTIONS[:2], 10, [("image", DEMO_IMAGE)])
+    s = Server(vlm, cache_size=1)
+    try:
+        first = post(s, {"messages": [{"role": "system", "content": "You are terse."},
+                                      {"role": "user", "content": "Count to three."}], "max_tokens": 10}, key=None)
+        assert first.status_code == 200
+        (chat,) = [e.chat for e in s.engine.cache.entries.values()]
+        got = run_conversation(s, QUESTIONS[:2])
+        (entry,) = s.engine.cache.entries.values()
+        assert entry.chat is chat and chat.system is None
+        assert s.metric("chats_recycled_total") == 1 and s.metric("prefix_cache_hits_total") == 1
+        assert [r["choices"][0]["message"]["content"] for r in got] == want
+    finally:
+        s.close()
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20

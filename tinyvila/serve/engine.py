@@ -12,7 +12,9 @@ and per turn the user text, the media digests and the answer text that Chat gene
 before the last user message equal such a history takes that Chat and prefills only its new question; any other
 request opens a fresh Chat, which prefills the resent history (`Chat.add_turn`) and then the question. The LRU holds
 at most `cache_size` chats and, on CUDA, gives up its oldest while free GPU memory is below two chats' KV caches
-(the one to open and room for its prefill), so reuse never makes a request run out of memory.
+(the one to open and room for its prefill), so reuse never makes a request run out of memory. A new conversation
+arriving while the LRU is full reuses the chat it would push out (cleared), so in steady state a request neither
+allocates a KV cache nor captures CUDA graphs.
 """
 
 from __future__ import annotations
@@ -170,10 +172,19 @@ class Engine:
         job.emit("done", self._summary(job, chat.stats, entry, finish or FINISH[chat.stats.finish], cached, reused))
 
     def _fresh(self, req: Request) -> _Entry:
-        """A new chat holding the request's history (prefilled now, as the client sent it)."""
-        if self._chat_bytes:
-            self.cache.make_room(2 * self._chat_bytes)
-        chat = self.vlm.chat(system=req.system, sparsity=self.sparsity, max_seq_len=self.max_seq_len)
+        """A chat for a new conversation holding the request's history (prefilled now, as the client sent it).
+        When the LRU is full, its oldest chat (the one this conversation's entry will push out) is cleared and
+        reused: its KV cache stays allocated and its captured CUDA graphs (first-turn prefill, decode step) stay
+        valid, so a busy server does not allocate and capture per conversation."""
+        chat = self._recycle()
+        if chat is not None:
+            chat.clear()
+            chat.system = req.system
+            self.metrics.inc("chats_recycled_total")
+        else:
+            if self._chat_bytes:
+                self.cache.make_room(2 * self._chat_bytes)
+            chat = self.vlm.chat(system=req.system, sparsity=self.sparsity, max_seq_len=self.max_seq_len)
         kv = chat.decoder.cache
         self._chat_bytes = kv.k_stack.nbytes + kv.v_stack.nbytes
         entry = _Entry(chat)
@@ -181,6 +192,13 @@ class Engine:
             self._add_media(entry, turn.media)
             chat.add_turn(turn.text, turn.answer)
         return entry
+
+    def _recycle(self):
+        """The LRU's oldest chat, taken out, when the LRU is full; else None."""
+        entries = self.cache.entries
+        if self.cache.size > 0 and len(entries) >= self.cache.size:
+            return entries.popitem(last=False)[1].chat
+        return None
 
     def _add_media(self, entry: _Entry, media: list) -> None:
         """Encode a turn's media into its chat, counting their visual tokens."""

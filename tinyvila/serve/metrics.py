@@ -24,6 +24,8 @@ FAMILIES = {
                                 "new question was prefilled.", None),
     "prefix_cache_misses_total": ("counter", "Multi-turn requests that matched no cached chat and prefilled their "
                                   "whole history.", None),
+    "chats_recycled_total": ("counter", "New conversations that reused the oldest cached chat (cleared) instead "
+                             "of allocating one: its KV cache and captured CUDA graphs were kept.", None),
     "cancelled_total": ("counter", "Requests whose client left before the answer ended (generation stopped).", None),
     "queue_depth": ("gauge", "Requests waiting for the engine's worker.", None),
     "cached_chats": ("gauge", "Conversations kept for prefix reuse.", None),
