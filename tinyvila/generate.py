@@ -28,6 +28,7 @@ PREFILL_CHUNK = 4096  # prompt tokens per prefill pass: bounds activation memory
 MAX_BATCH = 64        # greedy tokens per host synchronisation, at most
 PREFILL_GRAPH_MAX = 2048  # longest padded first-turn prefill replayed from a CUDA graph (longer: eager)
 MAX_GRAPHS = 16           # decode-step and prefill graphs a decoder keeps (least recently used dropped first)
+_PRIME_REPLAYS = 8  # replays of the dropped first step graph of a process (Decoder._capture)
 _STEP_CAPTURED: set[torch.device] = set()  # devices this process has captured a PDL decode step on (Decoder._capture)
 
 
@@ -400,11 +401,17 @@ class Decoder:
         live = (*self.cache.step_index().tensors(), self._token, self._count)
         device = self._token.device
         if self.model.options.pdl and device not in _STEP_CAPTURED:
-            # The first decode-step graph a process captures with PDL replays ~5% slower than every later
-            # capture of the same step (eager warm-ups do not help; a dropped first capture does):
-            # docs/perf_notes.md, "First step graph".
+            # The first decode-step graph a process captures with PDL replays 3-5% slower than every graph
+            # captured after a step graph has been captured and replayed (eager warm-ups do not help):
+            # docs/perf_notes.md, "First step graph". So the first one is replayed a few times, then dropped.
             _STEP_CAPTURED.add(device)
-            self._capture_graph(lambda: self._step(vocab_size), restore=live)
+            graph, _ = self._capture_graph(lambda: self._step(vocab_size), restore=live)
+            saved = [t.clone() for t in live]
+            for _ in range(_PRIME_REPLAYS):
+                graph.replay()  # writes K/V at the next slot only (the real step overwrites it)
+                for t, v in zip(live, saved):
+                    t.copy_(v)
+            del graph
         return self._capture_graph(lambda: self._step(vocab_size), restore=live)
 
     def _capture_graph(self, fn, restore: tuple = ()) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
