@@ -206,6 +206,24 @@ def test_a_long_video_streams_through_the_encoder_in_batches(tmp_path, monkeypat
     assert chat.stats.images == n and chat.stats.visual_kept == n * keep_count(vlm.cfg.image_tokens, 0.25)
 
 
+def test_frame_batches_resize_in_threads_to_the_pixels_and_order_of_one_thread(tmp_path, monkeypatch):
+    """frame_batches resizes each frame in worker threads as it is decoded: the same pixels, timestamps and order
+    as resizing read_video's frames in the caller's thread, batch by batch."""
+    import tinyvila.video as video
+    from tinyvila.image import resize_uint8
+
+    path = write_clip(tmp_path / "clip.avi", 41, size=(96, 72))
+    cfg = tinyvila.config.preset("tiny-siglip-llama").vision
+    monkeypatch.setattr(video, "RESIZE_THREADS", 3)
+    monkeypatch.setattr(video, "_POOL", [])
+    got = list(video.frame_batches(path, cfg, num_frames=23, batch=8))
+    ref = read_video(path, num_frames=23)
+    assert [len(t) for t, _, _ in got] == [8, 8, 7]
+    assert [t for ts, _, _ in got for t in ts] == ref.timestamps
+    assert torch.equal(torch.cat([px for _, px, _ in got]), resize_uint8(ref.frames, cfg))
+    assert video._POOL[0]._max_workers == 3
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "tiny"

@@ -20,6 +20,7 @@ import re
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from .image import load_image, resize_uint8
 FRAMES_FPS = 30.0  # the frame rate assumed for a folder or list of frames, and for a container that states none
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm")
 STREAM_SCHEMES = ("rtsp://", "rtsps://", "rtmp://", "udp://", "tcp://", "srt://", "http://", "https://")
+RESIZE_THREADS = max(1, min(8, (os.cpu_count() or 2) - 1))  # frame_batches' resize workers, beside the decoder
 OPEN_TIMEOUT_MS = 10_000  # an unreachable stream fails after this long instead of FFmpeg's default minutes
 # Picks closer than this many frames are reached by decoding forward: a seek decodes from the previous keyframe,
 # which costs more than a short run of grabs (and MJPEG, where seeks are cheap, decodes fast either way).
@@ -82,18 +84,32 @@ def read_video(source, num_frames: int = 8, fps: float | None = None, *, max_fra
 def frame_batches(source, cfg: VisionConfig, num_frames: int = 8, fps: float | None = None, batch: int = 32,
                   max_frames: int | None = None) -> Iterator[tuple[list[float], torch.Tensor, float]]:
     """`read_video`'s frames, resized for the encoder a batch at a time: (timestamps, (n, S, S, 3) uint8 pixels,
-    ms spent decoding and resizing them). At most one batch of frames is held (long videos stay in memory)."""
+    ms spent decoding and resizing them). At most one batch of frames is held (long videos stay in memory).
+    Each frame is resized in a worker thread as soon as it is decoded (`resize_uint8`, the same bicubic resize:
+    the same pixels), so resizing runs beside the decoding and on several cores: both release the GIL, and the
+    resize of a 720p frame costs as much as decoding several."""
     _check_args(num_frames, fps, max_frames)
     t0 = time.perf_counter()
+    pool = _resize_pool()
     with _open(source) as reader:
         picks = _picks(reader, num_frames, fps, max_frames)
         while True:
-            chunk = [f for _, f in zip(range(batch), picks)]
-            if not chunk:
+            jobs = [(t, pool.submit(resize_uint8, f, cfg)) for _, (_, t, f) in zip(range(batch), picks)]
+            if not jobs:
                 return
-            pixels = resize_uint8([f for _, _, f in chunk], cfg)
-            yield [t for _, t, _ in chunk], pixels, 1000 * (time.perf_counter() - t0)
+            pixels = torch.cat([job.result() for _, job in jobs])
+            yield [t for t, _ in jobs], pixels, 1000 * (time.perf_counter() - t0)
             t0 = time.perf_counter()
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _resize_pool() -> ThreadPoolExecutor:
+    """The process's frame-resize threads (made on first use; at most RESIZE_THREADS)."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(RESIZE_THREADS, thread_name_prefix="tinyvila-resize"))
+    return _POOL[0]
 
 
 def _check_args(num_frames: int, fps: float | None, max_frames: int | None) -> None:
