@@ -12,6 +12,7 @@ from PIL import Image
 import tinyvila.live
 from tinyvila import LiveSession
 from tinyvila.api import from_config
+from tinyvila.config import preset
 from tinyvila.errors import ArgumentError, ImageError, VideoError
 from tinyvila.generate import SamplingParams
 
@@ -231,9 +232,19 @@ def test_encodes_and_streamed_pieces_take_turns_on_the_device(vlm, monkeypatch):
     assert sum(during) > 0  # frames were encoded while answers streamed, between their pieces
 
 
-def test_memory_stays_flat_over_a_soak(vlm):
-    """20,000 frames at full speed, a question every 200: RSS at the end within 5% of RSS after the first 1,000."""
-    live = LiveSession(vlm, window=8, sample_fps=10)
+def gpu_bytes(device) -> tuple[int, int]:
+    if device != "cuda":
+        return 0, 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_memory_stays_flat_over_a_soak(vlm, device):
+    """20,000 frames at full speed, a question every 200: RSS (and on the GPU, allocated and reserved device memory,
+    CUDA graphs on) at the end within 5% of what it was after the first 1,000."""
+    model = vlm if device == "cpu" else from_config(preset("tiny-siglip-llama", dtype="float16"), device="cuda")
+    live = LiveSession(model, window=8, sample_fps=10)
     t0, mid = time.perf_counter(), None
     with live:
         for i in range(20000):
@@ -242,10 +253,11 @@ def test_memory_stays_flat_over_a_soak(vlm):
                 assert live.wait_frames(1, timeout=30)  # at full speed most frames are dropped: the encoder is busy
                 "".join(live.ask("What is happening?", SHORT))
             if i == 999:
-                mid = rss_kib()
-        end = rss_kib()
+                mid, mid_gpu = rss_kib(), gpu_bytes(device)
+        end, end_gpu = rss_kib(), gpu_bytes(device)
         assert len(live._frames) == 8 and live.counts["pushed"] == 20000 and live.counts["encoded"] > 100
     assert end <= mid * 1.05, (mid, end)
+    assert all(e <= m * 1.05 for e, m in zip(end_gpu, mid_gpu)), (mid_gpu, end_gpu)
     assert time.perf_counter() - t0 < 30 and live_threads() == []
 
 
