@@ -3,6 +3,7 @@ reuse, a small load, /metrics. Servers run the demo model on a free loopback por
 expected answers come from the same model's in-process `Chat` (greedy), never from hard-coded text.
 """
 
+import asyncio
 import base64
 import concurrent.futures
 import copy
@@ -27,9 +28,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import tinyvila
 from tinyvila.api import Chat
+from tinyvila.config import preset
+from tinyvila.serve import app as serve_app
+from tinyvila.serve import media as serve_media
 from tinyvila.serve.app import create_app
 from tinyvila.serve.engine import Engine, Job, PrefixCache
-from tinyvila.serve.media import MediaPolicy
+from tinyvila.serve.media import MediaPolicy, read_media
 from tinyvila.serve.protocol import Defaults, RequestError, StopMatcher, parse_request
 
 DEMO_IMAGE = Path(tinyvila.__file__).parent / "assets" / "demo.png"
@@ -573,3 +577,121 @@ def test_add_turn_replays_history_and_is_a_transaction(vlm):
     chat.add_turn("One?", first)
     assert "".join(chat.ask("Two?")) == second
     assert chat.decoder.length == stateful.decoder.length
+
+
+# -- history media on a prefix hit, digests, SSE writes ----------------------------------------------------
+def test_a_prefix_hit_decodes_no_history_media(vlm, monkeypatch):
+    """A stateless follow-up resends the first turn's image: with its chat cached the image is only hashed, not
+    decoded; without the cache every request decodes it. The answers are the same."""
+    decoded = []
+    real = serve_media._image_pixels
+    monkeypatch.setattr(serve_media, "_image_pixels", lambda *a: decoded.append(1) or real(*a))
+    reuse, fresh = Server(vlm, cache_size=4), Server(vlm, cache_size=0)
+    try:
+        with_reuse = run_conversation(reuse, QUESTIONS[:3])
+        assert len(decoded) == 1 and reuse.metric("prefix_cache_hits_total") == 2
+        decoded.clear()
+        without = run_conversation(fresh, QUESTIONS[:3])
+        assert len(decoded) == 3
+    finally:
+        reuse.close()
+        fresh.close()
+    assert [r["choices"] for r in with_reuse] == [r["choices"] for r in without]
+
+
+def media_of(content: list, **fields) -> list:
+    """The Media of one user message with `content` parts, as the server reads them (nothing decoded)."""
+    req = parse_request({"messages": [{"role": "user", "content": content}]}, Defaults())
+    read_media(req.turns, MediaPolicy(**fields), preset("tiny-siglip-llama").vision)
+    return req.turns[0].media
+
+
+def test_media_digests_follow_the_medium_and_its_sampling_fields():
+    png, other = (data_url(DEMO_IMAGE, "image/png"), "data:image/png;base64," +
+                  base64.b64encode(encoded_frames(1, (20, 30), 9, "PNG")[0]).decode())
+    image = lambda url: {"type": "image_url", "image_url": {"url": url}}  # noqa: E731
+    video = lambda url, **kw: {"type": "video_url", "video_url": {"url": url, **kw}}  # noqa: E731
+    a, b, c = media_of([image(png), image(png), image(other)])
+    assert a.digest == b.digest != c.digest and len(a.digest) == 64  # SHA-256: equal only for equal media
+    assert a.pixels is None and a._digest is not None  # hashed (by that comparison), not decoded
+    (v,), (v2,), (v3,) = media_of([video(png)]), media_of([video(png, max_frames=2)]), media_of([video(png)],
+                                                                                                  video_frames=4)
+    assert len({a.digest, v.digest, v2.digest, v3.digest}) == 4  # the same bytes sampled otherwise: other pixels
+    (bad,) = media_of([image("data:image/png;base64,@@@not-base64@@@")])
+    assert bad.digest  # a digest needs no decoding; decoding finds the fault
+    with pytest.raises(RequestError) as e:
+        bad.decode()
+    assert e.value.code == "invalid_base64" and e.value.param == "messages[0].content[0].image_url.url"
+
+
+def test_mime_style_base64_decodes_as_plain_base64():
+    plain = data_url(DEMO_IMAGE, "image/png")
+    head, data = plain.split(",", 1)
+    wrapped = head + "," + "\n".join(data[i:i + 76] for i in range(0, len(data), 76))
+    (a, b) = media_of([{"type": "image_url", "image_url": {"url": u}} for u in (plain, wrapped)])
+    assert np.array_equal(a.decode(), b.decode()) and a.pixels.shape[0] == 1
+
+
+def test_the_engine_decodes_history_media_the_request_thread_skipped(vlm):
+    """The request's thread skips a history's media when the engine holds its chat; should the chat be gone when
+    the request runs, the worker decodes them itself (and a bad one is the client's 400, before anything changed)."""
+    (first, second), _ = answer_in_process(vlm, QUESTIONS[:2], 8, [("image", DEMO_IMAGE)])
+    engine = Engine(vlm, cache_size=2)
+
+    def run(image_url: str) -> list:
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                                 {"type": "text", "text": QUESTIONS[0]}]},
+                    {"role": "assistant", "content": first}, {"role": "user", "content": QUESTIONS[1]}]
+        req = parse_request({"messages": messages, "max_tokens": 8}, Defaults())
+        read_media(req.turns, MediaPolicy(), vlm.cfg.vision)
+        serve_media.decode_media(req.turns[-1:])  # as the request's thread does on a hit
+        assert req.turns[0].media[0].pixels is None
+        events, done = [], threading.Event()
+        engine.submit(Job(req, lambda kind, payload: (events.append((kind, payload)),
+                                                      kind in ("done", "error") and done.set())))
+        assert done.wait(60)
+        return events
+    try:
+        bad = run("data:image/png;base64," + base64.b64encode(b"not a png").decode())
+        assert [k for k, _ in bad] == ["error"] and bad[0][1].code == "invalid_image"
+        good = run(data_url(DEMO_IMAGE, "image/png"))
+        assert "".join(p for k, p in good if k == "text") == second and good[-1][0] == "done"
+    finally:
+        engine.close()
+
+
+def sse_writes(events: list, include_usage: bool = False) -> list[str]:
+    """What app._stream writes for `events` queued before it runs."""
+    async def run():
+        queue = asyncio.Queue()
+        for e in events:
+            queue.put_nowait(e)
+        req = parse_request({"messages": [{"role": "user", "content": "q"}],
+                             "stream_options": {"include_usage": include_usage}}, Defaults())
+        return [w async for w in serve_app._stream(Job(req, lambda *_: None), queue, req, "id", 0)]
+    return asyncio.run(run())
+
+
+def test_sse_events_queued_together_go_out_in_one_write():
+    done = ("done", {"finish": "length", "usage": {"completion_tokens": 3}, "stats": {}})
+    (write,) = sse_writes([("text", "a"), ("text", "b"), done], include_usage=True)
+    events = [json.loads(e[6:]) for e in write.split("\n\n") if e.startswith("data: {")]
+    assert [e["choices"][0]["delta"] for e in events[:3]] == [{"role": "assistant", "content": ""}, {"content": "a"},
+                                                              {"content": "b"}]
+    assert events[3]["choices"][0]["finish_reason"] == "length" and events[4]["usage"]["completion_tokens"] == 3
+    assert write.endswith("data: [DONE]\n\n") and write.count("data: ") == 6
+
+
+def test_sse_events_that_come_during_a_write_go_in_the_next():
+    """The first piece is not held back for the ones the worker emits after it."""
+    async def run():
+        queue, req = asyncio.Queue(), parse_request({"messages": [{"role": "user", "content": "q"}]}, Defaults())
+        stream = serve_app._stream(Job(req, lambda *_: None), queue, req, "id", 0)
+        queue.put_nowait(("text", "a"))
+        first = await anext(stream)
+        queue.put_nowait(("text", "b"))
+        queue.put_nowait(("done", {"finish": "stop", "usage": {}, "stats": {}}))
+        return first, [w async for w in stream]
+    first, rest = asyncio.run(run())
+    assert first.count("data: ") == 2 and '"content":"a"' in first  # the role chunk and the first piece
+    assert len(rest) == 1 and '"content":"b"' in rest[0] and rest[0].endswith("data: [DONE]\n\n")

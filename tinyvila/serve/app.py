@@ -8,9 +8,9 @@ would add pydantic's compiled core for request models that protocol.py checks an
     GET  /v1/models  /health  /metrics  /
 
 With an API key set, /v1/* and /chat/completions need `Authorization: Bearer KEY`; /, /health and /metrics stay
-open (the page asks for the key). A request is checked and its media decoded in the handler (4xx on any fault),
-then queued for the engine's one worker; an error before the first token is an HTTP error, a later one an SSE
-event with an `error` key (the official client raises APIError on it).
+open (the page asks for the key). A request is checked and the media it prefills decoded in the handler (4xx on any
+fault), then queued for the engine's one worker; an error before the first token is an HTTP error, a later one an
+SSE event with an `error` key (the official client raises APIError on it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from .engine import Engine, Job
-from .media import MediaPolicy, load_media
+from .media import MediaPolicy, decode_media, read_media
 from .protocol import Defaults, RequestError, chunk, completion, completion_id, parse_request, sse
 
 PAGE = Path(__file__).with_name("static") / "index.html"
@@ -61,7 +61,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None, m
         received = time.perf_counter()
         authorise(request)
         body = await _read_body(request, max_body)
-        req = await run_in_threadpool(_parse, body, defaults, policy, vision)  # a large body takes a while
+        req = await run_in_threadpool(_parse, body, defaults, policy, vision, engine)  # a large body takes a while
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -152,10 +152,12 @@ async def _read_body(request: HTTPRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _parse(body: bytes, defaults: Defaults, policy: MediaPolicy, vision):
-    """The request, checked, its media decoded (in a worker thread of the event loop's pool)."""
+def _parse(body: bytes, defaults: Defaults, policy: MediaPolicy, vision, engine: Engine):
+    """The request, checked, the media it will prefill decoded (in a worker thread of the event loop's pool): the last
+    turn's, and the history's unless the engine holds a chat for it (a stateless client's follow-up)."""
     req = parse_request(_json(body), defaults)
-    load_media(req.turns, policy, vision)
+    read_media(req.turns, policy, vision)
+    decode_media(req.turns[-1:] if engine.holds(req) else req.turns)
     return req
 
 
@@ -168,6 +170,8 @@ def _json(body: bytes):
 
 async def _next(events: asyncio.Queue, request: HTTPRequest, job: Job) -> tuple[str, object]:
     """The job's next event; _ClientGone (and the job cancelled) if its client disconnects while waiting."""
+    if not events.empty():  # no wait_for (a task per call) for an event already here: a burst of pieces
+        return events.get_nowait()
     while True:
         try:
             return await asyncio.wait_for(events.get(), POLL_S)
@@ -179,23 +183,32 @@ async def _next(events: asyncio.Queue, request: HTTPRequest, job: Job) -> tuple[
 
 async def _stream(job: Job, events: asyncio.Queue, req, cid: str, created: int):
     """The SSE body after the first token: a role chunk, content chunks, the finish chunk, the usage chunk (with
-    stream_options.include_usage), then [DONE]. A disconnect cancels it (Starlette); the worker then stops."""
-    usage = req.include_usage
+    stream_options.include_usage), then [DONE]. A disconnect cancels it (Starlette); the worker then stops.
+    Each wake-up writes the events queued by then in one send (the role chunk goes with the first piece): the worker
+    emits pieces in bursts, one per host sync, and a send per piece would cost the event loop, and so the worker
+    it shares the GIL with, a pass each. Events that come while a write is made go in the next one."""
+    usage, end = req.include_usage, False
+    out = [chunk(cid, req.model, created, {"role": "assistant", "content": ""}, include_usage=usage)]
     try:
-        yield chunk(cid, req.model, created, {"role": "assistant", "content": ""}, include_usage=usage)
-        while True:
-            kind, payload = await events.get()
-            if kind == "text":
-                yield chunk(cid, req.model, created, {"content": payload}, include_usage=usage)
-            elif kind == "done":
-                yield chunk(cid, req.model, created, {}, payload["finish"], include_usage=usage,
-                            extra={"stats": payload["stats"]})
-                if usage:
-                    yield chunk(cid, req.model, created, None, usage=payload["usage"], include_usage=True)
-                break
-            elif kind == "error":
-                yield sse(payload.body())
-                break
-        yield sse("[DONE]")
+        while not end:
+            batch = [await events.get()]
+            batch += [events.get_nowait() for _ in range(events.qsize())]
+            for kind, payload in batch:
+                if kind == "text":
+                    out.append(chunk(cid, req.model, created, {"content": payload}, include_usage=usage))
+                elif kind == "done":
+                    out.append(chunk(cid, req.model, created, {}, payload["finish"], include_usage=usage,
+                                     extra={"stats": payload["stats"]}))
+                    if usage:
+                        out.append(chunk(cid, req.model, created, None, usage=payload["usage"], include_usage=True))
+                    end = True
+                elif kind == "error":
+                    out.append(sse(payload.body()))
+                    end = True
+                if end:
+                    out.append(sse("[DONE]"))
+                    break
+            yield "".join(out)
+            out.clear()
     finally:
         job.cancelled.set()  # a no-op once the job is done; else the client left and the worker stops

@@ -1,20 +1,21 @@
 """The engine: one worker thread owns the model and answers requests one at a time, in arrival order (FIFO).
 
 Batch size 1 is this runtime's design: its kernels, CUDA graphs and SparseVILA's per-question retrieval are built
-for one sequence at a time, so requests queue rather than share a batch. Media arrive decoded and resized (media.py
-runs in the request's thread, off the worker); the worker only encodes them and runs the turn. It checks its job's
-`cancelled` flag after every piece of the answer, so a client that disconnects frees it within one decode batch
-(greedy decoding synchronises with the host every 16 tokens).
+for one sequence at a time, so requests queue rather than share a batch. Media to prefill arrive decoded and resized
+(media.py runs in the request's thread, off the worker); the worker only encodes them and runs the turn. It checks
+its job's `cancelled` flag after every piece of the answer, so a client that disconnects frees it within one decode
+batch (greedy decoding synchronises with the host every 16 tokens).
 
 Prefix reuse. The API is stateless: a multi-turn client resends the whole conversation. The engine keeps the Chats
 (with their KV caches) of the last conversations it answered in an LRU, keyed by their history: the system prompt,
 and per turn the user text, the media digests and the answer text that Chat generated. A request whose messages
 before the last user message equal such a history takes that Chat and prefills only its new question; any other
-request opens a fresh Chat, which prefills the resent history (`Chat.add_turn`) and then the question. The LRU holds
-at most `cache_size` chats and, on CUDA, gives up its oldest while free GPU memory is below two chats' KV caches
-(the one to open and room for its prefill), so reuse never makes a request run out of memory. A new conversation
-arriving while the LRU is full reuses the chat it would push out (cleared), so in steady state a request neither
-allocates a KV cache nor captures CUDA graphs.
+request opens a fresh Chat, which prefills the resent history (`Chat.add_turn`) and then the question. The request's
+thread skips decoding the media of a history `holds` finds cached; should that chat be gone by the time the request
+runs, the worker decodes them before it changes anything. The LRU holds at most `cache_size` chats and, on CUDA,
+gives up its oldest while free GPU memory is below two chats' KV caches (the one to open and room for its prefill),
+so reuse never makes a request run out of memory. A new conversation arriving while the LRU is full reuses the chat
+it would push out (cleared), so in steady state a request neither allocates a KV cache nor captures CUDA graphs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ContextLimitError, TinyVilaError
+from .media import decode_media
 from .metrics import Metrics
 from .protocol import FINISH, Request, RequestError, StopMatcher, Turn
 
@@ -47,6 +49,7 @@ class Job:
     emit: Callable[[str, object], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     received: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None  # perf_counter when the first piece came out
 
 
 @dataclass
@@ -120,6 +123,11 @@ class Engine:
                                status=503, type="server_error", code="queue_full") from None
         self.metrics.set("queue_depth", self.queue.qsize())
 
+    def holds(self, req: Request) -> bool:
+        """Whether a chat holding the request's history is cached now (from any thread: it may be gone, or pushed out,
+        by the time the worker takes the request)."""
+        return len(req.turns) > 1 and history_key(req.system, req.turns[:-1]) in self.cache.entries
+
     def close(self) -> None:
         self.queue.put(None)
         self._thread.join()
@@ -149,6 +157,8 @@ class Engine:
         entry = self.cache.take(key) if history else None
         if history:
             self.metrics.inc("prefix_cache_hits_total" if entry else "prefix_cache_misses_total")
+        if entry is None:  # every medium gets prefilled: any the request's thread skipped is decoded before a change
+            decode_media(req.turns)
         reused = entry is not None
         cached = entry.chat.decoder.length if reused else 0
         if entry is None:
@@ -205,10 +215,11 @@ class Engine:
         chat = entry.chat
         for m in media:
             before = sum(x.shape[0] * x.shape[1] for x in chat.images)
+            pixels = m.decode()  # a no-op unless the request's thread skipped it
             if m.kind == "image":
-                chat.add_image(m.pixels[0])
+                chat.add_image(pixels[0])
             else:
-                chat.add_video(list(m.pixels), num_frames=len(m.pixels))
+                chat.add_video(list(pixels), num_frames=len(pixels))
             added = sum(x.shape[0] * x.shape[1] for x in chat.images) - before
             if m.kind == "image":
                 entry.image_tokens += added
@@ -222,8 +233,9 @@ class Engine:
         try:
             for piece in answer:
                 if first:
+                    job.first_token = time.perf_counter()
                     job.emit("start", None)
-                    self.metrics.observe("ttft_seconds", time.perf_counter() - job.received)
+                    self.metrics.observe("ttft_seconds", job.first_token - job.received)
                     first = False
                 if job.cancelled.is_set():
                     break
@@ -256,6 +268,7 @@ class Engine:
                                            "video_tokens": entry.video_tokens}}
         info = {"line": stats.line(), "encode_ms": round(stats.encode_ms, 2), "prefill_ms": round(stats.prefill_ms, 2),
                 "prefill_tokens": prompt - cached, "ttft_ms": round(stats.ttft_ms, 2),
+                "server_ttft_ms": round(1000 * (job.first_token - job.received), 2) if job.first_token else None,
                 "decode_tokens_per_second": round(stats.decode_tok_s, 1), "context_tokens": stats.context_tokens,
                 "prefix_reused": reused}
         return {"finish": finish, "usage": usage, "stats": info}

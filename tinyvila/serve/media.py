@@ -1,4 +1,4 @@
-"""Media content parts -> resized RGB pixels and their digests, decoded in the request's thread, off the engine.
+"""Media content parts -> digests now, resized RGB pixels when they are prefilled, in the request's thread, off the engine.
 
 URLs: `data:` (base64 or percent-encoded) always; `file://` only under the folder given by
 --allowed-local-media-path (vLLM's flag); http(s) only with --allow-http-media. Images go through tinyvila.image
@@ -6,17 +6,20 @@ URLs: `data:` (base64 or percent-encoded) always; `file://` only under the folde
 file, through tinyvila.video.read_video; `data:video/jpeg;base64,<f1>,<f2>,...` is vLLM's form of frames a camera
 client sampled itself. Each part's `max_frames` / `fps` (SGLang's fields) override the server's defaults. Every
 fault is a RequestError (400, or 413 for a fetched file over the size limit) naming the part.
+A medium's digest is taken from what was sent (a data URL's text, a file's or a fetched URL's bytes), so the media of
+a history that a cached chat holds already are checked and digested but never decoded.
 """
 
 from __future__ import annotations
 
-import base64
 import binascii
+import functools
 import hashlib
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,55 +46,108 @@ class MediaPolicy:
 
 @dataclass
 class Media:
-    """A decoded medium: `pixels` (n, S, S, 3) uint8, resized for the vision tower (n = 1 for an image, the sampled
-    frames for a video), and `digest`, what prefix reuse compares."""
+    """A medium of a request. `digest`, what prefix reuse compares, is SHA-256 over the medium as sent and the fields
+    that choose its frames: equal digests mean equal pixels. A data URL's is taken on first use (a history's when the
+    request is looked up, a new medium's after its answer, off the time to the first token); a file's or a fetched
+    URL's when it is read. `pixels` (n, S, S, 3) uint8, resized for the vision tower (n = 1 for an image, the sampled
+    frames for a video), are None until `decode()`."""
 
     kind: str
-    pixels: np.ndarray
-    digest: str
+    load: Callable[[], tuple[np.ndarray, list[float] | None]] | None = field(repr=False, compare=False)
+    hasher: Callable[[], str] | None = field(default=None, repr=False, compare=False)
+    pixels: np.ndarray | None = None
     timestamps: list[float] | None = None
+    _digest: str | None = field(default=None, repr=False)
+
+    @property
+    def digest(self) -> str:
+        if self._digest is None:
+            self._digest, self.hasher = self.hasher(), None
+        return self._digest
+
+    def decode(self) -> np.ndarray:
+        """The pixels, decoded on the first call (RequestError on a bad medium)."""
+        if self.pixels is None:
+            (self.pixels, self.timestamps), self.load = self.load(), None  # a fetched medium's bytes go now
+        return self.pixels
 
 
-def load_media(turns: list[Turn], policy: MediaPolicy, cfg: VisionConfig | None) -> None:
-    """Decode every media part of every turn into `turn.media` (RequestError on any fault)."""
+def read_media(turns: list[Turn], policy: MediaPolicy, cfg: VisionConfig | None) -> None:
+    """Every media part of every turn -> `turn.media`: URLs checked, files read, nothing decoded (RequestError on
+    any fault found so far)."""
     for turn in turns:
         if turn.parts and cfg is None:
             raise RequestError("this model is text-only: it takes no images or videos", turn.parts[0].where)
-        turn.media = [decode_part(p, policy, cfg) for p in turn.parts]
+        turn.media = [read_part(p, policy, cfg) for p in turn.parts]
 
 
-def decode_part(part: Part, policy: MediaPolicy, cfg: VisionConfig) -> Media:
-    """One part -> Media."""
-    mime, payload = read_url(part, policy)
+def decode_media(turns: list[Turn]) -> None:
+    """Decode the pixels of the turns' media (each once; RequestError on a bad medium)."""
+    for turn in turns:
+        for m in turn.media:
+            m.decode()
+
+
+def read_part(part: Part, policy: MediaPolicy, cfg: VisionConfig) -> Media:
+    """One part -> Media, its URL checked and (but for a data URL) its bytes read and hashed; no pixels yet."""
+    scheme, mime, data = read_url(part, policy)
+    # The fields that choose the pixels, then the medium: the tuple's repr ends where the data starts, so no two
+    # (fields, data) pairs hash the same bytes.
+    fields = repr((part.kind, scheme, mime, part.fps, part.max_frames, policy.video_frames, policy.max_frames))
+    media = Media(part.kind, functools.partial(_pixels, part, policy, cfg, mime, data))
+    if isinstance(data, str):  # a data URL: the request holds its text anyway
+        media.hasher = functools.partial(_digest, fields, data)
+    else:  # hashed in the request's thread, so the engine's neither reads a file nor keeps the bytes after decoding
+        media._digest = _digest(fields, data)
+    return media
+
+
+def _digest(fields: str, data: str | bytes | Path) -> str:
+    h = hashlib.sha256(fields.encode())
+    if isinstance(data, Path):
+        # A local video, hashed as read here and decoded from the path later: a file rewritten in between would pair
+        # new pixels with the old digest (a race with the server's operator, who owns the folder, not with a client).
+        with data.open("rb") as f:
+            hashlib.file_digest(f, lambda: h)
+    else:  # surrogatepass: a JSON string may hold lone surrogates, which utf-8 refuses
+        h.update(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
+    return h.hexdigest()
+
+
+def _pixels(part: Part, policy: MediaPolicy, cfg: VisionConfig, mime: str,
+            data: str | bytes | Path) -> tuple[np.ndarray, list[float] | None]:
+    """A medium as read_url gave it -> (pixels, a video's timestamps or None)."""
+    if isinstance(data, str):  # a data URL, decoded only now
+        mime, data = _data_url(data, f"{part.where}.{part.kind}_url.url")
     if part.kind == "image":
-        pixels, stamps = _image_pixels(payload, part.where, cfg), None
-    else:
-        pixels, stamps = _video_pixels(mime, payload, part, policy, cfg)
-    h = hashlib.sha256(part.kind.encode())
-    h.update(repr((pixels.shape, stamps)).encode())
-    h.update(pixels.tobytes())
-    return Media(part.kind, pixels, h.hexdigest(), stamps)
+        return _image_pixels(data, part.where, cfg), None
+    return _video_pixels(mime, data, part, policy, cfg)
 
 
 # -- URLs ----------------------------------------------------------------------------------------------
-def read_url(part: Part, policy: MediaPolicy) -> tuple[str, bytes | Path]:
-    """(mime type or "", the bytes) of a part's URL; a file:// URL's checked path instead of its bytes."""
+def read_url(part: Part, policy: MediaPolicy) -> tuple[str, str, str | bytes | Path]:
+    """(scheme, mime type or "", data) of a part's URL. data: a data: URL's own text (decoded later), a file:// video's
+    checked path, else the medium's bytes."""
     url, where = part.url, f"{part.where}.{part.kind}_url.url"
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    colon = url.find(":")  # not split: a data URL is the whole medium, and splitting copies it
+    scheme = url[:colon].lower() if colon > 0 else ""
     if scheme == "data":
-        return _data_url(url, where)
+        comma = url.find(",", colon)
+        if comma < 0:
+            raise RequestError(f"{where}: a data: URL needs a ',' before its data", where, code="invalid_url")
+        return scheme, url[5:comma].split(";")[0].strip().lower(), url
     if scheme == "file":
-        return "", _local_file(url, where, policy)
+        path = _local_file(url, where, policy)
+        return scheme, "", path if part.kind == "video" else path.read_bytes()  # an image decodes the bytes hashed
     if scheme in ("http", "https"):
-        return _fetch(url, where, policy)
+        return ("http", *_fetch(url, where, policy))
     raise RequestError(f"{where}: unsupported URL scheme {scheme or url[:20]!r}; send the file as a data: URL "
                        "(data:image/png;base64,...)", where, code="invalid_url")
 
 
 def _data_url(url: str, where: str) -> tuple[str, bytes]:
-    header, sep, data = url[5:].partition(",")
-    if not sep:
-        raise RequestError(f"{where}: a data: URL needs a ',' before its data", where, code="invalid_url")
+    comma = url.find(",")  # read_url checked there is one
+    header, data = url[5:comma], url[comma + 1:]
     mime = header.split(";")[0].strip().lower()
     if not header.endswith(";base64"):
         return mime, urllib.parse.unquote_to_bytes(data)
@@ -101,8 +157,13 @@ def _data_url(url: str, where: str) -> tuple[str, bytes]:
 
 
 def _b64(data: str, where: str) -> bytes:
+    """Strict base64 (b64decode(validate=True), on the str itself: no ASCII copy), whitespace allowed."""
+    try:  # as sent, first: removing whitespace copies the data, and only MIME-style base64 has any
+        return binascii.a2b_base64(data, strict_mode=True)
+    except (binascii.Error, ValueError):
+        pass
     try:
-        return base64.b64decode("".join(data.split()), validate=True)
+        return binascii.a2b_base64("".join(data.split()), strict_mode=True)
     except (binascii.Error, ValueError):
         raise RequestError(f"{where}: the data is not valid base64", where, code="invalid_base64") from None
 

@@ -50,7 +50,7 @@ class Part:
 @dataclass
 class Turn:
     """A user message (its text and media parts, in order) and the assistant answer that followed it (None for
-    the last, the one to answer). `media` is filled by media.py: decoded pixels and their digests."""
+    the last, the one to answer). `media` is filled by media.py: digests, and pixels once decoded."""
 
     text: str
     parts: list[Part]
