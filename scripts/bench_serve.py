@@ -2,6 +2,7 @@
 
     python -m scripts.bench_serve                     # vila-8b W4A16 + W8A8, synthetic weights, cuda, 128 tokens a turn
     python -m scripts.bench_serve --device cpu --preset tiny-siglip-llama --group-size 32 --new-tokens 8
+    python -m scripts.bench_serve --device cpu --preset tiny-siglip-llama --group-size 32 --image-size 384  # H200's payload
 
 One model (bench.py's "quant" pipeline) is built once and served by the real app under uvicorn on a free 127.0.0.1
 port in a thread, so both sides share weights and compiled kernels. bench.py's 4-turn conversation (a random PNG as a
@@ -10,6 +11,8 @@ once, then interleaved per repeat: in-process on one Chat reused with clear(), i
 conversation (what the server opens for each), and over HTTP (httpx streaming SSE, from a process of its own), each
 request resending the whole history (the prefix-reuse LRU must serve turns 2-4). TTFT: send (in-process: add_image of the PNG bytes) to
 the first non-empty text; tok/s: (tokens - 1) / (end of stream - first token) over the 4 turns; medians of --repeats.
+HTTP rows also give the server's own TTFT (request received -> first token: body, parsing, media, queue, prefill), so the
+rest of the HTTP TTFT is the client, the connection and the SSE write.
 """
 
 from __future__ import annotations
@@ -48,9 +51,11 @@ def parse_args(argv):
     p.add_argument("--new-tokens", type=int, default=128, help="answer tokens a turn (at least 2)")
     p.add_argument("--repeats", type=int, default=5, help="measured conversations per path (medians)")
     p.add_argument("--group-size", type=int, default=128, help="W4 group size (tiny presets: 32)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="side of the random PNG sent (default: the encoder's; both paths resize it alike)")
     args = p.parse_args(argv)
-    if args.new_tokens < 2 or args.repeats < 1:
-        p.error("--new-tokens must be at least 2 and --repeats at least 1")
+    if args.new_tokens < 2 or args.repeats < 1 or (args.image_size or 1) < 1:
+        p.error("--new-tokens must be at least 2, --repeats and --image-size at least 1")
     return args
 
 
@@ -232,10 +237,14 @@ class ClientProcess:
 
 def run_summary(turns: list[dict]) -> dict:
     steps, seconds = sum(t["tokens"] - 1 for t in turns), sum(t["decode_s"] for t in turns)
-    return {"ttft_ms": turns[0]["ttft_ms"], "first_token_ms": turns[0]["first_token_ms"],
-            "inner_ttft_ms": turns[0]["inner_ttft_ms"],
-            "followup_ttft_ms": statistics.median(t["ttft_ms"] for t in turns[1:]),
-            "tok_s": steps / seconds if seconds > 0 else None, "total_ms": sum(t["e2e_ms"] for t in turns)}
+    out = {"ttft_ms": turns[0]["ttft_ms"], "first_token_ms": turns[0]["first_token_ms"],
+           "inner_ttft_ms": turns[0]["inner_ttft_ms"],
+           "followup_ttft_ms": statistics.median(t["ttft_ms"] for t in turns[1:]),
+           "tok_s": steps / seconds if seconds > 0 else None, "total_ms": sum(t["e2e_ms"] for t in turns)}
+    if turns[0]["server"]:  # HTTP: the server's own share of the TTFT
+        out["server_ttft_ms"] = turns[0]["server"]["server_ttft_ms"]
+        out["server_followup_ttft_ms"] = statistics.median(t["server"]["server_ttft_ms"] for t in turns[1:])
+    return out
 
 
 def row(path: str, runs: list[list[dict]], captures: list, first_use: int) -> dict:
@@ -290,11 +299,13 @@ def report(args, rows: dict, checks: list[dict], same: bool, info: dict) -> None
           f"tokens, {info['image']}, KV cache {info['max_seq_len']}, {args.repeats} repeats, client {info['client']}")
     common.print_table([{"path": PATHS[p], "TTFT ms": r["ttft_ms"], "inner TTFT ms": r["inner_ttft_ms"],
                          "follow-up TTFT ms": r["followup_ttft_ms"], "tok/s": r["tok_s"],
+                         "server TTFT ms": r.get("server_ttft_ms", "-"),
+                         "server follow-up ms": r.get("server_followup_ttft_ms", "-"),
                          f"{ROUNDS}-turn ms": r["total_ms"], "graph captures": max(r["graph_captures"], key=lambda n: n or 0),
                          "first use": r["first_use"]} for p, r in rows.items()])
     print("TTFT: turn 1 (image + question), from the send to the first non-empty text; inner: the chat's own TTFT "
-          "(encode + prefill + first token); follow-up: turns 2-4;\ngraph captures: the chat's decoder graphs, the most "
-          "in one conversation")
+          "(encode + prefill + first token); follow-up: turns 2-4;\nserver: request received -> first token, in the "
+          "server; graph captures: the chat's decoder graphs, the most in one conversation")
     http = rows["http"]
     for p in ("warm", "new"):
         r = rows[p]
@@ -314,6 +325,12 @@ def report(args, rows: dict, checks: list[dict], same: bool, info: dict) -> None
                       "targets": checks, **bench.environment(args.device)}))
 
 
+def random_image(size: int):
+    """A deterministic random size x size RGB uint8 image (random pixels: a PNG of it barely compresses)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8).numpy()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -330,7 +347,7 @@ def main(argv=None) -> int:
         cfg = bench.pipeline_config(preset(args.preset), "quant", args)
         vlm = from_config(cfg, device=args.device)  # as bench.py builds it
         vlm.stop_ids = frozenset()  # exactly --new-tokens a turn, on both sides (the server's chats read the same set)
-        image = bench.random_images(cfg, 1)[0]
+        image = bench.random_images(cfg, 1)[0] if args.image_size is None else random_image(args.image_size)
         buf = io.BytesIO()
         Image.fromarray(image).save(buf, format="PNG")
         png = buf.getvalue()

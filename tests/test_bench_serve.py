@@ -15,7 +15,7 @@ NEW_TOKENS, REPEATS = 5, 2
 
 def test_bench_serve_tiny_cpu(capsys):
     rc = bench_serve.main(["--device", "cpu", "--preset", "tiny-siglip-llama", "--group-size", "32",
-                           "--new-tokens", str(NEW_TOKENS), "--repeats", str(REPEATS)])
+                           "--new-tokens", str(NEW_TOKENS), "--repeats", str(REPEATS), "--image-size", "80"])
     out = capsys.readouterr().out
     assert rc == 0
     report = json.loads(out.strip().splitlines()[-1])
@@ -30,6 +30,11 @@ def test_bench_serve_tiny_cpu(capsys):
         assert r["first_token_ms"] <= r["ttft_ms"] and 0 < r["followup_ttft_ms"] < r["total_ms"]
         assert r["graph_captures"] == [0] * REPEATS and r["first_use"] == 0  # no CUDA graphs on CPU; warmed up
     http = rows["http"]
+    assert "1 image 80x80 PNG" in report["image"]  # sent larger than the tiny encoder's 64 px: resized both ways
+    # the server's share: more than the chat's own TTFT (it holds parsing, media and the queue too), less than the client's
+    assert http["inner_ttft_ms"] < http["server_ttft_ms"] < http["ttft_ms"]
+    assert 0 < http["server_followup_ttft_ms"] < http["followup_ttft_ms"]
+    assert "server_ttft_ms" not in rows["warm"]
     # turns 2-4 came from the cached chat: only the new question was prefilled, not the resent history
     assert http["prefix_reused"] == (bench_serve.ROUNDS - 1) * REPEATS
     first, *later = http["prefill_tokens"]
