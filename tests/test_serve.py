@@ -538,17 +538,41 @@ def test_http_media_only_with_the_flag(vlm, tmp_path):
     body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": url},
                                                       {"type": "text", "text": "What?"}]}], "max_tokens": 6}
     (want,), _ = answer_in_process(vlm, ["What?"], 6, [("image", DEMO_IMAGE)])
-    on = Server(vlm, policy=MediaPolicy(allow_http=True))
-    small = Server(vlm, policy=MediaPolicy(allow_http=True, max_bytes=100))
+    on = Server(vlm, policy=MediaPolicy(allow_http=True, allow_private_hosts=True))  # the file server is on loopback
+    small = Server(vlm, policy=MediaPolicy(allow_http=True, allow_private_hosts=True, max_bytes=100))
+    public_only = Server(vlm, policy=MediaPolicy(allow_http=True))
     try:
         assert post(on, body, key=None).json()["choices"][0]["message"]["content"] == want
         assert_error(post(small, body, key=None), 413, code="media_too_large")
         missing = json.loads(json.dumps(body).replace("demo.png", "none.png"))
         assert_error(post(on, missing, key=None), 400, code="invalid_url")
+        r = post(public_only, body, key=None)
+        assert_error(r, 400, code="invalid_url")
+        assert "non-public address" in r.json()["error"]["message"]
     finally:
         on.close()
         small.close()
+        public_only.close()
         files.shutdown()
+
+
+def test_http_media_hosts_must_be_public_and_so_must_redirects(monkeypatch):
+    """A fetch (and every redirect it follows) must resolve to global addresses only: no loopback services, LAN hosts
+    or cloud metadata endpoint (169.254.169.254) through the server, unless --allow-private-media-hosts."""
+    media = serve_media
+    answers = {"public.test": "93.184.216.34", "meta.test": "169.254.169.254", "lan.test": "192.168.1.20",
+               "six.test": "::1"}
+    monkeypatch.setattr(media.socket, "getaddrinfo", lambda host, *a, **k: [(0, 0, 0, "", (answers[host], 0))])
+    policy = MediaPolicy(allow_http=True)
+    media._check_host("http://public.test/a.png", "img", policy)
+    for host in ("meta.test", "lan.test", "six.test"):
+        with pytest.raises(RequestError, match="non-public address"):
+            media._check_host(f"https://{host}/a.png", "img", policy)
+        media._check_host(f"https://{host}/a.png", "img", MediaPolicy(allow_http=True, allow_private_hosts=True))
+    redirects = media._CheckedRedirects("img", policy)
+    for target in ("http://meta.test/latest/meta-data/", "file:///etc/passwd"):
+        with pytest.raises(RequestError):
+            redirects.redirect_request(None, None, 302, "Found", {}, target)
 
 
 def test_presampled_frames_over_max_frames_are_sampled_before_decoding(client, vlm):

@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--max-body-mb", type=float, default=100, help="request size limit (413 past it)")
     a("--allowed-local-media-path", type=Path, help="serve file:// media URLs under this folder (default: refused)")
     a("--allow-http-media", action="store_true", help="fetch http(s) media URLs (default: refused; send data: URLs)")
+    a("--allow-private-media-hosts", action="store_true", help="with --allow-http-media, also from loopback, private "
+      "and link-local addresses (default: public hosts only)")
     a("--video-frames", type=int, default=8, help="frames sampled from a video without max_frames (VILA1.5's 8)")
     a("--max-frames", type=int, default=64, help="the most frames a request may ask for")
     a("--no-cuda-graph", action="store_true", help="run eagerly, without CUDA graphs (debugging)")
@@ -71,6 +73,7 @@ def build(args: argparse.Namespace):
                     cache_size=args.cache_size, max_queue=args.max_queue)
     name = args.served_model_name or vlm.folder.name
     policy = MediaPolicy(local_root=args.allowed_local_media_path, allow_http=args.allow_http_media,
+                         allow_private_hosts=args.allow_private_media_hosts,
                          video_frames=args.video_frames, max_frames=args.max_frames)
     defaults = Defaults(model=name, max_tokens=args.max_tokens, temperature=args.temperature, system=args.system)
     app = create_app(engine, model_name=name, api_key=args.api_key, max_body=int(args.max_body_mb * 2**20),

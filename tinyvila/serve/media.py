@@ -15,6 +15,8 @@ from __future__ import annotations
 import binascii
 import functools
 import hashlib
+import ipaddress
+import socket
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -38,6 +40,7 @@ class MediaPolicy:
 
     local_root: Path | None = None      # file:// URLs only under this folder (None: refused)
     allow_http: bool = False            # http(s) URLs fetched by the server
+    allow_private_hosts: bool = False   # ... also from loopback, private, link-local and other non-global addresses
     max_bytes: int = 64 * 2**20         # a file:// or http(s) medium's size limit
     timeout_s: float = 10.0             # http(s) fetch timeout
     video_frames: int = 8               # frames sampled from a video without max_frames (VILA1.5's default)
@@ -191,8 +194,10 @@ def _fetch(url: str, where: str, policy: MediaPolicy) -> tuple[str, bytes]:
     if not policy.allow_http:
         raise RequestError(f"{where}: http(s) media URLs are off on this server (start it with --allow-http-media, "
                            "or send the file as a data: URL)", where, code="invalid_url")
+    opener = urllib.request.build_opener(_CheckedRedirects(where, policy))
     try:
-        with urllib.request.urlopen(url, timeout=policy.timeout_s) as r:
+        _check_host(url, where, policy)
+        with opener.open(url, timeout=policy.timeout_s) as r:
             data = r.read(policy.max_bytes + 1)
             mime = (r.headers.get_content_type() or "").lower()
     except (urllib.error.URLError, OSError, ValueError) as e:
@@ -201,6 +206,42 @@ def _fetch(url: str, where: str, policy: MediaPolicy) -> tuple[str, bytes]:
         raise RequestError(f"{where}: {url[:200]} is over the server's {policy.max_bytes} byte limit for media",
                            where, status=413, code="media_too_large")
     return mime, data
+
+
+def _check_host(url: str, where: str, policy: MediaPolicy) -> None:
+    """RequestError unless every address the URL's host resolves to is a global one (or the policy allows private
+    hosts): a client must not make the server read its own loopback services, the LAN or a cloud metadata endpoint.
+    The fetch resolves the name again, so a DNS server that answers differently the second time (rebinding) is not
+    stopped: with untrusted clients, keep http media off."""
+    if policy.allow_private_hosts:
+        return
+    host = urllib.parse.urlsplit(url).hostname
+    if not host:
+        raise RequestError(f"{where}: {url[:200]} names no host", where, code="invalid_url")
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError as e:
+        raise RequestError(f"{where}: cannot resolve {host} ({e})", where, code="invalid_url") from None
+    for info in infos:
+        addr = ipaddress.ip_address(info[4][0].split("%")[0])
+        if not addr.is_global:
+            raise RequestError(f"{where}: {host} is a non-public address ({addr}); this server fetches media from "
+                               "public hosts only (start it with --allow-private-media-hosts to allow it)", where,
+                               code="invalid_url")
+
+
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to an http(s) URL whose host passes `_check_host`."""
+
+    def __init__(self, where: str, policy: MediaPolicy):
+        super().__init__()
+        self.where, self.policy = where, policy
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urllib.parse.urlsplit(newurl).scheme not in ("http", "https"):
+            raise RequestError(f"{self.where}: redirected to a URL that is not http(s)", self.where, code="invalid_url")
+        _check_host(newurl, self.where, self.policy)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 # -- pixels ---------------------------------------------------------------------------------------------
