@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import gc
 import io
 import json
@@ -88,11 +89,6 @@ class Server:
                 self.close()
                 raise RuntimeError("the server did not start")
             time.sleep(0.01)
-
-    def last_chat_captures(self) -> int | None:
-        """CUDA graphs captured by the chat the last conversation ended on (the LRU's newest; the engine is idle)."""
-        entries = self.engine.cache.entries
-        return next(reversed(entries.values())).chat.decoder.graphs.captures if entries else None
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -260,24 +256,44 @@ def row(path: str, runs: list[list[dict]], captures: list, first_use: int) -> di
 
 
 # -- measuring and reporting --------------------------------------------------------------------------
+@contextlib.contextmanager
+def _count_decoder_captures():
+    """Count every decoder CUDA-graph capture inside the block, in any thread (the server's worker too): yields a
+    one-item list holding the count."""
+    from tinyvila import generate
+
+    count, real = [0], generate.capture
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    generate.capture = counted
+    try:
+        yield count
+    finally:
+        generate.capture = real
+
+
 def measure(args, vlm, server: Server, client: ClientProcess, png: bytes, max_seq_len: int) -> tuple[dict, dict]:
     """Warm each path once, then run them in turn --repeats times. -> (rows by path, answers by path)."""
     sampling = tinyvila.SamplingParams(max_new_tokens=args.new_tokens)
     warm_chat = vlm.chat(max_seq_len=max_seq_len)
     paths = {"warm": lambda: local_conversation(vlm, warm_chat, png, sampling, max_seq_len),
              "new": lambda: local_conversation(vlm, None, png, sampling, max_seq_len),
-             "http": lambda: (client.conversation(), server.last_chat_captures())}
+             "http": lambda: (client.conversation(), None)}
     for run in paths.values():
         run()
     runs, captures, first_use = {p: [] for p in paths}, {p: [] for p in paths}, dict.fromkeys(paths, 0)
-    for _ in range(args.repeats):  # interleaved: a drift of the clocks touches every path alike
-        for p, run in paths.items():
-            gc.collect()  # the previous run's chats go outside the timed span
-            counter = bm.FirstUse().start()
-            turns, n = run()
-            first_use[p] += counter.stop()
-            runs[p].append(turns)
-            captures[p].append(n)
+    with _count_decoder_captures() as captured:
+        for _ in range(args.repeats):  # interleaved: a drift of the clocks touches every path alike
+            for p, run in paths.items():
+                gc.collect()  # the previous run's chats go outside the timed span
+                counter, before = bm.FirstUse().start(), captured[0]
+                turns, _ = run()
+                first_use[p] += counter.stop()
+                runs[p].append(turns)
+                captures[p].append(captured[0] - before)
     rows = {p: row(p, runs[p], captures[p], first_use[p]) for p in paths}
     return rows, {p: [[t["text"] for t in turns] for turns in runs[p]] for p in paths}
 
@@ -305,7 +321,7 @@ def report(args, rows: dict, checks: list[dict], same: bool, info: dict) -> None
                          "first use": r["first_use"]} for p, r in rows.items()])
     print("TTFT: turn 1 (image + question), from the send to the first non-empty text; inner: the chat's own TTFT "
           "(encode + prefill + first token); follow-up: turns 2-4;\nserver: request received -> first token, in the "
-          "server; graph captures: the chat's decoder graphs, the most in one conversation")
+          "server; graph captures: decoder CUDA graphs captured during a conversation, the most of the repeats")
     http = rows["http"]
     for p in ("warm", "new"):
         r = rows[p]
