@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+import tinyvila
 import tinyvila.live
 from tinyvila import LiveSession
 from tinyvila.api import from_config
@@ -122,6 +123,31 @@ def test_the_window_slides_encoding_only_new_frames_and_answers_as_asked(vlm, mo
     with pytest.raises(VideoError, match="closed"):
         live.ask("after close?")
     assert not live.push(frame(0)) and live_threads() == []
+
+
+@pytest.mark.parametrize("keep", [1.0, 0.5])
+def test_a_question_about_an_unmoved_window_prefills_only_the_question(vlm, keep):
+    """reuse (default): a second question with no new frame is asked against the window's cached K/V and answers as
+    a fresh chat asked only it (eval mode); a new frame makes the next question re-prefill the window."""
+    sparsity = tinyvila.Sparsity(decode_keep=keep)
+    with LiveSession(vlm, window=3, sample_fps=None, sparsity=sparsity) as live, \
+            LiveSession(vlm, window=3, sample_fps=None, sparsity=sparsity, reuse=False) as plain:
+        for i in range(3):
+            for s in (live, plain):
+                s.push(frame(i), timestamp=i)
+                assert s.wait(timeout=30)
+        asked = []
+        for q in ("What is this?", "And the colour?", "How many?"):
+            got, want = "".join(live.ask(q, SHORT)), "".join(plain.ask(q, SHORT))
+            assert got == want and torch.equal(live.chat.last_logits, plain.chat.last_logits)
+            asked.append((live.stats.prefill_tokens, plain.stats.prefill_tokens))
+        frames = 3 * vlm.cfg.image_tokens
+        assert asked[0][0] == asked[0][1] > frames
+        assert all(r <= p - frames for r, p in asked[1:])  # the system prompt and the frames came from the cache
+        live.push(frame(7), timestamp=7)
+        assert live.wait(timeout=30)
+        "".join(live.ask("What changed?", SHORT))
+        assert live.stats.prefill_tokens > frames and live.timestamps == [1.0, 2.0, 7.0]
 
 
 def _clip(path, n: int, fps: float) -> str:

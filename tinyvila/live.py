@@ -14,15 +14,18 @@ frames through OpenCV. `ask` (one thread at a time, as a Chat) snapshots the win
 then, while frames keep arriving. The encoder and the answer take turns on the device (a lock per encode and per
 streamed piece): a CUDA graph captured in one thread must not see another thread's kernels or copies.
 
-Asking re-prefills the window from the cached frame embeddings (a sliding window encodes only its new frames).
-Reusing the KV cache of the frames still in the window is the alternative: it needs the frames kept at fixed cache
-positions (a ring of slots, with RoPE positions rotated per frame) and pays off only if the prefill of window x
-tokens-per-frame costs more than that bookkeeping; it has not been measured on a GPU, so the simpler exact form is
-the one built. SparseVILA's keeps apply as in a Chat: prefill_keep when a frame is encoded, decode_keep per question.
+Asking re-prefills the window from the cached frame embeddings (a sliding window encodes only its new frames). A
+question about a window that has not moved since the last one (`reuse`, the default) is asked against the cached
+K/V of the system prompt and frames instead, prefilling only the question: the chat runs in eval mode, whose every
+round equals a fresh session asked only it, so the tokens are those of a re-prefill. Reusing the K/V of the frames
+still in a window that slid is not built: those frames' K/V were computed beside the frames that left, so it would
+not be exact, and it needs the frames moved to fixed cache positions with their keys re-rotated. SparseVILA's keeps
+apply as in a Chat: prefill_keep when a frame is encoded, decode_keep per question.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -37,7 +40,7 @@ import torch
 from PIL import Image
 
 from .api import Answer, Model, Stats
-from .errors import ArgumentError, ImageError, VideoError
+from .errors import ArgumentError, EvalModeError, ImageError, VideoError
 from .generate import SamplingParams
 from .image import resize_uint8
 from .sparsity import keep_count
@@ -49,6 +52,7 @@ class _Frame:
     timestamp: float
     emb: torch.Tensor  # (1, k, d) the frame's LLM-width embedding
     idx: torch.Tensor  # (1, k) its kept tokens' grid index
+    seq: int = 0       # the session's count of encoded frames when this one came: tells windows apart
 
 
 def as_rgb(frame, bgr: bool = False) -> np.ndarray:
@@ -74,7 +78,8 @@ class LiveSession:
     each encoded once, and a Chat that answers about the window. The other arguments are `Model.chat`'s."""
 
     def __init__(self, vlm: Model, *, window: int = 8, sample_fps: float | None = 2.0, system: str | None = None,
-                 sampling: SamplingParams | None = None, sparsity=None, max_seq_len: int | None = None):
+                 sampling: SamplingParams | None = None, sparsity=None, max_seq_len: int | None = None,
+                 reuse: bool = True):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ArgumentError("window", f"window must be a positive number of frames, got {window!r}")
         if sample_fps is not None and not (isinstance(sample_fps, (int, float)) and 0 < sample_fps < math.inf):
@@ -82,7 +87,9 @@ class LiveSession:
         if vlm.model.vision is None:
             raise ArgumentError("vlm", f"{vlm.folder}: this model is text-only and cannot take frames")
         self.vlm = vlm
-        self.chat = vlm.chat(system=system, sampling=sampling, sparsity=sparsity, max_seq_len=max_seq_len)
+        self.reuse, self._prefilled = reuse, None  # eval mode below; the frame seqs the chat's cache holds (ask)
+        self.chat = vlm.chat(system=system, sampling=sampling, sparsity=sparsity, max_seq_len=max_seq_len,
+                             mode="eval" if reuse else "chat")
         need = window * keep_count(vlm.cfg.image_tokens, self.chat.sparsity.prefill_keep)
         if need >= self.chat.decoder.max_len:
             raise ArgumentError("window", f"a window of {window} frames takes {need} tokens, past the chat's context of "
@@ -149,7 +156,7 @@ class LiveSession:
                 pixels = resize_uint8(rgb, cfg)
                 with self._device:
                     emb, idx, _ = self.chat._encode(pixels)
-                frame = _Frame(t, emb, idx)
+                frame = _Frame(t, emb, idx, self.counts["encoded"] + 1)
             except Exception as e:  # noqa: BLE001 - kept for the next ask(); the stream goes on
                 error = e
             with self._cond:
@@ -244,10 +251,17 @@ class LiveSession:
         if not frames:
             raise VideoError("live: no frame has been encoded yet; push() frames or attach() a source first "
                              "(wait_frames() waits for them)")
+        seqs = tuple(f.seq for f in frames)
         with self._device, self.chat._lock:  # one transaction: nothing of another thread's comes between
-            self.chat.clear()
-            self.chat._add_encoded([(f.emb, f.idx, 0.0) for f in frames])
-            answer = self.chat.ask(question, sampling)
+            answer = None
+            if self.reuse and seqs == self._prefilled and self.chat.turns:
+                with contextlib.suppress(EvalModeError):  # the question would change the kept prefix: prefill it all
+                    answer = self.chat.ask(question, sampling)  # the window has not moved: only the question prefills
+            if answer is None:
+                self.chat.clear()
+                self.chat._add_encoded([(f.emb, f.idx, 0.0) for f in frames])
+                self._prefilled = seqs
+                answer = self.chat.ask(question, sampling)
         self.timestamps = [f.timestamp for f in frames]
         return self._stream(answer)
 
