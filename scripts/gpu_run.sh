@@ -3,7 +3,7 @@
 # bench names or BENCH_ARGS are given, the kernel benchmarks, and with E2E=1 the end-to-end benches (below).
 # Run on the device machine from the repo root:
 #   bash scripts/gpu_run.sh [bench names...]
-#   TESTS=0 E2E=1 bash scripts/gpu_run.sh          # the end-to-end benches only (~7 min): a call of their own
+#   TESTS=0 E2E=1 bash scripts/gpu_run.sh          # the end-to-end benches only (~8 min): a call of their own
 # WORKERS pytest-xdist workers (default 8) compile in parallel and share Triton's on-disk cache; the suite is
 # sized to finish inside one ten-minute call. Logs go to $OUT (or ./gpu_out). Exit status: the tests'.
 # The device has no network: wheels the benches need beyond its torch/triton/opencv (the server's: starlette,
@@ -54,6 +54,7 @@ if [ -n "${E2E:-}" ]; then
 110 scripts.bench --frames 256 --rounds 3 --new-tokens 250 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
 90 scripts.bench_serve
 200 scripts.bench_video --clip /tmp/clip720.mp4
+90 scripts.bench_video --mode live --ask-every 0.1 --seconds 10
 CMDS
   rm -f "$out/run.log"
 fi
