@@ -215,13 +215,17 @@ def test_frame_batches_resize_in_threads_to_the_pixels_and_order_of_one_thread(t
     path = write_clip(tmp_path / "clip.avi", 41, size=(96, 72))
     cfg = tinyvila.config.preset("tiny-siglip-llama").vision
     monkeypatch.setattr(video, "RESIZE_THREADS", 3)
-    monkeypatch.setattr(video, "_POOL", [])
-    got = list(video.frame_batches(path, cfg, num_frames=23, batch=8))
+    video._resize_pool.cache_clear()
+    try:
+        got = list(video.frame_batches(path, cfg, num_frames=23, batch=8))
+        assert video._resize_pool()._max_workers == 3
+    finally:
+        video._resize_pool().shutdown()
+        video._resize_pool.cache_clear()  # later callers get the default pool
     ref = read_video(path, num_frames=23)
     assert [len(t) for t, _, _ in got] == [8, 8, 7]
     assert [t for ts, _, _ in got for t in ts] == ref.timestamps
     assert torch.equal(torch.cat([px for _, px, _ in got]), resize_uint8(ref.frames, cfg))
-    assert video._POOL[0]._max_workers == 3
 
 
 @pytest.fixture(scope="module")

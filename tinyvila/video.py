@@ -14,6 +14,7 @@ time. Folders and lists of frames carry no clock: they are taken as FRAMES_FPS f
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -102,14 +103,10 @@ def frame_batches(source, cfg: VisionConfig, num_frames: int = 8, fps: float | N
             t0 = time.perf_counter()
 
 
-_POOL: list[ThreadPoolExecutor] = []
-
-
+@functools.cache
 def _resize_pool() -> ThreadPoolExecutor:
     """The process's frame-resize threads (made on first use; at most RESIZE_THREADS)."""
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(RESIZE_THREADS, thread_name_prefix="tinyvila-resize"))
-    return _POOL[0]
+    return ThreadPoolExecutor(RESIZE_THREADS, thread_name_prefix="tinyvila-resize")
 
 
 def _check_args(num_frames: int, fps: float | None, max_frames: int | None) -> None:
