@@ -24,10 +24,8 @@ import gc
 import io
 import json
 import multiprocessing
-import socket
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -61,12 +59,10 @@ def parse_args(argv):
 
 
 class Server:
-    """The app over an Engine of `vlm`, under uvicorn in a thread on a free 127.0.0.1 port."""
+    """The app over an Engine of `vlm`, served in a thread on a free 127.0.0.1 port."""
 
     def __init__(self, vlm, max_seq_len: int, max_tokens: int):
-        import uvicorn
-
-        from tinyvila.serve.app import create_app
+        from tinyvila.serve.app import BackgroundServer, create_app
         from tinyvila.serve.engine import Engine
         from tinyvila.serve.protocol import Defaults
 
@@ -74,25 +70,15 @@ class Server:
         # KV cache and captured graphs) as a busy server's does once `--cache-size` conversations have run.
         self.engine = Engine(vlm, max_seq_len=max_seq_len, cache_size=1)
         app = create_app(self.engine, model_name="bench", defaults=Defaults(model="bench", max_tokens=max_tokens))
-        # proto IPPROTO_TCP, as `uvicorn.run(host=, port=)` binds: asyncio sets TCP_NODELAY only on such sockets,
-        # and without it Nagle holds each SSE chunk for the client's delayed ACK (~40 ms).
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/chat/completions"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="bench-serve-http",
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                self.close()
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
+        try:
+            self.http = BackgroundServer(app, name="bench-serve-http")
+        except RuntimeError:
+            self.engine.close()
+            raise
+        self.url = self.http.url + "/v1/chat/completions"
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+        self.http.close()
         self.engine.close()
 
 

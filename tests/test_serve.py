@@ -10,7 +10,6 @@ import copy
 import gc
 import io
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,6 @@ import httpx
 import numpy as np
 import openai  # the test extra has the server's test tools: a missing one is a broken set-up, not a skip
 import pytest
-import uvicorn
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,7 +29,7 @@ from tinyvila.api import Chat
 from tinyvila.config import preset
 from tinyvila.serve import app as serve_app
 from tinyvila.serve import media as serve_media
-from tinyvila.serve.app import create_app
+from tinyvila.serve.app import BackgroundServer, create_app
 from tinyvila.serve.engine import Engine, Job, PrefixCache
 from tinyvila.serve.media import MediaPolicy, read_media
 from tinyvila.serve.protocol import Defaults, RequestError, StopMatcher, parse_request
@@ -48,23 +46,14 @@ class Server:
         self.engine = Engine(vlm, cache_size=cache_size, max_queue=max_queue)
         app_kw.setdefault("defaults", Defaults(model="demo", max_tokens=16))
         self.app = create_app(self.engine, model_name="demo", **app_kw)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
+        self.http = BackgroundServer(self.app, timeout_s=20)
+        self.url = self.http.url
 
     def metric(self, name: str, **labels) -> float:
         return self.engine.metrics.get(name, **labels)
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(20)
+        self.http.close(20)
         self.engine.close()
 
 

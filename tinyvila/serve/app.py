@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -212,3 +214,33 @@ async def _stream(job: Job, events: asyncio.Queue, req, cid: str, created: int):
             out.clear()
     finally:
         job.cancelled.set()  # a no-op once the job is done; else the client left and the worker stops
+
+
+class BackgroundServer:
+    """`app` served by uvicorn in a daemon thread named `name` on `host` (port 0: a free one), started and waited for:
+    for embedding the server in a process that has other work, and for tests and benches. `url` is its base URL;
+    `close()` stops it (the engine behind the app is the caller's to close)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, name: str = "tinyvila-http",
+                 timeout_s: float = 60.0):
+        import uvicorn
+
+        # IPPROTO_TCP as uvicorn binds its own sockets: asyncio sets TCP_NODELAY only on such sockets, and without it
+        # Nagle holds each SSE chunk back for the client's delayed ACK (~40 ms).
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.bind((host, port))
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                self.close()
+                raise RuntimeError(f"the HTTP server did not start within {timeout_s:g} s")
+            time.sleep(0.01)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
