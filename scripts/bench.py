@@ -326,6 +326,15 @@ def build(name: str, args, base: VLMConfig, turns: list[Turn], max_seq_len: int,
     return TinyvilaPipeline(name, pipeline_config(base, name, args), args, max_seq_len)
 
 
+def free_device(device) -> None:
+    """Return a freed pipeline's memory, so that the next one's peak is its own. cuBLAS keeps a workspace per stream
+    it ran on (HF's and eager warm-ups) in PyTorch's allocator: it goes too."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+
+
 def measure(name: str, args, base: VLMConfig, turns: list[Turn], max_seq_len: int, tok, template,
             bw_gbs: float) -> dict:
     """Build, warm up, measure one pipeline; free it. Returns its row (tinyvila.benchmark summary +
@@ -345,12 +354,7 @@ def measure(name: str, args, base: VLMConfig, turns: list[Turn], max_seq_len: in
     follow_ups = [t.ttft_ms for t in stats[1:]]  # the median run's rounds 2 and later
     cfg = pipe.cfg if isinstance(pipe, TinyvilaPipeline) else base
     del pipe
-    gc.collect()
-    if torch.device(args.device).type == "cuda":
-        # cuBLAS keeps a workspace per stream it ran on (HF's and eager warm-ups), in PyTorch's allocator: freed
-        # here so that the next pipeline's memory is its own.
-        torch._C._cuda_clearCublasWorkspaces()
-        torch.cuda.empty_cache()
+    free_device(args.device)
     # Decode against its floor: bytes the steps must read over the copy bandwidth, per step time.
     steps = sum(max(t.decode_tokens - 1, 0) for t in stats)
     step_ms = sum(t.decode_ms - t.first_token_ms for t in stats)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
 import json
 import statistics
 import sys
@@ -32,7 +31,6 @@ import traceback
 from pathlib import Path
 
 import numpy as np
-import torch
 
 import tinyvila
 from scripts import bench
@@ -90,14 +88,6 @@ def parse_args(argv):
     except ValueError:
         p.error(f"--clip-size takes WxH, e.g. 1280x720, got {args.clip_size!r}")
     return args
-
-
-def _free(device) -> None:
-    """Return a freed model's and chat's memory, so that the next pipeline's is its own."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch._C._cuda_clearCublasWorkspaces()
-        torch.cuda.empty_cache()
 
 
 # -- the clip ------------------------------------------------------------------------------------------
@@ -209,7 +199,7 @@ def measure_clip(name: str, vlm, cfg, args, path: str, n: int) -> dict:
            "peak_gb": bm.peak_gb(args.device), "first_use": first_use.loads + first_use.tunings,
            "max_seq_len": max_seq_len, "runs": runs}
     del chat
-    _free(args.device)
+    bench.free_device(args.device)
     return row
 
 
@@ -310,9 +300,9 @@ def run_pipeline(name: str, args, base, clip: dict | None, frames: list | None) 
             traceback.print_exc()
             failed.append(f"{name} {mode}" + (f" {n} frames" if n else ""))
             print(f"FAILED: {failed[-1]} (above); going on", file=sys.stderr)
-            _free(args.device)
+            bench.free_device(args.device)
     del vlm
-    _free(args.device)
+    bench.free_device(args.device)
     return clip_rows, live_row, failed
 
 
@@ -374,7 +364,7 @@ def main(argv=None) -> int:
             except Exception:  # e.g. the model does not fit: the other pipelines still run
                 traceback.print_exc()
                 c, live, f = [], None, [f"{name} build"]
-                _free(args.device)
+                bench.free_device(args.device)
             clip_rows += c
             live_rows += [live] if live else []
             failed += f
