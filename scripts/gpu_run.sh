@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # One GPU session's worth of checks: every test marked `gpu` in the whole suite (pytest -m gpu), then, when
-# bench names or BENCH_ARGS are given, the kernel benchmarks, and with E2E=1 the end-to-end benches (below).
+# bench names or BENCH_ARGS are given, the kernel benchmarks, and with E2E=<sets> the end-to-end benches (below).
 # Run on the device machine from the repo root:
 #   bash scripts/gpu_run.sh [bench names...]
-#   TESTS=0 E2E=1 bash scripts/gpu_run.sh          # the end-to-end benches only (~8 min): a call of their own
+#   TESTS=0 E2E=refactor bash scripts/gpu_run.sh   # end-to-end benches only, one set (~8 min): a call of their own
+# E2E names sets of the list below, comma-separated: refactor (the structure change's before/after, video, live,
+# serving), latency (conversational latency: fp16 vs W4 first turns, follow-up questions at 1, 64 and 256 frames;
+# the hf pipeline needs transformers, which the device lacks unless its wheels travel in .whl/).
 # WORKERS pytest-xdist workers (default 8) compile in parallel and share Triton's on-disk cache; the suite is
 # sized to finish inside one ten-minute call. Logs go to $OUT (or ./gpu_out). Exit status: the tests'.
 # The device has no network: wheels the benches need beyond its torch/triton/opencv (the server's: starlette,
 # uvicorn, httpx and their dependencies) travel in .whl/ (git-ignored; pass it in the call's carry):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl starlette uvicorn h11 click anyio \
 #     sniffio httpx httpcore certifi idna
+# and, for the latency set's hf pipeline only, transformers and everything it imports in .whl/hf/ (~32 MB: the
+# closure of `transformers` in the project's venv, as cp312 manylinux / py3 wheels, same versions; installed only
+# when E2E names latency, so the GPU tests run without it as before).
 set -u
 out=${OUT:-gpu_out}; mkdir -p "$out"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+wheels=$(ls .whl/*.whl 2>/dev/null)
+case ",${E2E:-}," in *,latency,*) wheels="$wheels $(ls .whl/hf/*.whl 2>/dev/null)" ;; esac
+if [ -n "${wheels// /}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $wheels \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
@@ -40,21 +48,26 @@ if [ $# -gt 0 ] || [ -n "${BENCH_ARGS:-}" ]; then
 fi
 if [ -n "${E2E:-}" ]; then
   echo "== end-to-end benches (JSON lines: $out/e2e.jsonl) =="
-  while read -r limit cmd; do
+  while read -r set limit cmd; do
     [ -z "$cmd" ] && continue
+    case ",$E2E," in *",$set,"*) ;; *) continue ;; esac
     echo "-- python3 -m $cmd"
     timeout "$limit" python3 -m $cmd >"$out/run.log" 2>&1 || echo "   exit $? (log kept: $out/failed.log)"
     grep -v '^{' "$out/run.log" | tail -14
     grep '^{' "$out/run.log" >>"$out/e2e.jsonl" || cp "$out/run.log" "$out/failed.log"
   done <<'CMDS'
-60 scripts.first_chat_decode --chats 2 --repeats 3
-70 scripts.first_chat_decode --chats 2 --repeats 3 --context 40000
-60 scripts.bench --decode-context 1024 --new-tokens 256 --pipelines quant --repeats 3
-60 scripts.bench --images 1 --rounds 4 --new-tokens 50 --pipelines quant,sparse --repeats 3
-110 scripts.bench --frames 256 --rounds 3 --new-tokens 250 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
-90 scripts.bench_serve
-200 scripts.bench_video --clip /tmp/clip720.mp4
-90 scripts.bench_video --mode live --ask-every 0.1 --seconds 10
+refactor 60 scripts.first_chat_decode --chats 2 --repeats 3
+refactor 70 scripts.first_chat_decode --chats 2 --repeats 3 --context 40000
+refactor 60 scripts.bench --decode-context 1024 --new-tokens 256 --pipelines quant --repeats 3
+refactor 60 scripts.bench --images 1 --rounds 4 --new-tokens 50 --pipelines quant,sparse --repeats 3
+refactor 110 scripts.bench --frames 256 --rounds 3 --new-tokens 250 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
+refactor 90 scripts.bench_serve
+refactor 200 scripts.bench_video --clip /tmp/clip720.mp4
+refactor 90 scripts.bench_video --mode live --ask-every 0.1 --seconds 10
+latency 120 scripts.bench --images 1 --rounds 4 --new-tokens 50 --repeats 3
+latency 90 scripts.bench --frames 64 --rounds 4 --new-tokens 100 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
+latency 110 scripts.bench --frames 256 --rounds 4 --new-tokens 100 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
+latency 150 scripts.bench_kernels --only w4a16
 CMDS
   rm -f "$out/run.log"
 fi

@@ -17,7 +17,7 @@ from tinyvila import ops
 from tinyvila.api import from_config
 from tinyvila.config import QuantConfig, SparsityConfig, TextConfig, preset
 from tinyvila.errors import ContextLimitError
-from tinyvila.generate import PREFILL_GRAPH_MAX, Decoder, SamplingParams, generate, prefill_bucket
+from tinyvila.generate import FOLLOWUP_GRAPH_MAX, PREFILL_GRAPH_MAX, Decoder, SamplingParams, generate, prefill_bucket
 
 
 def tiny(dtype="float64", device="cpu", text: TextConfig | None = None, **quant):
@@ -47,7 +47,8 @@ def padded(text, **kw):
 
 
 def prefill_keys(dec):
-    """The keys of `dec`'s captured prefill graphs past their "prefill" tag: (bucket, *Retrieval.graph_key())."""
+    """The keys of `dec`'s captured prefill graphs past their "prefill" tag: (bucket, later turn,
+    *Retrieval.graph_key())."""
     return [k[1:] for k in dec.graphs.entries if k[0] == "prefill"]
 
 
@@ -75,7 +76,7 @@ def test_padded_prefill_equals_the_unpadded_one(n, explicit, dtype, tol):
     assert (pad.length, pad.position) == (ref.length, ref.position) == (n, int(pos[-1]) + 1 if explicit else n)
     for x, y in zip(ref.cache.k + ref.cache.v, pad.cache.k + pad.cache.v):
         torch.testing.assert_close(y[:, :, :n], x[:, :, :n], rtol=tol, atol=tol)
-    # Decoding and a second turn (eager) continue as after the unpadded prefill: slots past the
+    # Decoding and a second (padded) turn continue as after the unpadded prefill: slots past the
     # length, where the padding rows' K/V went, are overwritten before anything reads them.
     for t in (5, 9):
         torch.testing.assert_close(pad.step(t), ref.step(t), rtol=tol, atol=tol)
@@ -96,7 +97,7 @@ def test_padding_rows_do_not_change_real_rows():
         with torch.inference_mode():
             if fill is not None:
                 dec._pf.h[:, n:Tp].normal_(0, fill, generator=torch.Generator().manual_seed(0))
-            logits = dec._padded_forward(Tp)[0, -1]
+            logits = dec._padded_forward(Tp, False)[0, -1]
         outs.append((logits, [k[:, :, :n].clone() for k in dec.cache.k + dec.cache.v], dec._pf.h[:, n:Tp].abs().sum()))
     (l0, kv0, s0), (l1, kv1, s1) = outs
     assert s0 == 0 and s1 > 0
@@ -162,10 +163,10 @@ def test_padding_rows_add_nothing_to_the_scores():
     want = sc.scores.clone()
     with torch.inference_mode():
         dec._pf.h[:, n:Tp].normal_(0, 1e3, generator=torch.Generator().manual_seed(0))
-        dec._padded_forward(Tp)
+        dec._padded_forward(Tp, False)
         garbage = sc.scores.clone()
         dec._pf.last.fill_(Tp - 1)
-        dec._padded_forward(Tp)
+        dec._padded_forward(Tp, False)
     assert torch.equal(garbage, want)
     assert not torch.allclose(sc.scores, want, rtol=1e-3, atol=0)  # the padding rows carry mass when counted
 
@@ -186,12 +187,20 @@ def test_fallbacks_run_eagerly():
         assert (dec.fastv.begin(q_from, 0.5) if fastv else dec.retrieval.begin_scoring(q_from)) == 18
         dec.prefill(h[:, :T])
         assert dec._pf is None
-    # Later turns are eager.
-    dec = padded(text)
-    dec.prefill(h[:, :10])
-    dec._pf = None
-    dec.prefill(h[:, 10:])
-    assert dec._pf is None
+    # Later turns are padded too, except one that brings retrievable rows of its own (scored from a later
+    # row than its first), one past FOLLOWUP_GRAPH_MAX padded rows, and one whose padding would pass the cache.
+    long = embeds(vlm, 10 + FOLLOWUP_GRAPH_MAX + 1)
+    for kw, later, scored, padded_too in (({}, h[:, 10:], False, True), ({}, h[:, 10:], True, False),
+                                          ({}, long[:, 10:], False, False), ({"max_seq_len": 40}, h[:, 10:], False, False)):
+        dec, ref = padded(text, **kw), Decoder(text, **kw)
+        for d in (dec, ref):
+            d.prefill(long[:, :10])
+            if scored:  # rows 10..19 of this turn are visual, its question starts at 20
+                d.cache.add_span("visual", 10, 20)
+                assert d.retrieval.begin_scoring(20) == 10
+        dec._pf = None
+        torch.testing.assert_close(dec.prefill(later), ref.prefill(later), rtol=1e-10, atol=1e-10)
+        assert (dec._pf is not None) == padded_too
 
 
 def test_padded_prefill_validates_before_touching_state():
@@ -258,23 +267,23 @@ def baked_graphs(dec, monkeypatch):
         return real(q, k, idx, lse, out=out, **kw)
 
     class Graph:
-        def __init__(self, Tp):
-            self.Tp, self.idx, self.capturing = Tp, [], True
+        def __init__(self, Tp, later):
+            self.Tp, self.later, self.idx, self.capturing = Tp, later, [], True
             active.append(self)
-            self.out = dec._padded_forward(Tp)
+            self.out = dec._padded_forward(Tp, later)
             active.pop()
             self.capturing = False
 
         def replay(self):
             self.calls = 0
             active.append(self)
-            self.out.copy_(dec._padded_forward(self.Tp))
+            self.out.copy_(dec._padded_forward(self.Tp, self.later))
             active.pop()
             assert self.calls == len(self.idx)
 
-    def capture(Tp):
+    def capture(Tp, later):
         captures.append(Tp)
-        graph = Graph(Tp)
+        graph = Graph(Tp, later)
         return graph, graph.out
 
     monkeypatch.setattr(ops, "retrieval_salience", salience)
@@ -306,8 +315,79 @@ def test_a_graph_scored_over_one_span_is_not_replayed_for_another(monkeypatch):
         assert graph.retrieval.pack(0.25, n) == eager.retrieval.pack(0.25, n)
         assert torch.equal(graph.retrieval.packed.idx, eager.retrieval.packed.idx)
     assert captures == [32, 32, 32]  # B, B3 and A; the later cases replay them
-    assert sorted(prefill_keys(graph)) == [(32, 22, 18, -1), (32, 22, 18, 3), (32, 22, 18, 4)]
+    assert sorted(prefill_keys(graph)) == [(32, False, 22, 18, -1), (32, False, 22, 18, 3), (32, False, 22, 18, 4)]
     assert graph.graphs.captures == 3
+
+
+# -- later turns: rows at device slots (RowsIndex) ---------------------------------------------------
+def later_turns(dec, vlm, turns, scored=False):
+    """A first turn of 30 rows (visual slots 4..24 when `scored`), then `turns` ((T, seed, explicit) each),
+    every one scored and packed when `scored` -> per later turn (logits, its K/V, scores or None, length,
+    position[, the packed slots])."""
+    dec.truncate(0)
+    if scored:
+        dec.cache.add_span("visual", 4, 24)
+    dec.prefill(embeds(vlm, 30, seed=9).to(dec.cache.device, dec.cache.dtype))
+    out = []
+    for T, seed, explicit in turns:
+        start = dec.length
+        if scored:
+            assert dec.retrieval.begin_scoring(start) == 20
+        pos = gapped(T).to(dec.cache.device) + dec.position if explicit else None
+        logits = dec.prefill(embeds(vlm, T, seed).to(dec.cache.device, dec.cache.dtype), pos)
+        sc = dec.retrieval.scoring
+        out.append((logits, [x[:, :, start:start + T].clone() for x in dec.cache.k + dec.cache.v],
+                    None if sc is None else sc.scores.clone(), dec.length, dec.position))
+        if scored:
+            dec.retrieval.pack(0.3, dec.length)
+            out[-1] += (dec.retrieval.packed.idx.clone(),)
+            dec.retrieval.unpack()
+    return out
+
+
+@pytest.mark.parametrize("scored", [False, True])
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 2e-5)])
+def test_padded_later_turns_equal_the_unpadded_ones(scored, dtype, tol):
+    """Several later turns in a row (one bucket at three cache lengths, another bucket, gapped positions):
+    logits, K/V, scores (every row a question row) and selection after each, as eager."""
+    vlm = tiny(dtype)
+    text = vlm.model.text
+    turns = [(9, 1, False), (12, 2, True), (14, 3, False), (40, 4, False)]
+    want, got = later_turns(Decoder(text), vlm, turns, scored), later_turns(pad := padded(text), vlm, turns, scored)
+    assert pad._pf is not None and int(pad._pf.start) > 30  # the later-turn form really ran
+    for a, b in zip(want, got):
+        assert a[3:5] == b[3:5]
+        for x, y in zip(a[:3] + a[5:], b[:3] + b[5:]):
+            if isinstance(x, list):
+                for u, v in zip(x, y):
+                    torch.testing.assert_close(v, u, rtol=tol, atol=tol)
+            elif x is not None:
+                torch.testing.assert_close(y, x, rtol=tol, atol=tol) if x.is_floating_point() else torch.equal(y, x)
+    if scored:
+        assert all(a[2].min() > 0 for a in want)
+
+
+def test_one_later_turn_form_serves_every_cache_length():
+    """The later-turn forward reads the cache length from the device (`start`) only: with the host's length
+    (and the question's first slot, which a capture at that length saw) set to others, it gives the same
+    logits, K/V and scores bit for bit (what lets one graph replay at every length), and garbage padding rows
+    change nothing of the real rows."""
+    vlm = tiny()
+    dec = padded(vlm.model.text)
+    dec.cache.add_span("visual", 4, 24)
+    dec.prefill(embeds(vlm, 30, seed=9))
+    dec.prefill(embeds(vlm, 7, seed=3))  # length 37
+    assert dec.retrieval.begin_scoring(37) == 20
+    logits = dec.prefill(embeds(vlm, 11, seed=4))  # rows 37..47, padded to 16
+    sc, Tp = dec.retrieval.scoring, prefill_bucket(11)
+    want = (logits, dec.cache.k_stack[:, :, :, :48].clone(), sc.scores.clone())
+    with torch.inference_mode():
+        for host_length, fill in ((5, None), (1000, 1e3)):
+            if fill is not None:
+                dec._pf.h[:, 11:Tp].normal_(0, fill, generator=torch.Generator().manual_seed(0))
+            dec.length, sc.q_from, sc.pad = host_length, host_length, None
+            got = (dec._padded_forward(Tp, True)[0, -1], dec.cache.k_stack[:, :, :, :48], sc.scores)
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), host_length
 
 
 # -- CUDA graphs -----------------------------------------------------------------------------------
@@ -320,7 +400,7 @@ QUANTS = [{}, {"llm": "w4a16", "group_size": 128}]
 def count_captures(dec):
     calls = []
     capture = dec._capture_prefill
-    dec._capture_prefill = lambda Tp: calls.append(Tp) or capture(Tp)
+    dec._capture_prefill = lambda Tp, later: calls.append(Tp) or capture(Tp, later)
     return calls
 
 
@@ -345,7 +425,7 @@ def test_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
             assert torch.equal(y[:, :, :n], x[:, :, :n])
         # The graph's K/V serve the decode step (graph step vs eager step: test_decode_graph's tolerance).
         torch.testing.assert_close(graph.step(7), eager.step(7), rtol=1e-3, atol=1e-3)
-    assert captures == [32, 320] and sorted(prefill_keys(graph)) == [(32, 0, 0, -1), (320, 0, 0, -1)]
+    assert captures == [32, 320] and sorted(prefill_keys(graph)) == [(32, False, 0, 0, -1), (320, False, 0, 0, -1)]
 
 
 @pytest.mark.gpu
@@ -409,8 +489,8 @@ def test_scored_graph_prefill_equals_the_padded_forward_bit_for_bit(quant):
         assert torch.equal(graph.retrieval.packed.idx, eager.retrieval.packed.idx)
         torch.testing.assert_close(graph.step(7), eager.step(7), rtol=1e-3, atol=1e-3)
     assert captures == [32, 32, 32, 320, 32]
-    assert sorted(prefill_keys(graph)) == [(32, 0, 0, -1), (32, 22, 18, -1), (32, 22, 18, 3), (32, 22, 18, 4),
-                                             (320, 250, 245, 5)]
+    assert sorted(prefill_keys(graph)) == [(32, False, 0, 0, -1), (32, False, 22, 18, -1), (32, False, 22, 18, 3),
+                                             (32, False, 22, 18, 4), (320, False, 250, 245, 5)]
 
 
 @pytest.mark.gpu
@@ -436,7 +516,7 @@ def test_scored_graph_over_a_range_equals_the_slot_tensor_graph(quant):
             dec.retrieval.pack(0.25, n)
             out.append((logits, scores, dec.retrieval.packed.idx.clone(), dec.step(7)))
         # a range graph per run (B, B3, C, D); the slot tensor's graphs serve B and B3 alike
-        assert sorted(k[3] for k in prefill_keys(dec)) == ([-1] * 3 if tensor else [3, 4, 5, 5])
+        assert sorted(k[4] for k in prefill_keys(dec)) == ([-1] * 3 if tensor else [3, 4, 5, 5])
         runs.append(out)
     for i, (a, b) in enumerate(zip(*runs)):
         assert a[1].sum() > 0 and all(torch.equal(x, y) for x, y in zip(a, b)), i
@@ -465,6 +545,51 @@ def test_scored_graph_prefill_is_as_accurate_as_the_eager_one(quant):
         assert prefill_keys(graph) and eager._pf is None
 
 
+LATER_TURNS = [(9, 1, False), (12, 2, True), (14, 3, False), (40, 4, False)]  # buckets 16, 16, 16, 48
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scored", [False, True])
+@pytest.mark.parametrize("quant", QUANTS)
+def test_later_turn_graphs_equal_the_padded_forward_bit_for_bit(quant, scored):
+    """Later turns replayed from graphs, one bucket at three cache lengths and another bucket, against the
+    same padded forward run eagerly (the same varlen attention call): logits, K/V, scores and selection bit
+    for bit, one capture per bucket, then the decode step over the graph-written cache."""
+    vlm = tiny("float16", "cuda", text=SMALL_8B, **quant)
+    text = vlm.model.text
+    graph, eager = Decoder(text), padded(text, cuda_graph=False)
+    captures = count_captures(graph)
+    want, got = later_turns(eager, vlm, LATER_TURNS, scored), later_turns(graph, vlm, LATER_TURNS, scored)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert a[3:5] == b[3:5]
+        assert torch.equal(b[0], a[0]) and all(torch.equal(y, x) for x, y in zip(a[1], b[1])), i
+        assert (a[2] is None and b[2] is None) or (torch.equal(b[2], a[2]) and a[2].sum() > 0), i
+        assert len(a) == 5 or torch.equal(b[5], a[5]), i
+    assert captures == [32, 16, 48]
+    later = sorted(k for k in prefill_keys(graph) if k[1])
+    assert later == ([(16, True, 0, 20, 4), (48, True, 0, 20, 4)] if scored else [(16, True, 0, 0, -1), (48, True, 0, 0, -1)])
+    torch.testing.assert_close(graph.step(7), eager.step(7), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scored", [False, True])
+@pytest.mark.parametrize("quant", QUANTS)
+def test_later_turn_graphs_are_as_accurate_as_the_eager_ones(quant, scored):
+    """Against a float64 CPU reference the later turns' logits (and scores) from graphs err at most twice as
+    much as the unpadded eager prefill's, plus 1e-3 (of the largest score)."""
+    vlm = tiny("float16", "cuda", text=SMALL_8B, **quant)
+    text = vlm.model.text
+    ref = later_turns(Decoder(copy.deepcopy(text).to("cpu", torch.float64)), vlm, LATER_TURNS, scored)
+    runs = [later_turns(d, vlm, LATER_TURNS, scored) for d in (Decoder(text, cuda_graph=False), Decoder(text))]
+    for i, want in enumerate(ref):
+        errs = [((r[i][0].cpu().double() - want[0]).abs().max().item(),
+                 0.0 if want[2] is None else (r[i][2].cpu().double() - want[2]).abs().max().item()) for r in runs]
+        (eager_l, eager_s), (graph_l, graph_s) = errs
+        assert graph_l <= 2 * eager_l + 1e-3, (i, graph_l, eager_l)
+        if want[2] is not None:
+            assert graph_s <= 2 * eager_s + 1e-3 * want[2].abs().max().item(), (i, graph_s, eager_s)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", [{}, {"llm": "w4a16", "group_size": 32}])
 def test_a_sparse_chat_answers_as_with_the_eager_scored_prefill(quant):
@@ -484,12 +609,13 @@ def test_a_sparse_chat_answers_as_with_the_eager_scored_prefill(quant):
                                          generator=torch.Generator().manual_seed(conv)).numpy())
             "".join(chat.ask(f"what is in image {conv}?"))
             out.append((list(chat.turns[-1][2]), chat.last_logits, chat.decoder.retrieval._storage.idx.clone()))
-            "".join(chat.ask("and then?"))  # a later turn: eager, scored as before
+            "".join(chat.ask("and then?"))  # a later turn: its own graph, scored inside it (padded eagerly)
             out.append((list(chat.turns[-1][2]), None, chat.decoder.retrieval._storage.idx.clone()))
         runs.append(out)
         assert chat.stats.decode_rows > 0
-    (key,) = prefill_keys(chat.decoder)
-    assert key[2] > 0 and key[3] >= 0  # one graph, scored, one image's run: a range
+    (first,), later = ([k for k in prefill_keys(chat.decoder) if k[1] == f] for f in (False, True))
+    assert first[2] > 0 and first[3] >= 0  # one first-turn graph, scored, one image's run: a range
+    assert later and all(k[2] == 0 and k[3] == first[3] for k in later)  # every row a question row
     for (ta, la, ia), (tb, lb, ib) in zip(*runs):
         assert tb == ta and torch.equal(ib, ia)
         assert la is None or torch.equal(lb, la)

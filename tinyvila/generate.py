@@ -20,13 +20,14 @@ import torch
 from . import ops
 from .cuda_graph import GraphLRU, capture
 from .errors import ArgumentError, ContextLimitError
-from .kv_cache import KVCache, StepIndex
+from .kv_cache import KVCache, RowsIndex, StepIndex
 from .retrieval import PACKED_ROOM, FastV, Retrieval
 from .text import rope_table
 
 PREFILL_CHUNK = 4096  # prompt tokens per prefill pass: bounds activation memory for long videos
 MAX_BATCH = 64        # greedy tokens per host synchronisation, at most
 PREFILL_GRAPH_MAX = 2048  # longest padded first-turn prefill replayed from a CUDA graph (longer: eager)
+FOLLOWUP_GRAPH_MAX = 256  # longest padded later-turn prefill replayed from one (a question, an answer resent)
 MAX_GRAPHS = 16           # decode-step and prefill graphs a decoder keeps (least recently used dropped first)
 _PRIME_REPLAYS = 8  # replays of the dropped first step graph of a process (Decoder._capture)
 _STEP_CAPTURED: set[torch.device] = set()  # devices this process has captured a PDL decode step on (Decoder._capture)
@@ -103,8 +104,9 @@ class _PrefillInputs(NamedTuple):
 
     h: torch.Tensor      # (1, n, d) input embeddings, zero past the real rows
     pos: torch.Tensor    # (n,) int64 RoPE positions
-    slots: torch.Tensor  # (n,) int64 0..n-1: the cache slots (constant)
+    slots: torch.Tensor  # (n,) int64 0..n-1: the cache slots of a first turn, the rows of a later one (constant)
     last: torch.Tensor   # (1,) int64 the last real row, whose logits the graph returns
+    start: torch.Tensor  # (1,) int64 the slot of row 0 (a later turn's: the cache length)
 
 
 class Decoder:
@@ -139,9 +141,17 @@ class Decoder:
     `Retrieval.graph_key()`: first question row, retrievable count, span start). Its padding rows score
     nothing (their LSE is +inf, from the device index `last`) and the scores / retrievable slots live in
     buffers the graph keeps (`Retrieval.use_buffers`); `pack` then runs eagerly after it.
-    Other prefills (later turns, FastV, scoring whose question rows are not all in this prefill, a
-    packed buffer, more than PREFILL_GRAPH_MAX or `prefill_chunk` padded rows, or past the cache)
-    run eagerly. `pad_prefill` (tests) runs the padded forward eagerly where no graph is used.
+
+    A later turn (a follow-up question, with the last answer's final token and the template around it) is
+    as host-bound, so it replays a graph too, padded the same way, up to FOLLOWUP_GRAPH_MAX rows: its rows
+    sit at slots `start`.. where start (the cache length) is a device value (`RowsIndex`), their attention
+    reads the cache up to start + row through a varlen call that takes that count from the device
+    (ops.attention_rows), so one graph per bucket serves every length of the conversation. Its padding rows
+    write K/V past the real ones, where the next tokens overwrite them. SparseVILA scores such a turn inside
+    the graph when every row is a question row (no new retrievable tokens in it).
+    Other prefills (FastV, a first turn whose question rows are not all in this prefill, a later turn that
+    brings retrievable tokens, a packed buffer, more padded rows than the limits or `prefill_chunk`, or past
+    the cache) run eagerly. `pad_prefill` (tests) runs the padded forward eagerly where no graph is used.
     """
 
     def __init__(self, text_model, max_seq_len: int | None = None, cuda_graph: bool | None = None,
@@ -190,7 +200,8 @@ class Decoder:
         positions (T,) long, increasing: their RoPE positions (default: the next T logical ones);
         later tokens continue after the last of them. Runs in chunks of `prefill_chunk` tokens, so a
         long (video) prompt needs activation memory for one chunk, not for all of it. A first turn
-        (empty cache) replays a CUDA graph at a padded length instead (see the class docstring)."""
+        (empty cache), and a short later one, replay a CUDA graph at a padded length instead (see the
+        class docstring)."""
         with self.device_lock:
             return self._prefill(h, positions)
 
@@ -227,56 +238,64 @@ class Decoder:
     # -- first-turn prefill at a padded length (CUDA graph) -------------------------------------
     def _prefill_bucket(self, T: int) -> int | None:
         """The padded length of a graph (or `pad_prefill`) prefill of T tokens, None for eager."""
-        if not (self.cuda_graph or self.pad_prefill) or self.length != 0:
+        if not (self.cuda_graph or self.pad_prefill):
             return None
         if self.fastv.key_mask is not None or self.fastv.deciding or self.retrieval.packed is not None:
             return None  # FastV decides and masks on the host, mid-pass; a packed buffer refuses prefills
-        sc = self.retrieval.scoring
-        if sc is not None and sc.q_from >= T:
-            return None  # question rows outside this pass are scored eagerly
+        sc, start = self.retrieval.scoring, self.length
+        if start == 0:
+            if sc is not None and sc.q_from >= T:
+                return None  # question rows outside this pass are scored eagerly
+            limit = min(PREFILL_GRAPH_MAX, self.prefill_chunk, self.max_len)
+        else:
+            if sc is not None and sc.q_from != start:
+                return None  # a later turn with retrievable rows of its own (a new image) is scored eagerly
+            limit = min(FOLLOWUP_GRAPH_MAX, self.prefill_chunk, self.max_len - start)
         Tp = prefill_bucket(T)
-        return Tp if Tp <= min(PREFILL_GRAPH_MAX, self.prefill_chunk, self.max_len) else None
+        return Tp if Tp <= limit else None
 
     def _prefill_padded(self, h: torch.Tensor, positions: torch.Tensor | None, Tp: int) -> torch.Tensor:
-        """Rows h (1, T, d) at slots 0..T-1 run as Tp rows: copied into the static inputs, zero padding
+        """Rows h (1, T, d) at slots length.. run as Tp rows: copied into the static inputs, zero padding
         after them, positions continuing +1 past the last; the last real row's logits (V,).
         A graph replay when `cuda_graph`, else the same padded forward eagerly."""
-        T = h.shape[1]
-        self.model._check_inputs(h, self.cache, 0, positions)  # all the eager path validates, for T rows
+        T, start = h.shape[1], self.length
+        self.model._check_inputs(h, self.cache, start, positions)  # all the eager path validates, for T rows
         if h.shape[2] != self.model.cfg.dim:
             raise ValueError(f"hidden states of width {h.shape[2]}, the model's is {self.model.cfg.dim}")
         pf = self._prefill_inputs()
         pf.h[:, :T].copy_(h)
         pf.h[:, T:Tp].zero_()  # zero rows: RMSNorm maps them to zero, never to NaN
         if positions is None:
-            pf.pos[:Tp].copy_(pf.slots[:Tp])
+            torch.add(pf.slots[:Tp], start, out=pf.pos[:Tp])
         else:
             pf.pos[:T].copy_(positions)
             pf.pos[T:Tp].copy_(pf.slots[:Tp - T] + (positions[-1:].to(pf.pos.device) + 1))
         pf.last.fill_(T - 1)
+        pf.start.fill_(start)
         if self.cuda_graph:
             logits = self._replay_prefill(Tp)
         else:
             if self.retrieval.scoring is not None:  # as a graph would, into other buffers than begin_scoring's
                 self.retrieval.use_buffers(*self._scoring_buffers())
-            logits = self._padded_forward(Tp)[0, -1]
+            logits = self._padded_forward(Tp, start > 0)[0, -1]
         self.retrieval.end_padded()
         return logits
 
     def _replay_prefill(self, Tp: int) -> torch.Tensor:
         """The padded prefill (static inputs filled) replayed from its graph, captured on first use;
         with scoring on, the graph's scoring buffers take the question's slots first."""
-        # What the graph bakes in of the scoring (a span's first slot is its key view's offset) is in the key.
-        made = []
+        # What the graph bakes in: a first turn's host slots or a later turn's device ones (RowsIndex), and of the
+        # scoring its first question row and span (the kernel's key view starts at the span's first slot).
+        made, start = [], self.length
 
         def make():
             bufs = self._scoring_buffers()
             if bufs is not None:
                 self.retrieval.use_buffers(*bufs)
             made.append(True)
-            return (*self._capture_prefill(Tp), bufs)
+            return (*self._capture_prefill(Tp, start > 0), bufs)
 
-        graph, logits, bufs = self.graphs.get(("prefill", Tp, *self.retrieval.graph_key()), make)
+        graph, logits, bufs = self.graphs.get(("prefill", Tp, start > 0, *self.retrieval.graph_key(start)), make)
         if bufs is not None and not made:
             self.retrieval.use_buffers(*bufs)
         graph.replay()
@@ -299,26 +318,33 @@ class Decoder:
             slots = torch.arange(n, device=w.device)
             self._pf = _PrefillInputs(torch.zeros(1, n, w.shape[1], dtype=w.dtype, device=w.device),
                                       torch.zeros(n, dtype=torch.long, device=w.device), slots,
-                                      torch.zeros(1, dtype=torch.long, device=w.device))
+                                      *(torch.zeros(1, dtype=torch.long, device=w.device) for _ in range(2)))
         return self._pf
 
-    def _padded_forward(self, Tp: int) -> torch.Tensor:
+    def _padded_forward(self, Tp: int, later: bool) -> torch.Tensor:
         """The forward a prefill graph captures, from the static inputs: logits (1, 1, V) of row `last`
-        (and, with scoring on, the retrieval scores of the real question rows). Device ops only; the
-        cache's slot tensor is the static `slots` (its address is baked in)."""
+        (and, with scoring on, the retrieval scores of the real question rows). Device ops only. A first turn
+        writes at the static `slots` (its address is baked in), a later one at slots `start` + `slots` made
+        inside the pass (a RowsIndex, the `later` form), so one graph serves every cache length."""
         pf = self._pf
-        self.cache.use_slots(0, pf.slots[:Tp])
-        self.retrieval.pad_rows(pf.slots[:Tp], pf.last)  # scoring on: rows past `last` score nothing
-        return self.model(pf.h[:, :Tp], self.cache, 0, positions=pf.pos[:Tp], rows=pf.last,
+        if not later:
+            self.cache.use_slots(0, pf.slots[:Tp])
+            at = 0
+        else:
+            two = pf.slots[:2]  # [0, 1]: the varlen offsets [0, Tp] and [0, max_len] without a host copy
+            at = RowsIndex(pf.start, pf.slots[:Tp] + pf.start, (pf.start + Tp).int(), (two * Tp).int(),
+                           (two * self.max_len).int())
+        self.retrieval.pad_rows(pf.slots[:Tp], pf.last, later)  # scoring on: rows past `last` score nothing
+        return self.model(pf.h[:, :Tp], self.cache, at, positions=pf.pos[:Tp], rows=pf.last,
                           retrieval=self.retrieval, fastv=self.fastv)
 
-    def _capture_prefill(self, Tp: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # The eager warm-up writes K/V at slots 0..Tp-1 of the empty cache, which the replay then rewrites
+    def _capture_prefill(self, Tp: int, later: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # The eager warm-up writes K/V at the Tp slots from the cache's end, which the replay then rewrites
         # with the same values (and scores, which the replay zeroes before scoring again). The graph shares
         # the decode graphs' pool: replays are serial on one stream and every graph's state that outlives
         # a replay (inputs, cache, step index, scoring buffers) lives outside the pool; outputs are cloned
         # (prefill) or consumed (decode) before another graph runs.
-        return self._capture_graph(lambda: self._padded_forward(Tp))
+        return self._capture_graph(lambda: self._padded_forward(Tp, later))
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:

@@ -5,8 +5,8 @@ and V (`k_stack`, `v_stack`; one tensor so a SparseVILA question's packing is on
 rotated at their logical position (text.Attention writes them), so packing never re-rotates. The session
 records `Span`s (system, visual, text, question, answer) with a retrievable flag (visual by default), which
 SparseVILA's retrieval (retrieval.py) reads. `StepIndex` holds where a decode step writes and reads, as
-device tensors a captured CUDA graph advances itself. Which attention runs over the cache is the model's
-business (text.Attention), not the cache's.
+device tensors a captured CUDA graph advances itself; `RowsIndex` the same for the rows of a follow-up prefill.
+Which attention runs over the cache is the model's business (text.Attention), not the cache's.
 """
 
 from __future__ import annotations
@@ -67,6 +67,21 @@ class StepIndex:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.index, self.lengths
+
+
+@dataclass
+class RowsIndex:
+    """Where the rows of a padded follow-up prefill write and read, as device tensors, so a captured CUDA graph
+    of it replays at any cache length (generate.Decoder's follow-up graphs). `start` (1,) int64 is the slot of
+    row 0; `slots` (T,) int64 = start + 0..T-1, where the rows' K/V go; `keys` (1,) int32 = start + T, the keys
+    the last row sees (row t sees slots 0..start + t); `cu_rows` = [0, T] and `cu_keys` = [0, max_seq_len], (2,)
+    int32, the rows' and the cache's offsets as a varlen attention call takes them (ops.attention_rows)."""
+
+    start: torch.Tensor
+    slots: torch.Tensor
+    keys: torch.Tensor
+    cu_rows: torch.Tensor
+    cu_keys: torch.Tensor
 
 
 class KVCache:

@@ -374,6 +374,30 @@ def _attention_lse_flash(q, k, v, q_start):
     return o, lse
 
 
+def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows, *,
+                   lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal GQA attention of T rows at the slots of `rows` (kv_cache.RowsIndex: the start is a device value)
+    over a whole cache layer k, v (1, Hkv, S, D), row t seeing slots 0..start + t -> o (1, H, T, D) and, with
+    `lse`, each row's log-sum-exp (1, H, T) fp32 (else None). What a follow-up prefill's CUDA graph captures:
+    no host value of the start is baked in.
+
+    On CUDA fp16/bf16: one call of PyTorch's varlen flash kernel given the used key count start + T on the device
+    (`seqused_k`); its causal mask aligns bottom-right to that count, so row t sees keys <= start + t, and it reads
+    only those keys. Elsewhere: the start is read back (a host sync: this path is never captured) and the rows go
+    through `attention` / `attention_lse` over exactly those keys, as the eager prefill of the same rows does."""
+    T = q.shape[2]
+    if _flash_ok(q) and q.shape[0] == 1:
+        out = torch.ops.aten._flash_attention_forward(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), rows.cu_rows, rows.cu_keys, T,
+            k.shape[2], 0.0, True, False, seqused_k=rows.keys)  # (T, H, D) views, strided as they lie
+        return out[0].transpose(0, 1)[None], out[1][None] if lse else None  # lse (H, T): unpadded varlen layout
+    n = int(rows.keys[0])
+    k, v = k[:, :, :n], v[:, :, :n]
+    if lse:
+        return attention_lse(q, k, v, n - T)
+    return attention(q, k, v, causal=True, q_start=n - T), None
+
+
 def retrieval_salience(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor | range, lse: torch.Tensor,
                        out: torch.Tensor | None = None, *, opts: Options = DEFAULT) -> torch.Tensor:
     """Attention mass each retrievable cached slot idx (N,) (or a range of consecutive slots) receives from the question rows q

@@ -176,13 +176,13 @@ class Retrieval:
         self.scoring = Scoring.of(self.cache, q_from)
         return 0 if self.scoring is None else self.scoring.idx.numel()
 
-    def graph_key(self) -> tuple[int, int, int]:
-        """What a padded first-turn prefill graph bakes in of the scoring: (q_from, N, first slot of the span
-        or -1 when scored through the slot tensor); (0, 0, -1) without scoring."""
+    def graph_key(self, start: int = 0) -> tuple[int, int, int]:
+        """What a padded prefill graph at slot `start` bakes in of the scoring: (first question row q_from -
+        start, N, first slot of the span or -1 when scored through the slot tensor); (0, 0, -1) without."""
         sc = self.scoring
         if sc is None:
             return 0, 0, -1
-        return sc.q_from, sc.idx.numel(), -1 if sc.span is None else sc.span.start
+        return sc.q_from - start, sc.idx.numel(), -1 if sc.span is None else sc.span.start
 
     def use_buffers(self, idx: torch.Tensor, scores: torch.Tensor) -> None:
         """Score the current question into buffers the caller keeps, idx (N,) int32 (filled here with the
@@ -194,14 +194,16 @@ class Retrieval:
             idx.copy_(sc.idx)
         sc.idx, sc.scores = idx, scores
 
-    def pad_rows(self, slots: torch.Tensor, last: torch.Tensor) -> None:
-        """The prefill about to run (slots (Tp,) = 0..Tp-1, from an empty cache) is padded past row `last`
-        ((1,) int64 on the device: it may change from replay to replay): its rows after `last` score nothing,
-        and the scores restart from zero. Device ops only, so a CUDA graph captures it."""
+    def pad_rows(self, rows: torch.Tensor, last: torch.Tensor, later: bool = False) -> None:
+        """The prefill about to run (rows (Tp,) = 0..Tp-1) is padded past row `last` ((1,) int64 on the device:
+        it may change from replay to replay): its rows after `last` score nothing, and the scores restart from
+        zero. A first turn's question starts at row q_from; a `later` turn's at row 0 (Decoder only pads those
+        whose rows are all question rows), so nothing here depends on the cache length. Device ops only, so a
+        CUDA graph captures it."""
         sc = self.scoring
         if sc is not None:
             sc.scores.zero_()
-            sc.pad = slots[sc.q_from:] > last  # (Tp - q_from,)
+            sc.pad = rows[0 if later else sc.q_from:] > last  # (Tp - first question row,)
 
     def end_padded(self) -> None:
         """After a padded prefill whose question rows were all real: every layer has scored them (a graph

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from tinyvila import decode_step, ops
 from tinyvila.config import TextConfig
-from tinyvila.kv_cache import KVCache, StepIndex
+from tinyvila.kv_cache import KVCache, RowsIndex, StepIndex
 from tinyvila.options import DEFAULT, Options
 from tinyvila.retrieval import FastV, Retrieval
 
@@ -71,11 +71,12 @@ def rope_table(cfg: TextConfig, n: int, dtype: torch.dtype, device: torch.device
 @dataclass
 class Pass:
     """Where one forward pass reads and writes: the conversation's cache, the slot of its first row (or a
-    decode step's StepIndex: slot, packed row and RoPE position as device tensors), and the sparsity state
-    that changes which attention runs (SparseVILA's retrieval, FastV's key mask), both optional."""
+    decode step's StepIndex: slot, packed row and RoPE position as device tensors; or a follow-up prefill's
+    RowsIndex: its rows' slots as device tensors), and the sparsity state that changes which attention runs
+    (SparseVILA's retrieval, FastV's key mask), both optional."""
 
     cache: KVCache
-    start: int | StepIndex
+    start: int | StepIndex | RowsIndex
     retrieval: Retrieval | None = None
     fastv: FastV | None = None
 
@@ -147,6 +148,8 @@ class Attention(nn.Module):
         if p.packed() is not None:
             raise RuntimeError("a packed decode buffer is active: decode steps go through a StepIndex; "
                                "unpack() before a prefill")
+        if isinstance(p.start, RowsIndex):  # bounds checked by the caller (Decoder), on the host
+            return cache.k[i], cache.v[i], p.start.slots, None
         cache.check(p.start, T)
         return cache.k[i], cache.v[i], cache.slots(p.start, T), None
 
@@ -167,6 +170,12 @@ class Attention(nn.Module):
     def _attend_rows(self, q: torch.Tensor, p: Pass) -> torch.Tensor:
         """Rows at slots p.start.. over the cache up to the last of them -> (B, H, T, D)."""
         start, i = p.start, self.layer
+        if isinstance(start, RowsIndex):  # a follow-up prefill's graph: no FastV, every row a question row
+            sc = None if p.retrieval is None else p.retrieval.scoring
+            o, lse = ops.attention_rows(q, p.cache.k[i], p.cache.v[i], start, lse=sc is not None)
+            if sc is not None:
+                sc.add(i, sc.q_from, q, p.cache.k[i], lse, opts=self.options)
+            return o
         k, v = p.cache.view(i, start + q.shape[2])
         keep = None if p.fastv is None else p.fastv.mask_for(i, k.shape[2])
         if keep is not None:
@@ -252,7 +261,9 @@ class TextModel(nn.Module):
         selects that row by device index, which a replay can change and a host slice could not.
         A `StepIndex` as `start` runs one decode token (T = 1) at the slot, position and packed row
         held in its device tensors: no host values, so the step can be captured in a CUDA graph; its cos
-        and sin are the row `pos` of its RoPE table when it has one (`StepIndex.rope`).
+        and sin are the row `pos` of its RoPE table when it has one (`StepIndex.rope`). A `RowsIndex` runs
+        T rows at the device slots it holds (a follow-up prefill's graph), with `positions` given and
+        bounds checked by the caller.
         `retrieval` / `fastv`: the conversation's sparsity state (see Attention).
         """
         p = Pass(cache, start, retrieval, fastv)
@@ -278,6 +289,9 @@ class TextModel(nn.Module):
         table = None
         if p.step:  # its lengths are this step's (Decoder._begin, ops.argmax_step)
             positions, table = p.start.pos, p.start.rope
+        elif isinstance(p.start, RowsIndex):
+            if positions is None:
+                raise ValueError("rows at device slots (a RowsIndex) need their positions")
         else:
             self._check_inputs(h, p.cache, p.start, positions)
             if positions is None:
