@@ -9,6 +9,7 @@ through the loader's slicing); and rank 0 leading rank 1 through sampled answers
 
 import dataclasses
 import os
+import signal
 import sys
 
 import numpy as np
@@ -185,3 +186,19 @@ def test_cli_tp2_spawns_its_ranks_and_answers_as_tp1():
     one, two = (subprocess.run(cmd + ["--tp", n], capture_output=True, text=True, timeout=120) for n in ("1", "2"))
     assert one.returncode == two.returncode == 0, two.stderr
     assert two.stdout == one.stdout and len(one.stdout.split()) > 3
+
+
+def _rank1_dies(rank: int, world: int, args) -> int:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+def test_a_rank_that_dies_fails_the_launch():
+    """`--tp N`'s launcher: rank 0 answered, rank 1 was killed by a signal: the launch fails (128 + 9), not 0."""
+    saved = dict(os.environ)
+    try:
+        assert tp.launch(2, _rank1_dies, None) == 128 + signal.SIGKILL
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -187,8 +188,11 @@ def free_port() -> int:
 def _child(target, rank: int, world: int, args) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank; rank 0 alone decides what it stops
     code = target(rank, world, args)
-    if code:
-        raise SystemExit(code)
+    # Done: leave without the interpreter's teardown, where a C++ thread of torch's still joinable at finalisation
+    # once aborted a finished rank ("terminate called without an active exception"). A raise above exits 1.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 def launch(world: int, target, args) -> int:
@@ -207,7 +211,10 @@ def launch(world: int, target, args) -> int:
             p.join(timeout=wait)
             if p.is_alive():
                 p.terminate()
-    return code or max((p.exitcode or 0 for p in procs), default=0)
+                p.join(timeout=5)
+    # A rank that failed fails the launch; one killed by signal N exits as a shell reports it, 128 + N.
+    failed = [1 if c is None else 128 - c if c < 0 else c for c in (p.exitcode for p in procs)]
+    return code or next((c for c in failed if c), 0)
 
 
 def load(name_or_path, rank: Rank, *, device, dtype=None, options=None, verify=None):
