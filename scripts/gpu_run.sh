@@ -5,8 +5,9 @@
 #   bash scripts/gpu_run.sh [bench names...]
 #   TESTS=0 E2E=refactor bash scripts/gpu_run.sh   # end-to-end benches only, one set (~8 min): a call of their own
 # E2E names sets of the list below, comma-separated: refactor (the structure change's before/after, video, live,
-# serving), latency (conversational latency: fp16 vs W4 first turns, follow-up questions at 1, 64 and 256 frames;
-# the hf pipeline needs transformers, which the device lacks unless its wheels travel in .whl/).
+# serving), latency (conversational latency: fp16 vs W4 first turns, follow-up questions at 1, 64 and 256 frames,
+# a live window's question dense in fp16 and W4; the hf pipeline needs transformers, which the device lacks unless
+# its wheels travel in .whl/), kernels (the W4 GEMV / GEMM rows against cuBLAS).
 # WORKERS pytest-xdist workers (default 8) compile in parallel and share Triton's on-disk cache; the suite is
 # sized to finish inside one ten-minute call. Logs go to $OUT (or ./gpu_out). Exit status: the tests'.
 # The device has no network: wheels the benches need beyond its torch/triton/opencv (the server's: starlette,
@@ -67,7 +68,8 @@ refactor 90 scripts.bench_video --mode live --ask-every 0.1 --seconds 10
 latency 120 scripts.bench --images 1 --rounds 4 --new-tokens 50 --repeats 3
 latency 90 scripts.bench --frames 64 --rounds 4 --new-tokens 100 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
 latency 110 scripts.bench --frames 256 --rounds 4 --new-tokens 100 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
-latency 150 scripts.bench_kernels --only w4a16
+latency 90 scripts.bench_video --mode live --pipelines fp16,quant --seconds 10
+kernels 150 scripts.bench_kernels --only w4a16
 CMDS
   rm -f "$out/run.log"
 fi
