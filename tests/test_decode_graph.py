@@ -202,7 +202,7 @@ def graph_vs_eager(vlm, sparsity, rounds=2, n_new=24, room=None, max_seq_len=Non
         chat.decoder.cuda_graph = graph
         if room is not None:
             chat.decoder.retrieval.room = room
-        chat.decoder.pad_prefill = True  # the eager side runs the first prefill as the graph does
+        chat.decoder.pad_prefill = True  # the eager side runs the prefills (first and later turns) as the graphs do
         chat.add_image(torch.randint(0, 256, (64, 64, 3), dtype=torch.uint8,
                                      generator=torch.Generator().manual_seed(0)).numpy())
         toks = []
