@@ -187,17 +187,21 @@ def test_fallbacks_run_eagerly():
         assert (dec.fastv.begin(q_from, 0.5) if fastv else dec.retrieval.begin_scoring(q_from)) == 18
         dec.prefill(h[:, :T])
         assert dec._pf is None
-    # Later turns are padded too, except one that brings retrievable rows of its own (scored from a later
-    # row than its first), one past FOLLOWUP_GRAPH_MAX padded rows, and one whose padding would pass the cache.
+    # Later turns are padded too from the second of their graph key on (the first of each runs eagerly), except
+    # one that brings retrievable rows of its own (scored from a later row than its first), one past
+    # FOLLOWUP_GRAPH_MAX padded rows, and one whose padding would pass the cache.
     long = embeds(vlm, 10 + FOLLOWUP_GRAPH_MAX + 1)
-    for kw, later, scored, padded_too in (({}, h[:, 10:], False, True), ({}, h[:, 10:], True, False),
-                                          ({}, long[:, 10:], False, False), ({"max_seq_len": 40}, h[:, 10:], False, False)):
+    cases = [({}, h[:, 10:], False, True, True), ({}, h[:, 10:], False, False, False), ({}, h[:, 10:], True, True, False),
+             ({}, long[:, 10:], False, True, False), ({"max_seq_len": 40}, h[:, 10:], False, True, False)]
+    for kw, later, scored, seen, padded_too in cases:
         dec, ref = padded(text, **kw), Decoder(text, **kw)
         for d in (dec, ref):
             d.prefill(long[:, :10])
             if scored:  # rows 10..19 of this turn are visual, its question starts at 20
                 d.cache.add_span("visual", 10, 20)
                 assert d.retrieval.begin_scoring(20) == 10
+        if seen:  # as after a first turn of this key
+            dec._later_seen.add(dec._graph_key(prefill_bucket(later.shape[1])))
         dec._pf = None
         torch.testing.assert_close(dec.prefill(later), ref.prefill(later), rtol=1e-10, atol=1e-10)
         assert (dec._pf is not None) == padded_too
@@ -348,12 +352,13 @@ def later_turns(dec, vlm, turns, scored=False):
 @pytest.mark.parametrize("scored", [False, True])
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 2e-5)])
 def test_padded_later_turns_equal_the_unpadded_ones(scored, dtype, tol):
-    """Several later turns in a row (one bucket at three cache lengths, another bucket, gapped positions):
-    logits, K/V, scores (every row a question row) and selection after each, as eager."""
+    """Several later turns in a row (one bucket at three cache lengths, another at two, gapped positions):
+    logits, K/V, scores (every row a question row) and selection after each, as eager. The first turn of each
+    bucket runs eagerly (a capture waits for a bucket's second turn), the others padded."""
     vlm = tiny(dtype)
     text = vlm.model.text
-    turns = [(9, 1, False), (12, 2, True), (14, 3, False), (40, 4, False)]
-    want, got = later_turns(Decoder(text), vlm, turns, scored), later_turns(pad := padded(text), vlm, turns, scored)
+    want, got = later_turns(Decoder(text), vlm, LATER_TURNS, scored), later_turns(pad := padded(text), vlm, LATER_TURNS,
+                                                                                  scored)
     assert pad._pf is not None and int(pad._pf.start) > 30  # the later-turn form really ran
     for a, b in zip(want, got):
         assert a[3:5] == b[3:5]
@@ -376,7 +381,8 @@ def test_one_later_turn_form_serves_every_cache_length():
     dec = padded(vlm.model.text)
     dec.cache.add_span("visual", 4, 24)
     dec.prefill(embeds(vlm, 30, seed=9))
-    dec.prefill(embeds(vlm, 7, seed=3))  # length 37
+    assert dec.retrieval.begin_scoring(30) == 20
+    dec.prefill(embeds(vlm, 7, seed=3))  # length 37: the graph key's first turn, eager
     assert dec.retrieval.begin_scoring(37) == 20
     logits = dec.prefill(embeds(vlm, 11, seed=4))  # rows 37..47, padded to 16
     sc, Tp = dec.retrieval.scoring, prefill_bucket(11)
@@ -545,7 +551,8 @@ def test_scored_graph_prefill_is_as_accurate_as_the_eager_one(quant):
         assert prefill_keys(graph) and eager._pf is None
 
 
-LATER_TURNS = [(9, 1, False), (12, 2, True), (14, 3, False), (40, 4, False)]  # buckets 16, 16, 16, 48
+# Buckets 16, 16, 16, 48, 48: the first turn of each runs eagerly on both sides, the others replay / pad.
+LATER_TURNS = [(9, 1, False), (12, 2, True), (14, 3, False), (40, 4, False), (44, 5, False)]
 
 
 @pytest.mark.gpu

@@ -148,7 +148,8 @@ class Decoder:
     reads the cache up to start + row through a varlen call that takes that count from the device
     (ops.attention_rows), so one graph per bucket serves every length of the conversation. Its padding rows
     write K/V past the real ones, where the next tokens overwrite them. SparseVILA scores such a turn inside
-    the graph when every row is a question row (no new retrievable tokens in it).
+    the graph when every row is a question row (no new retrievable tokens in it). A decoder's first later
+    turn of each graph key runs eagerly and the capture waits for the second (`_later_graph_due`).
     Other prefills (FastV, a first turn whose question rows are not all in this prefill, a later turn that
     brings retrievable tokens, a packed buffer, more padded rows than the limits or `prefill_chunk`, or past
     the cache) run eagerly. `pad_prefill` (tests) runs the padded forward eagerly where no graph is used.
@@ -180,6 +181,7 @@ class Decoder:
         self.graphs = GraphLRU(MAX_GRAPHS)
         self.pad_prefill = False
         self._pf: _PrefillInputs | None = None  # the prefill graphs' static inputs (made on first use)
+        self._later_seen: set[tuple] = set()  # later-turn graph keys met once (`_later_graph_due`)
 
     @property
     def max_len(self) -> int:
@@ -252,7 +254,18 @@ class Decoder:
                 return None  # a later turn with retrievable rows of its own (a new image) is scored eagerly
             limit = min(FOLLOWUP_GRAPH_MAX, self.prefill_chunk, self.max_len - start)
         Tp = prefill_bucket(T)
-        return Tp if Tp <= limit else None
+        return None if Tp > limit or (start and not self._later_graph_due(self._graph_key(Tp))) else Tp
+
+    def _graph_key(self, Tp: int) -> tuple:
+        """The key of the padded prefill graph of Tp rows at the cache's end (see `_replay_prefill`)."""
+        return ("prefill", Tp, self.length > 0, *self.retrieval.graph_key(self.length))
+
+    def _later_graph_due(self, key: tuple) -> bool:
+        """Whether a later turn of graph key `key` pads and replays: from the decoder's second such turn on. A
+        capture costs a few eager turns and a conversation may never repeat a bucket (`pad_prefill` alike)."""
+        seen = key in self.graphs.entries or key in self._later_seen
+        self._later_seen.add(key)
+        return seen
 
     def _prefill_padded(self, h: torch.Tensor, positions: torch.Tensor | None, Tp: int) -> torch.Tensor:
         """Rows h (1, T, d) at slots length.. run as Tp rows: copied into the static inputs, zero padding
@@ -295,7 +308,7 @@ class Decoder:
             made.append(True)
             return (*self._capture_prefill(Tp, start > 0), bufs)
 
-        graph, logits, bufs = self.graphs.get(("prefill", Tp, start > 0, *self.retrieval.graph_key(start)), make)
+        graph, logits, bufs = self.graphs.get(self._graph_key(Tp), make)
         if bufs is not None and not made:
             self.retrieval.use_buffers(*bufs)
         graph.replay()

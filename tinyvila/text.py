@@ -262,8 +262,7 @@ class TextModel(nn.Module):
         A `StepIndex` as `start` runs one decode token (T = 1) at the slot, position and packed row
         held in its device tensors: no host values, so the step can be captured in a CUDA graph; its cos
         and sin are the row `pos` of its RoPE table when it has one (`StepIndex.rope`). A `RowsIndex` runs
-        T rows at the device slots it holds (a follow-up prefill's graph), with `positions` given and
-        bounds checked by the caller.
+        T rows at its device slots (a later turn's graph; `positions` given, bounds checked by the caller).
         `retrieval` / `fastv`: the conversation's sparsity state (see Attention).
         """
         p = Pass(cache, start, retrieval, fastv)
