@@ -3,11 +3,14 @@
 # bench names or BENCH_ARGS are given, the kernel benchmarks, and with E2E=<sets> the end-to-end benches (below).
 # Run on the device machine from the repo root:
 #   bash scripts/gpu_run.sh [bench names...]
-#   TESTS=0 E2E=refactor bash scripts/gpu_run.sh   # end-to-end benches only, one set (~8 min): a call of their own
-# E2E names sets of the list below, comma-separated: refactor (the structure change's before/after, video, live,
-# serving), latency (conversational latency: fp16 vs W4 first turns, follow-up questions at 1, 64 and 256 frames,
+#   TESTS=0 E2E=refactor,decode bash scripts/gpu_run.sh   # end-to-end benches only
+# E2E names sets of the list below, comma-separated: decode (a process's first chat against its later ones, at 1K and
+# 40K), refactor (the structure change's three end-to-end benches), serve, video (a 720p clip), live (a live window
+# asked every 0.1 s), latency (conversational latency: fp16 vs W4 first turns, follow-up questions at 1, 64 and 256 frames,
 # a live window's question dense in fp16 and W4; the hf pipeline needs transformers, which the device lacks unless
 # its wheels travel in .whl/), kernels (the W4 GEMV / GEMM rows against cuBLAS).
+# ORDER="B A A B" runs each chosen bench in the tree at $BEFORE (an older commit, e.g. `git archive f86bed5 | tar -x
+# -C .gpu/before`, carried) and in this one, in that order; JSON lines gain "tree": "A" or "B".
 # WORKERS pytest-xdist workers (default 8) compile in parallel and share Triton's on-disk cache; the suite is
 # sized to finish inside one ten-minute call. Logs go to $OUT (or ./gpu_out). Exit status: the tests'.
 # The device has no network: wheels the benches need beyond its torch/triton/opencv (the server's: starlette,
@@ -52,19 +55,26 @@ if [ -n "${E2E:-}" ]; then
   while read -r set limit cmd; do
     [ -z "$cmd" ] && continue
     case ",$E2E," in *",$set,"*) ;; *) continue ;; esac
-    echo "-- python3 -m $cmd"
-    timeout "$limit" python3 -m $cmd >"$out/run.log" 2>&1 || echo "   exit $? (log kept: $out/failed.log)"
-    grep -v '^{' "$out/run.log" | tail -14
-    grep '^{' "$out/run.log" >>"$out/e2e.jsonl" || cp "$out/run.log" "$out/failed.log"
+    for tree in ${ORDER:-A}; do  # A: this tree; B: the tree in $BEFORE, run the old way (PYTHONPATH=. python PATH)
+      echo "-- [$tree] python3 -m $cmd"
+      if [ "$tree" = B ]; then
+        (cd "$BEFORE" && PYTHONPATH=.:/tmp/site timeout "$limit" python3 "$(echo "${cmd%% *}" | tr . /).py" ${cmd#* }) \
+          >"$out/run.log" 2>&1 || echo "   exit $? (log kept: $out/failed.log)"
+      else
+        timeout "$limit" python3 -m $cmd >"$out/run.log" 2>&1 || echo "   exit $? (log kept: $out/failed.log)"
+      fi
+      grep -v '^{' "$out/run.log" | tail -14
+      grep '^{' "$out/run.log" | sed "s/^{/{\"tree\": \"$tree\", /" >>"$out/e2e.jsonl" || cp "$out/run.log" "$out/failed.log"
+    done
   done <<'CMDS'
-refactor 60 scripts.first_chat_decode --chats 2 --repeats 3
-refactor 70 scripts.first_chat_decode --chats 2 --repeats 3 --context 40000
+decode 60 scripts.first_chat_decode --chats 2 --repeats 3
+decode 70 scripts.first_chat_decode --chats 2 --repeats 3 --context 40000
 refactor 60 scripts.bench --decode-context 1024 --new-tokens 256 --pipelines quant --repeats 3
 refactor 60 scripts.bench --images 1 --rounds 4 --new-tokens 50 --pipelines quant,sparse --repeats 3
 refactor 110 scripts.bench --frames 256 --rounds 3 --new-tokens 250 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
-refactor 90 scripts.bench_serve
-refactor 200 scripts.bench_video --clip /tmp/clip720.mp4
-refactor 90 scripts.bench_video --mode live --ask-every 0.1 --seconds 10
+serve 90 scripts.bench_serve
+video 200 scripts.bench_video --clip /tmp/clip720.mp4
+live 90 scripts.bench_video --mode live --ask-every 0.1 --seconds 10
 latency 120 scripts.bench --images 1 --rounds 4 --new-tokens 50 --repeats 3
 latency 90 scripts.bench --frames 64 --rounds 4 --new-tokens 100 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
 latency 110 scripts.bench --frames 256 --rounds 4 --new-tokens 100 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
