@@ -3,7 +3,7 @@
 # bench names or BENCH_ARGS are given, the kernel benchmarks, and with E2E=<sets> the end-to-end benches (below).
 # Run on the device machine from the repo root:
 #   bash scripts/gpu_run.sh [bench names...]
-#   TESTS=0 E2E=refactor,decode bash scripts/gpu_run.sh   # end-to-end benches only
+#   TESTS=0 E2E=refactor,decode bash scripts/gpu_run.sh   # end-to-end benches only (a line may sit in several sets)
 # E2E names sets of the list below, comma-separated: decode (a process's first chat against its later ones, at 1K and
 # 40K), refactor (the structure change's three end-to-end benches), serve, video (a 720p clip), live (a live window
 # asked every 0.1 s), latency (conversational latency: fp16 vs W4 first turns, follow-up questions at 1, 64 and 256 frames,
@@ -54,7 +54,8 @@ if [ -n "${E2E:-}" ]; then
   echo "== end-to-end benches (JSON lines: $out/e2e.jsonl) =="
   while read -r set limit cmd; do
     [ -z "$cmd" ] && continue
-    case ",$E2E," in *",$set,"*) ;; *) continue ;; esac
+    hit=0; for one in ${set//,/ }; do case ",$E2E," in *",$one,"*) hit=1 ;; esac; done  # a line may be in several sets
+    [ $hit = 1 ] || continue
     for tree in ${ORDER:-A}; do  # A: this tree; B: the tree in $BEFORE, run the old way (PYTHONPATH=. python PATH)
       echo "-- [$tree] python3 -m $cmd"
       if [ "$tree" = B ]; then
@@ -68,10 +69,10 @@ if [ -n "${E2E:-}" ]; then
     done
   done <<'CMDS'
 decode 60 scripts.first_chat_decode --chats 2 --repeats 3
-decode 70 scripts.first_chat_decode --chats 2 --repeats 3 --context 40000
+decode,decode40k 70 scripts.first_chat_decode --chats 2 --repeats 3 --context 40000
 refactor 60 scripts.bench --decode-context 1024 --new-tokens 256 --pipelines quant --repeats 3
 refactor 60 scripts.bench --images 1 --rounds 4 --new-tokens 50 --pipelines quant,sparse --repeats 3
-refactor 110 scripts.bench --frames 256 --rounds 3 --new-tokens 250 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
+refactor,refactor256 110 scripts.bench --frames 256 --rounds 3 --new-tokens 250 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
 serve 90 scripts.bench_serve
 video 200 scripts.bench_video --clip /tmp/clip720.mp4
 live 90 scripts.bench_video --mode live --ask-every 0.1 --seconds 10
