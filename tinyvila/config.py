@@ -265,17 +265,11 @@ class SparsityConfig:
     decode_window: int = 8
 
     def __post_init__(self):
-        _validate(self)
+        _validate(self, prefill_method=("sparsevila", "random", "visionzip"),
+                  prefill_positions=("contiguous", "original"))
         for name in ("prefill_keep", "decode_keep"):
-            v = getattr(self, name)
-            if not 0.0 < v <= 1.0:
-                raise ValueError(f"{name} must be in (0, 1], got {v}")
-        if self.prefill_method not in ("sparsevila", "random", "visionzip"):
-            raise ValueError(f"prefill_method must be sparsevila, random or visionzip, got {self.prefill_method!r}")
-        if self.prefill_positions not in ("contiguous", "original"):
-            raise ValueError(f"prefill_positions must be contiguous or original, got {self.prefill_positions!r}")
-        if self.decode_window < 0:
-            raise ValueError(f"decode_window must be >= 0, got {self.decode_window}")
+            _require(0.0 < getattr(self, name) <= 1.0, f"{name} must be in (0, 1], got {getattr(self, name)}")
+        _require(self.decode_window >= 0, f"decode_window must be >= 0, got {self.decode_window}")
 
 
 @dataclass(frozen=True)
