@@ -1,15 +1,17 @@
 """CPU decode speed: the W4A16 LLM against the same model in fp16, at SmolLM2-135M's shapes (the real model the
 project runs offline on CPU: 30 layers, width 576, 9 / 3 heads, FFN 1536, vocab 49152, tied embeddings).
 
-    python -m scripts.bench_cpu                          # dense, W4 (group 64), W4 + Options.w4_cpu_cache; fp16
-    python -m scripts.bench_cpu --new-tokens 64 --repeats 5 --threads 2
+    python -m scripts.bench_cpu                          # dense, W4 (group 64) in its three CPU forms; fp16
+    python -m scripts.bench_cpu --new-tokens 64 --repeats 5 --threads 2 --pipelines dense,w4
 
-Without the cache every W4 linear dequantizes all its weights for every token (the reference path of
-ops.w4a16_linear); with it (`--options w4_cpu_cache=1` in the CLI) each keeps its weights dequantized after the
-first call, at 4 bytes a weight. Synthetic weights (speed does not depend on the values), greedy, stop tokens
-ignored, a ~50-token text prompt; each pipeline answers once unmeasured, then --repeats times (median decode tok/s).
-Prints a table, then one JSON line (versions, commit). A speed bench, not a test: CPU timings move with the
-machine's load, so run it on a quiet machine and record the numbers in docs/benchmarks.md.
+w4 is the default: decode rows through PyTorch's packed-int4 CPU matmul (Options.w4_cpu_int4, bf16 operands),
+prefill through the reference path of ops.w4a16_linear, which dequantizes all the weights for every call; w4+ref
+runs every call that way (w4_cpu_int4=0); w4+cache (`--options w4_cpu_cache=1` in the CLI) keeps each linear's
+weights dequantized after the first call, at 4 bytes a weight. Synthetic weights (speed does not depend on the
+values), greedy, stop tokens ignored, a ~50-token text prompt; each pipeline answers once unmeasured, then
+--repeats times (median decode tok/s). Prints a table, then one JSON line (versions, commit). A speed bench, not a
+test: CPU timings move with the machine's load, so run it on a quiet machine and record the numbers in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ SMOLLM2_135M = TextConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_k
 PIPELINES = {  # name -> (quant, options)
     "dense": ("none", tinyvila.Options()),
     "w4": ("w4a16", tinyvila.Options()),
+    "w4+ref": ("w4a16", tinyvila.Options(w4_cpu_int4=False)),
     "w4+cache": ("w4a16", tinyvila.Options(w4_cpu_cache=True)),
 }
 

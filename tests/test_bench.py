@@ -124,9 +124,9 @@ def test_cpu_bench_runs_each_pipeline_and_reports_json(capsys):
     they are the bench's job on a quiet machine, docs/benchmarks.md)."""
     from scripts import bench_cpu
 
-    assert bench_cpu.main(["--layers", "1", "--new-tokens", "3", "--repeats", "1", "--dtype", "float32"]) == 0
+    assert bench_cpu.main(["--layers", "1", "--new-tokens", "3", "--repeats", "1"]) == 0  # fp16: w4 takes the int4 form
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [r["pipeline"] for r in out["rows"]] == ["dense", "w4", "w4+cache"]
+    assert [r["pipeline"] for r in out["rows"]] == ["dense", "w4", "w4+ref", "w4+cache"]
     assert all(r["decode_tok_s"] > 0 and len(r["runs_tok_s"]) == 1 for r in out["rows"])
 
 

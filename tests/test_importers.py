@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import tinyvila
 from tinyvila import quant
 from tinyvila.convert import awq_formats
 from tinyvila.convert import gguf as convert_gguf
@@ -343,11 +344,13 @@ def test_bf16_config_changes_no_weight(tmp_path, fmt):
 
 
 def test_bf16_config_runs_the_source_weights(tmp_path):
-    """The imported checkpoint's W4 linear computes with exactly the source's fp16 weights (CPU path)."""
+    """The imported checkpoint's W4 linear computes with exactly the source's fp16 weights (the CPU reference path;
+    Options.w4_cpu_int4's bf16 scales are tested in test_quant)."""
     from tinyvila.loader import load_model
 
     src, source = _v2_folder(tmp_path, 64, torch_dtype="bfloat16")
     model = load_model(awq_formats.import_awq_v2(src, tmp_path / "out", group_size=64))
+    model.set_options(tinyvila.Options(w4_cpu_int4=False))
     x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(3)).half()
     w = source["model.layers.1.self_attn.o_proj"]
     with torch.no_grad():

@@ -14,7 +14,7 @@ from torch import nn
 
 import tinyvila
 from scripts.quantize import main as quantize_main
-from tinyvila import ops
+from tinyvila import ops, quant
 from tinyvila.config import QuantConfig, preset
 from tinyvila.errors import CheckpointError
 from tinyvila.generate import Decoder, SamplingParams
@@ -132,6 +132,58 @@ def test_w4_cpu_cache_is_the_dense_linear_and_dequantizes_once(dtype, monkeypatc
     assert calls == [dtype]  # one dequantization for both calls
     lin.to(torch.float64)
     assert lin(x.double()).dtype == torch.float64 and calls == [dtype, torch.float64]
+
+
+needs_int4_cpu = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
+                                    reason="this torch has no packed-int4 CPU matmul (aten._weight_int4pack_mm_for_cpu)")
+
+
+@needs_int4_cpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("G", [32, 64, 128])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_w4_cpu_int4_against_fp64(M, G, dtype):
+    """Options.w4_cpu_int4 (PyTorch's packed-int4 CPU matmul) against w = q * s + b and x in fp64, at odd shapes: its
+    error is at most 2x that of the same computation in PyTorch at the op's precision (x, scale and zero = b + 8 s in
+    bf16, fp32 sums, the product rounded to bf16, bias added in fp32), plus a floor of one ulp of the output range."""
+    N, K = 208, G * (3 + 256 // G)  # 13 tiles of 16 outputs; K = 352, 448, 640
+    lin, sd = _w4_linear(N, K, G, dtype=dtype, seed=M * G)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(G + M)).to(dtype)
+    y = lin(x)
+    assert lin._cpu_form[0] == "int4" and y.dtype == dtype and y.shape == (M, N)
+    q, s, b = unpack_int4(sd["qweight"]).float(), sd["scales"].float(), sd["zeros"]
+    ref = x.double() @ dequantize_w4(sd["qweight"], sd["scales"], b, torch.float64).T + sd["bias"].double()
+    s16, z16 = (t.bfloat16().float().repeat_interleave(G, 1) for t in (s, b + 8 * s))
+    same = (x.bfloat16().float() @ ((q - 8) * s16 + z16).T).bfloat16().float() + sd["bias"].float()
+    err, err_torch = ((t.to(dtype).double() - ref).abs().max().item() for t in (y, same))
+    assert err <= 2 * err_torch + torch.finfo(dtype).eps * ref.abs().max().item()
+
+
+@needs_int4_cpu
+def test_w4_cpu_int4_packs_once_and_again_after_load_or_cast(monkeypatch):
+    """The int4 packing is made on the first decode-sized call and reused; prefill rows (> 8), N not a multiple of
+    16 and Options.w4_cpu_cache take the other paths; new weights or a cast make the packing again."""
+    calls = []
+    real = quant.int4pack_cpu
+    monkeypatch.setattr(quant, "int4pack_cpu", lambda *a: calls.append(a[1].dtype) or real(*a))
+    lin, sd = _w4_linear(48, 128, 64, dtype=torch.float16, seed=1)
+    x = torch.randn(9, 128).half()
+    y = lin(x[:2])
+    assert torch.equal(lin(x[:2]), y) and calls == [torch.float16]
+    for rows in (x, x[None]):  # 9 rows: the fp32 reference, bit for bit
+        assert torch.equal(lin(rows), ops.w4a16_linear(rows, lin.qweight, lin.scales, lin.zeros, lin.bias))
+    assert calls == [torch.float16]
+    new, sd2 = _w4_linear(48, 128, 64, dtype=torch.float16, seed=2)
+    lin.load_state_dict(sd2, assign=True)
+    assert torch.equal(lin(x[:2]), new(x[:2])) and calls == [torch.float16] * 3  # lin's and new's
+    lin.to(torch.bfloat16)
+    assert torch.equal(lin(x[:2].bfloat16()), new.to(torch.bfloat16)(x[:2].bfloat16())) and len(calls) == 5
+    assert calls[-1] == torch.bfloat16
+    odd, _ = _w4_linear(24, 128, 64, dtype=torch.float16)
+    odd(x[:1])
+    lin.options = tinyvila.Options(w4_cpu_cache=True)
+    lin(x[:1].bfloat16())
+    assert odd._cpu_form[0] is None and lin._cpu_form[0] == torch.bfloat16 and len(calls) == 5
 
 
 def test_w4_linear_rejects_bad_shapes():

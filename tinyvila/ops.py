@@ -156,9 +156,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
     natural-log LSE (B, H, T) fp32, which `prefill_salience` reuses (one QK^T pass saved). On CUDA
     fp16/bf16: PyTorch's flash kernel, the one SDPA picks there, with its LSE. Elsewhere: `attention`
     and None: the CPU salience reference needs no LSE, and the output stays exactly the plain path's."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False)[:2]
-        return o, lse
+    if _flash_ok(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False)[:2]
     return attention(q, k, v, causal=False), None
 
 
@@ -204,9 +203,19 @@ def w4_reference_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torc
     return dequantize_ref(qweight, scales, zeros).to(dtype)
 
 
+def w4_int4_fits(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether w4a16_linear may take x through PyTorch's packed-int4 CPU matmul (quant.int4pack_cpu): CPU fp16/bf16
+    x of at most GEMV_MAX_M rows (the op runs row by row: 1.2-2x faster than fp16 F.linear up to 8 rows at SmolLM2's
+    shapes, even at 16, slower above), N a multiple of 16 (the packing's tile), and the op in this torch."""
+    return (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and x.device.type == "cpu"
+            and x.dtype in (torch.float16, torch.bfloat16) and x.numel() <= GEMV_MAX_M * x.shape[-1]
+            and qweight.shape[0] % 16 == 0)
+
+
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
-                 opts: Options = DEFAULT, dense: torch.Tensor | None = None) -> torch.Tensor:
+                 opts: Options = DEFAULT, dense: torch.Tensor | None = None,
+                 int4: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Linear with packed W4 weights (tinyvila/quant.py layout): (..., K) -> (..., N) in x's dtype.
 
     On CUDA: the Triton GEMV for at most GEMV_MAX_M rows (decode), the GEMM otherwise (prefill), which
@@ -218,9 +227,15 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     dense: off CUDA, `w4_reference_weight(..., x.dtype)` kept by the caller (quant.W4A16Linear's cache,
     Options.w4_cpu_cache): the linear is then F.linear with those weights, bit for bit the dense model's linear (a
     few ulps from the fp32 reference, at the dense model's speed instead of dequantizing every weight every call).
+    int4: where w4_int4_fits, quant.int4pack_cpu's form kept by the caller (Options.w4_cpu_int4): PyTorch's int4 CPU
+    matmul in bf16 (x, scales, zeros and the product rounded to bf16, fp32 sums), the bias added in fp32.
     """
     if dense is not None and norm is None and not x.is_cuda:
         return F.linear(x, dense, bias)
+    if int4 is not None and norm is None:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K); fp16 operands take the op's slow path
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, int4[0], x2.shape[1] // int4[1].shape[0], int4[1]).float()
+        return (y if bias is None else y + bias.float()).to(x.dtype).reshape(*x.shape[:-1], -1)
     x2 = x.reshape(-1, x.shape[-1])  # (M, K)
     if norm is not None and x2.shape[0] > GEMV_MAX_M:
         raise ValueError(f"w4a16_linear: norm= takes at most {GEMV_MAX_M} rows (the decode GEMV), got {x2.shape[0]}")
@@ -370,8 +385,7 @@ def _attention_lse_flash(q, k, v, q_start):
     if k.shape[2] != q_start + q.shape[2]:
         raise ValueError(f"attention over a cache: k/v hold {k.shape[2]} keys for {q.shape[2]} new rows at position "
                          f"{q_start}; pass the cache up to the last new row ({q_start + q.shape[2]} keys)")
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
-    return o, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
 
 
 def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows, *,
@@ -438,14 +452,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
 
 
 # -- W8A8 vision linears: per-token int8 activations x per-channel int8 weights (tinyvila/quant.py) --
-def _w8a8_kernels(x: torch.Tensor) -> bool:
-    """Triton kernels on CUDA; the references (same rounding, exact int32 sums) elsewhere."""
-    return x.is_cuda
-
-
+# Triton kernels on CUDA; the references (same rounding, exact int32 sums) elsewhere.
 def quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., K) float -> (q (..., K) int8, scale (...,) fp32), symmetric per row, round half to even."""
-    if _w8a8_kernels(x):
+    if x.is_cuda:
         from csrc_triton.quant_per_token import quant_per_token as kernel
 
         return kernel(x)
@@ -457,7 +467,7 @@ def quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def layer_norm_quant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm (fp32 math) fused with per-token int8 quantization: (..., K) -> (q, scale)."""
-    if _w8a8_kernels(x):
+    if x.is_cuda:
         from csrc_triton.layer_norm_quant import layer_norm_quant as kernel
 
         return kernel(x, weight, bias, eps)
@@ -468,7 +478,7 @@ def layer_norm_quant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
 
 def gelu_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """GELU `kind` (as `gelu`) fused with per-token int8 quantization: (..., K) -> (q, scale)."""
-    if _w8a8_kernels(x):
+    if x.is_cuda:
         from csrc_triton.gelu_quant import gelu_quant as kernel
 
         return kernel(x, kind)
@@ -485,7 +495,7 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
     x2 = xq.reshape(-1, xq.shape[-1])  # (M, K)
     s2 = x_scale.reshape(-1)  # (M,)
     r2 = None if residual is None else residual.reshape(-1, weight.shape[0]).to(bias.dtype)  # (M, N)
-    if _w8a8_kernels(xq):
+    if xq.is_cuda:
         from csrc_triton.w8a8_gemm import w8a8_gemm
 
         y = w8a8_gemm(x2, weight, s2, weight_scale, bias, out_dtype=bias.dtype, residual=r2,

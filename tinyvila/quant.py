@@ -88,6 +88,15 @@ def quantize_w4(w: torch.Tensor, group_size: int = 128, dtype: torch.dtype | Non
     return {"qweight": pack_int4(q.view(N, K)), "scales": s, "zeros": (-z * sf).float()}
 
 
+def int4pack_cpu(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The format above -> PyTorch's packed-int4 CPU form (ops.w4a16_linear's int4=): (packed weight, (K // G, N, 2)
+    bf16 scales and zeros). Its matmul computes w = (q - 8) * scale + zero, so zero = b + 8 s, rounded to bf16 with
+    the scale: the op's only fast dtype (fp16 or fp32 operands take a path 10-30x slower)."""
+    s = scales.float()
+    sz = torch.stack([s, zeros.float() + 8 * s], -1).transpose(0, 1).to(torch.bfloat16).contiguous()  # (K/G, N, 2)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(qweight).int(), 1), sz
+
+
 class W4A16Linear(nn.Module):
     """A Linear with packed W4 weights (the layout above): y = x @ dequant(W)^T + bias, via ops.w4a16_linear.
 
@@ -115,23 +124,27 @@ class W4A16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., K) -> (..., N)."""
-        dense = self._dense(x.dtype) if self.options.w4_cpu_cache and not x.is_cuda else None
-        return ops.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias, opts=self.options, dense=dense)
+        w, opts = (self.qweight, self.scales, self.zeros), self.options
+        dense = int4 = None
+        if opts.w4_cpu_cache and not x.is_cuda:
+            dense = self._cached(x.dtype, lambda: ops.w4_reference_weight(*w, x.dtype))
+        elif opts.w4_cpu_int4 and ops.w4_int4_fits(x, self.qweight):
+            int4 = self._cached("int4", lambda: int4pack_cpu(*w))
+        return ops.w4a16_linear(x, *w, self.bias, opts=opts, dense=dense, int4=int4)
 
-    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dense weights in `dtype`, made on the first call and kept (Options.w4_cpu_cache): a CPU decode step
-        otherwise spends most of its time dequantizing every weight again. Costs the dense model's memory."""
-        cached = getattr(self, "_dense_cache", None)
-        if cached is None or cached[0] != dtype or cached[1].device != self.qweight.device:
-            cached = self._dense_cache = (dtype, ops.w4_reference_weight(self.qweight, self.scales, self.zeros, dtype))
-        return cached[1]
+    def _cached(self, key, make):
+        """A CPU form of the weights kept from its first use until the buffers are loaded, moved or cast (else a CPU
+        decode step dequantizes every weight): Options.w4_cpu_cache's dense copy (key: its dtype) or w4_cpu_int4's."""
+        if getattr(self, "_cpu_form", (None,))[0] != key:
+            self._cpu_form = (key, make())
+        return self._cpu_form[1]
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._dense_cache = None  # new weights
+        self._cpu_form = (None, None)  # new weights
         return super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
-        self._dense_cache = None  # moved or cast: made again from the new buffers on the next call
+        self._cpu_form = (None, None)  # moved or cast: made again from the new buffers on the next call
         # Module.to(dtype=...) / .half() would round the fp32 zeros; move them by device only.
         zeros = self._buffers.pop("zeros")
         try:
