@@ -141,7 +141,7 @@ needs_int4_cpu = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pac
 @needs_int4_cpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("G", [32, 64, 128])
-@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("M", [1, 3, 8, 67])
 def test_w4_cpu_int4_against_fp64(M, G, dtype):
     """Options.w4_cpu_int4 (PyTorch's packed-int4 CPU matmul) against w = q * s + b and x in fp64, at odd shapes: its
     error is at most 2x that of the same computation in PyTorch at the op's precision (x, scale and zero = b + 8 s in
@@ -161,16 +161,16 @@ def test_w4_cpu_int4_against_fp64(M, G, dtype):
 
 @needs_int4_cpu
 def test_w4_cpu_int4_packs_once_and_again_after_load_or_cast(monkeypatch):
-    """The int4 packing is made on the first decode-sized call and reused; prefill rows (> 8), N not a multiple of
-    16 and Options.w4_cpu_cache take the other paths; new weights or a cast make the packing again."""
+    """The int4 packing is made on the first call and reused; rows past ops.CPU_INT4_MAX_M, N not a multiple of 16
+    and Options.w4_cpu_cache take the other paths; new weights or a cast make the packing again."""
     calls = []
     real = quant.int4pack_cpu
     monkeypatch.setattr(quant, "int4pack_cpu", lambda *a: calls.append(a[1].dtype) or real(*a))
     lin, sd = _w4_linear(48, 128, 64, dtype=torch.float16, seed=1)
-    x = torch.randn(9, 128).half()
+    x = torch.randn(ops.CPU_INT4_MAX_M + 1, 128).half()
     y = lin(x[:2])
     assert torch.equal(lin(x[:2]), y) and calls == [torch.float16]
-    for rows in (x, x[None]):  # 9 rows: the fp32 reference, bit for bit
+    for rows in (x, x[None]):  # one row past the limit: the fp32 reference, bit for bit
         assert torch.equal(lin(rows), ops.w4a16_linear(rows, lin.qweight, lin.scales, lin.zeros, lin.bias))
     assert calls == [torch.float16]
     new, sd2 = _w4_linear(48, 128, 64, dtype=torch.float16, seed=2)

@@ -43,9 +43,9 @@ class Options:
     w4_cpu_cache     off CUDA, each W4 linear keeps its dequantized weights after the first call (the dense model's
                      memory, 4x the packed size) and runs as the dense linear of them, instead of dequantizing all
                      of them for every token (a few ulps from the fp32 reference path)
-    w4_cpu_int4      off CUDA, W4 linears at decode row counts run as PyTorch's packed-int4 CPU matmul where it fits
-                     (ops.w4_int4_fits; packed on first use, the int4 payload again), in bf16: x, scales, zeros and the
-                     product rounded to bf16 (3 mantissa bits fewer than fp16), fp32 sums (False: the fp32 reference)
+    w4_cpu_int4      off CUDA, W4 linears of up to ops.CPU_INT4_MAX_M rows run as PyTorch's packed-int4 CPU matmul
+                     where it fits (ops.w4_int4_fits; packed on first use), in bf16: x, scales, zeros and the product
+                     rounded to bf16 (3 mantissa bits fewer than fp16), fp32 sums (False: the fp32 reference)
     """
 
     cuda_graph: bool = True
