@@ -4,8 +4,9 @@ project runs offline on CPU: 30 layers, width 576, 9 / 3 heads, FFN 1536, vocab 
     python -m scripts.bench_cpu                          # dense, W4 (group 64) in its three CPU forms; fp16
     python -m scripts.bench_cpu --new-tokens 64 --repeats 5 --threads 2 --pipelines dense,w4
 
-w4 is the default: decode rows through PyTorch's packed-int4 CPU matmul (Options.w4_cpu_int4, bf16 operands),
-prefill through the reference path of ops.w4a16_linear, which dequantizes all the weights for every call; w4+ref
+w4 is the default: linears of up to 256 rows (decode, this short prompt's prefill) through PyTorch's packed-int4 CPU
+matmul (Options.w4_cpu_int4, bf16 operands), longer ones through the reference path of ops.w4a16_linear, which
+dequantizes all the weights for every call; w4+ref
 runs every call that way (w4_cpu_int4=0); w4+cache (`--options w4_cpu_cache=1` in the CLI) keeps each linear's
 weights dequantized after the first call, at 4 bytes a weight. Synthetic weights (speed does not depend on the
 values), greedy, stop tokens ignored, a ~50-token text prompt; each pipeline answers once unmeasured, then
