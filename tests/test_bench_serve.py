@@ -22,7 +22,7 @@ def test_bench_serve_tiny_cpu(capsys):
     assert report["bench"] == "serve" and report["args"]["new_tokens"] == NEW_TOKENS
     assert report["gpu"] == "cpu" and report["commit"] and "torch" in report
     rows = {r["path"]: r for r in report["rows"]}
-    assert list(rows) == ["warm", "new", "http"]
+    assert list(rows) == ["warm", "new", "http"] and "floor" not in report  # the floor only with --floor
     for r in rows.values():
         # every turn of every measured conversation answered exactly --new-tokens (stop tokens off)
         assert r["tokens"] == [NEW_TOKENS] * (bench_serve.ROUNDS * REPEATS) and len(r["runs"]) == REPEATS
@@ -50,3 +50,29 @@ def test_bench_serve_tiny_cpu(capsys):
     # the server thread, the engine worker and the client process are gone
     assert not [t for t in threading.enumerate() if t.name in ("bench-serve-http", "tinyvila-engine")]
     assert not [p for p in multiprocessing.active_children() if p.name == "bench-serve-client"]
+
+
+def test_bench_serve_floor_tiny_cpu(capsys):
+    """--floor: the same requests to the no-model app give a row per floor, positive and in the JSON line, and the split
+    against the real rows is computed from them."""
+    rc = bench_serve.main(["--device", "cpu", "--preset", "tiny-siglip-llama", "--group-size", "32",
+                           "--new-tokens", "2", "--repeats", "1", "--image-size", "64", "--floor"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    report = json.loads(out.strip().splitlines()[-1])
+    rows, floors = {r["path"]: r for r in report["rows"]}, {r["path"]: r for r in report["floor"]}
+    assert list(rows) == ["warm", "new", "http"] and list(floors) == list(bench_serve.FLOORS)
+    for r in floors.values():
+        assert len(r["runs"]) == 1
+        # the app's own time (received -> answer) is inside the client's
+        assert 0 < r["server_ttft_ms"] < r["ttft_ms"] and 0 < r["server_followup_ttft_ms"] < r["followup_ttft_ms"]
+    turn1, followups = report["floor_split"]
+    assert turn1["floor ms"] == floors["floor"]["ttft_ms"]
+    assert followups["floor ms"] == floors["floor"]["followup_ttft_ms"]
+    assert turn1["floor + PNG ms"] == floors["floor_image"]["ttft_ms"]
+    overhead = rows["http"]["ttft_ms"] - rows["warm"]["ttft_ms"]
+    assert turn1["HTTP - in-process ms"] == pytest.approx(overhead)
+    assert turn1["over the floor ms"] == pytest.approx(turn1["outside the chats ms"] - turn1["floor ms"])
+    assert report["same_answers"] is True
+    assert "payload floor" in out and "floor + PNG decode" in out
+    assert not [t for t in threading.enumerate() if t.name in ("bench-serve-floor", "bench-serve-http")]
