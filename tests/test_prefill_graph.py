@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from tinyvila import generate as generation
 from tinyvila import ops
 from tinyvila.api import from_config
 from tinyvila.config import QuantConfig, SparsityConfig, TextConfig, preset
@@ -171,7 +172,7 @@ def test_padding_rows_add_nothing_to_the_scores():
     assert not torch.allclose(sc.scores, want, rtol=1e-3, atol=0)  # the padding rows carry mass when counted
 
 
-def test_fallbacks_run_eagerly():
+def test_fallbacks_run_eagerly(monkeypatch):
     vlm = tiny()
     text, h = vlm.model.text, embeds(vlm, 35)
     # A bucket past the cache (35 -> 48 > 40 slots) or past prefill_chunk: eager, same result.
@@ -189,11 +190,14 @@ def test_fallbacks_run_eagerly():
         assert dec._pf is None
     # Later turns are padded too from the second of their graph key on (the first of each runs eagerly), except
     # one that brings retrievable rows of its own (scored from a later row than its first), one past
-    # FOLLOWUP_GRAPH_MAX padded rows, and one whose padding would pass the cache.
+    # FOLLOWUP_GRAPH_MAX padded rows, one whose padding would pass the cache, and one whose padding would pass
+    # FOLLOWUP_GRAPH_MAX_KEYS cached keys (here 40, as the cache's 40 slots are).
     long = embeds(vlm, 10 + FOLLOWUP_GRAPH_MAX + 1)
     cases = [({}, h[:, 10:], False, True, True), ({}, h[:, 10:], False, False, False), ({}, h[:, 10:], True, True, False),
-             ({}, long[:, 10:], False, True, False), ({"max_seq_len": 40}, h[:, 10:], False, True, False)]
+             ({}, long[:, 10:], False, True, False), ({"max_seq_len": 40}, h[:, 10:], False, True, False),
+             ({"keys": 40}, h[:, 10:], False, True, False), ({"keys": 48}, h[:, 10:], False, True, True)]
     for kw, later, scored, seen, padded_too in cases:
+        monkeypatch.setattr(generation, "FOLLOWUP_GRAPH_MAX_KEYS", kw.pop("keys", 8192))
         dec, ref = padded(text, **kw), Decoder(text, **kw)
         for d in (dec, ref):
             d.prefill(long[:, :10])
