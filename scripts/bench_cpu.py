@@ -6,9 +6,9 @@ project runs offline on CPU: 30 layers, width 576, 9 / 3 heads, FFN 1536, vocab 
 
 w4 is the default: linears of up to 256 rows (decode, this short prompt's prefill) through PyTorch's packed-int4 CPU
 matmul (Options.w4_cpu_int4, bf16 operands), longer ones through the reference path of ops.w4a16_linear, which
-dequantizes all the weights for every call; w4+ref
-runs every call that way (w4_cpu_int4=0); w4+cache (`--options w4_cpu_cache=1` in the CLI) keeps each linear's
-weights dequantized after the first call, at 4 bytes a weight. Synthetic weights (speed does not depend on the
+dequantizes all the weights for every call; w4+ref runs every call that way (w4_cpu_int4=0); w4+cache
+(`--options w4_cpu_cache=1` in the CLI) keeps each linear's weights dequantized after the first call, at 4 bytes a
+weight. Synthetic weights (speed does not depend on the
 values), greedy, stop tokens ignored, a ~50-token text prompt; each pipeline answers once unmeasured, then
 --repeats times (median decode tok/s). Prints a table, then one JSON line (versions, commit). A speed bench, not a
 test: CPU timings move with the machine's load, so run it on a quiet machine and record the numbers in

@@ -210,7 +210,7 @@ CPU_INT4_MAX_M = 256
 def w4_int4_fits(x: torch.Tensor, qweight: torch.Tensor) -> bool:
     """Whether w4a16_linear may take x through PyTorch's packed-int4 CPU matmul (quant.int4pack_cpu): CPU fp16/bf16
     x of at most CPU_INT4_MAX_M rows, N a multiple of 16 (the packing's tile), and the op in this torch."""
-    return (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and x.device.type == "cpu"
+    return (x.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
             and x.dtype in (torch.float16, torch.bfloat16) and x.numel() <= CPU_INT4_MAX_M * x.shape[-1]
             and qweight.shape[0] % 16 == 0)
 

@@ -128,7 +128,7 @@ class W4A16Linear(nn.Module):
         dense = int4 = None
         if opts.w4_cpu_cache and not x.is_cuda:
             dense = self._cached(x.dtype, lambda: ops.w4_reference_weight(*w, x.dtype))
-        elif opts.w4_cpu_int4 and ops.w4_int4_fits(x, self.qweight):
+        elif opts.w4_cpu_int4 and not x.is_cuda and ops.w4_int4_fits(x, self.qweight):
             int4 = self._cached("int4", lambda: int4pack_cpu(*w))
         return ops.w4a16_linear(x, *w, self.bias, opts=opts, dense=dense, int4=int4)
 
