@@ -46,6 +46,8 @@ class Options:
     w4_cpu_int4      off CUDA, W4 linears of up to ops.CPU_INT4_MAX_M rows run as PyTorch's packed-int4 CPU matmul
                      where it fits (ops.w4_int4_fits; packed on first use), in bf16: x, scales, zeros and the product
                      rounded to bf16 (3 mantissa bits fewer than fp16), fp32 sums (False: the fp32 reference)
+    w4_dequant_ahead long CUDA prefills dequantize the next W4 linear on a side stream while this one's GEMM runs
+                     (quant.DequantAhead: same bits; two extra workspaces of the largest linear)
     """
 
     cuda_graph: bool = True
@@ -60,6 +62,7 @@ class Options:
     w8a8_wgmma: bool = True
     w4_cpu_cache: bool = False
     w4_cpu_int4: bool = True
+    w4_dequant_ahead: bool = True
 
     def __post_init__(self):
         if self.fused_norm_gemv not in _NORM_MODES:

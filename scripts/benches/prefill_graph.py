@@ -139,6 +139,8 @@ def add_args(p) -> None:
     p.add_argument("--prefill-graph-quant", default="w4a16", choices=["w4a16", "none"])
     p.add_argument("--prefill-graph-start", type=int, default=0, metavar="S",
                    help="tokens already cached before the timed prefill (a later turn; default 0: a first turn)")
+    p.add_argument("--prefill-graph-options", default="", metavar="NAME=VALUE,...",
+                   help="runtime options (tinyvila.options.Options fields, e.g. w4_dequant_ahead=0)")
     p.add_argument("--prefill-graph-profile", type=int, default=0, metavar="N",
                    help="also print the N kernels with the most device time in the graph prefill")
 
@@ -146,10 +148,10 @@ def add_args(p) -> None:
 def run(args) -> list[dict]:
     name, quant = args.prefill_graph_preset, args.prefill_graph_quant
     iters = 5 if args.quick else 20
-    vlm, opts = text_vlm(name, quant), Options.from_env()
+    vlm, opts = text_vlm(name, quant), Options.parse(args.prefill_graph_options, Options.from_env())
     rows = []
     for T in args.prefill_graph_t:
-        rows.append({"preset": name, "quant": quant,
+        rows.append({"preset": name, "quant": quant, "options": args.prefill_graph_options,
                      **measure(vlm, opts, T, iters, args.prefill_graph_start, args.prefill_graph_profile)})
         print(rows[-1], flush=True)
     return rows
