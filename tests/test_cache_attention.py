@@ -14,6 +14,7 @@ import torch
 
 from tinyvila import ops
 from tinyvila.kv_cache import RowsIndex
+from tinyvila.options import Options
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # output atol vs fp32 (unit-variance V)
 
@@ -102,17 +103,19 @@ def test_cpu_rows_at_device_slots(T, start):
     torch.testing.assert_close(o2.double(), o_ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.gpu  # PyTorch's varlen flash kernel
+@pytest.mark.gpu  # csrc_triton.rows_attention (split) and PyTorch's varlen flash kernel
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("H,Hkv", [(32, 8), (14, 2)])
 @pytest.mark.parametrize("T,start", [(16, 30), (48, 515), (64, 8192), (256, 4000)])
-def test_cuda_rows_at_device_slots_match_reference(dtype, H, Hkv, T, start):
-    """The varlen call over the whole cache (NaN past the used slots) against the fp32 reference over the used
-    keys, and against the batch flash call of the eager path; then replayed from one CUDA graph at two starts."""
+def test_cuda_rows_at_device_slots_match_reference(split, dtype, H, Hkv, T, start):
+    """Each form over the whole cache (NaN past the used slots) against the fp32 reference over the used keys,
+    and against the batch flash call of the eager path; then replayed from one CUDA graph at two starts."""
+    opts = Options(split_rows_attention=split)
     q, kc, vc = _whole_cache(H, Hkv, T, start, 128, dtype, "cuda")
     S = kc.shape[2]
     o_ref, lse_ref = ops._attention_lse_ref(q.float(), kc[:, :, :start + T].float(), vc[:, :, :start + T].float(), start)
-    o, lse = ops.attention_rows(q, kc, vc, _rows(start, T, S, "cuda"), lse=True)
+    o, lse = ops.attention_rows(q, kc, vc, _rows(start, T, S, "cuda"), lse=True, opts=opts)
     assert o.shape == q.shape and o.dtype == dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
     torch.testing.assert_close(o.float(), o_ref, atol=TOL[dtype], rtol=0)
     torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-5)
@@ -123,9 +126,9 @@ def test_cuda_rows_at_device_slots_match_reference(dtype, H, Hkv, T, start):
     kc2 = torch.nan_to_num(kc, nan=0.0)  # the second start reads slots poisoned for the first (37 spare slots)
     vc2 = torch.nan_to_num(vc, nan=0.0)
     graph = torch.cuda.CUDAGraph()
-    ops.attention_rows(q, kc2, vc2, rows, lse=True)  # warm-up outside the capture
+    ops.attention_rows(q, kc2, vc2, rows, lse=True, opts=opts)  # warm-up outside the capture
     with torch.cuda.graph(graph):
-        out, out_lse = ops.attention_rows(q, kc2, vc2, rows, lse=True)
+        out, out_lse = ops.attention_rows(q, kc2, vc2, rows, lse=True, opts=opts)
     for s in (start, start + 20):  # the second reads 20 slots past the first's keys
         rows.start.fill_(s)
         rows.slots.copy_(torch.arange(T, device="cuda") + s)

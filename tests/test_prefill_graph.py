@@ -19,6 +19,7 @@ from tinyvila.api import from_config
 from tinyvila.config import QuantConfig, SparsityConfig, TextConfig, preset
 from tinyvila.errors import ContextLimitError
 from tinyvila.generate import FOLLOWUP_GRAPH_MAX, PREFILL_GRAPH_MAX, Decoder, SamplingParams, generate, prefill_bucket
+from tinyvila.options import Options
 
 
 def tiny(dtype="float64", device="cpu", text: TextConfig | None = None, **quant):
@@ -190,14 +191,17 @@ def test_fallbacks_run_eagerly(monkeypatch):
         assert dec._pf is None
     # Later turns are padded too from the second of their graph key on (the first of each runs eagerly), except
     # one that brings retrievable rows of its own (scored from a later row than its first), one past
-    # FOLLOWUP_GRAPH_MAX padded rows, one whose padding would pass the cache, and one whose padding would pass
+    # FOLLOWUP_GRAPH_MAX padded rows, one whose padding would pass the cache, and, where the graph's attention is
+    # the unsplit flash call (Options.split_rows_attention off), one whose padding would pass
     # FOLLOWUP_GRAPH_MAX_KEYS cached keys (here 40, as the cache's 40 slots are).
     long = embeds(vlm, 10 + FOLLOWUP_GRAPH_MAX + 1)
     cases = [({}, h[:, 10:], False, True, True), ({}, h[:, 10:], False, False, False), ({}, h[:, 10:], True, True, False),
              ({}, long[:, 10:], False, True, False), ({"max_seq_len": 40}, h[:, 10:], False, True, False),
-             ({"keys": 40}, h[:, 10:], False, True, False), ({"keys": 48}, h[:, 10:], False, True, True)]
+             ({"keys": 40, "split": False}, h[:, 10:], False, True, False),
+             ({"keys": 48, "split": False}, h[:, 10:], False, True, True), ({"keys": 40}, h[:, 10:], False, True, True)]
     for kw, later, scored, seen, padded_too in cases:
         monkeypatch.setattr(generation, "FOLLOWUP_GRAPH_MAX_KEYS", kw.pop("keys", 8192))
+        vlm.model.set_options(Options(split_rows_attention=kw.pop("split", True)))
         dec, ref = padded(text, **kw), Decoder(text, **kw)
         for d in (dec, ref):
             d.prefill(long[:, :10])
@@ -652,7 +656,6 @@ def test_dequant_ahead_gives_the_same_bits():
     """Options.w4_dequant_ahead (the next W4 linear dequantized on a side stream while this one's GEMM runs) against
     each linear dequantizing for itself: the same logits and K/V, eagerly and replayed from a graph, two passes
     each (one bucket, another length)."""
-    from tinyvila.options import Options
     vlm = tiny("float16", "cuda", text=SMALL_8B, llm="w4a16", group_size=128)
     text = vlm.model.text
     outs = {}

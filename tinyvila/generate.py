@@ -28,8 +28,9 @@ PREFILL_CHUNK = 4096  # prompt tokens per prefill pass: bounds activation memory
 MAX_BATCH = 64        # greedy tokens per host synchronisation, at most
 PREFILL_GRAPH_MAX = 2048  # longest padded first-turn prefill replayed from a CUDA graph (longer: eager)
 FOLLOWUP_GRAPH_MAX = 256  # longest padded later-turn prefill replayed from one (a question, an answer resent)
-# Later turns over more cached keys run eagerly: FlashAttention-2's varlen call (the graph's) splits the keys over
-# blocks only for one-row calls, its batch call (eager) always; unsplit, ~0.9 ms per 1K keys on vila-8b, H100.
+# With Options.split_rows_attention off, later turns over more cached keys run eagerly: FlashAttention-2's varlen
+# call (the graph's then) splits the keys over blocks only for one-row calls, its batch call (eager) always;
+# unsplit, ~0.9 ms per 1K keys on vila-8b, H100.
 FOLLOWUP_GRAPH_MAX_KEYS = 8192
 MAX_GRAPHS = 16           # decode-step and prefill graphs a decoder keeps (least recently used dropped first)
 _PRIME_REPLAYS = 8  # replays of the dropped first step graph of a process (Decoder._capture)
@@ -256,7 +257,9 @@ class Decoder:
         else:
             if sc is not None and sc.q_from != start:
                 return None  # a later turn with retrievable rows of its own (a new image) is scored eagerly
-            limit = min(FOLLOWUP_GRAPH_MAX, self.prefill_chunk, self.max_len - start, FOLLOWUP_GRAPH_MAX_KEYS - start)
+            limit = min(FOLLOWUP_GRAPH_MAX, self.prefill_chunk, self.max_len - start)
+            if not self.model.options.split_rows_attention:
+                limit = min(limit, FOLLOWUP_GRAPH_MAX_KEYS - start)
         Tp = prefill_bucket(T)
         return None if Tp > limit or (start and not self._later_graph_due(self._graph_key(Tp))) else Tp
 

@@ -395,19 +395,23 @@ def _attention_lse_flash(q, k, v, q_start):
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
 
 
-def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows, *,
-                   lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows, *, lse: bool = False,
+                   opts: Options = DEFAULT) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal GQA attention of T rows at the slots of `rows` (kv_cache.RowsIndex: the start is a device value)
     over a whole cache layer k, v (1, Hkv, S, D), row t seeing slots 0..start + t -> o (1, H, T, D) and, with
     `lse`, each row's log-sum-exp (1, H, T) fp32 (else None). What a follow-up prefill's CUDA graph captures:
     no host value of the start is baked in.
 
-    On CUDA fp16/bf16: one call of PyTorch's varlen flash kernel given the used key count start + T on the device
-    (`seqused_k`); its causal mask aligns bottom-right to that count, so row t sees keys <= start + t, and it reads
-    only those keys. Elsewhere: the start is read back (a host sync: this path is never captured) and the rows go
-    through `attention` / `attention_lse` over exactly those keys, as the eager prefill of the same rows does."""
+    On CUDA fp16/bf16 (Options.split_rows_attention): csrc_triton.rows_attention, split over the keys, reading the
+    used key count start + T from the device; else one call of PyTorch's varlen flash kernel given that count
+    (`seqused_k`), whose causal mask aligns bottom-right to it, unsplit over the keys (generate's
+    FOLLOWUP_GRAPH_MAX_KEYS). Elsewhere: the start is read back (a host sync: this path is never captured) and the
+    rows go through `attention` / `attention_lse` over exactly those keys, as the eager prefill of the same rows does."""
     T = q.shape[2]
     if _flash_ok(q) and q.shape[0] == 1:
+        from csrc_triton.rows_attention import rows_attention, supports
+        if opts.split_rows_attention and supports(q, k):
+            return rows_attention(q, k, v, rows.keys, lse=lse)
         out = torch.ops.aten._flash_attention_forward(
             q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), rows.cu_rows, rows.cu_keys, T,
             k.shape[2], 0.0, True, False, seqused_k=rows.keys)  # (T, H, D) views, strided as they lie

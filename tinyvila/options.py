@@ -48,6 +48,9 @@ class Options:
                      rounded to bf16 (3 mantissa bits fewer than fp16), fp32 sums (False: the fp32 reference)
     w4_dequant_ahead long CUDA prefills dequantize the next W4 linear on a side stream while this one's GEMM runs
                      (quant.DequantAhead: same bits; two extra workspaces of the largest linear)
+    split_rows_attention  later turns replayed from a graph attend with csrc_triton.rows_attention, split over
+                     the keys (False: FlashAttention-2's varlen call, unsplit; such turns past
+                     generate.FOLLOWUP_GRAPH_MAX_KEYS keys then run eagerly)
     """
 
     cuda_graph: bool = True
@@ -63,6 +66,7 @@ class Options:
     w4_cpu_cache: bool = False
     w4_cpu_int4: bool = True
     w4_dequant_ahead: bool = True
+    split_rows_attention: bool = True
 
     def __post_init__(self):
         if self.fused_norm_gemv not in _NORM_MODES:

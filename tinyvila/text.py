@@ -173,7 +173,8 @@ class Attention(nn.Module):
         start, i = p.start, self.layer
         if isinstance(start, RowsIndex):  # a follow-up prefill's graph: no FastV, every row a question row
             sc = None if p.retrieval is None else p.retrieval.scoring
-            o, lse = ops.attention_rows(q, p.cache.k[i], p.cache.v[i], start, lse=sc is not None)
+            o, lse = ops.attention_rows(q, p.cache.k[i], p.cache.v[i], start, lse=sc is not None,
+                                         opts=self.options)
             if sc is not None:
                 sc.add(i, sc.q_from, q, p.cache.k[i], lse, opts=self.options)
             return o
