@@ -46,12 +46,12 @@ def decoder(vlm, opts: Options, max_seq_len: int = 4096) -> Decoder:
     return Decoder(vlm.text, max_seq_len=max_seq_len)
 
 
-def time_prefill(dec: Decoder, h: torch.Tensor, iters: int, start: int = 0) -> tuple[float, float, torch.Tensor]:
-    """(median event ms, median wall ms, last logits) of `iters` prefills of h after the first `start` cached
+def time_prefill(dec: Decoder, h: torch.Tensor, iters: int, cached: int = 0) -> tuple[float, float, torch.Tensor]:
+    """(median event ms, median wall ms, last logits) of `iters` prefills of h after the first `cached`
     tokens (0: a first turn)."""
     events, walls = [], []
     for _ in range(iters):
-        dec.truncate(start)
+        dec.truncate(cached)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
