@@ -635,39 +635,3 @@ def test_a_sparse_chat_answers_as_with_the_eager_scored_prefill(quant):
         assert tb == ta and torch.equal(ib, ia)
         assert la is None or torch.equal(lb, la)
 
-
-def test_dequant_ahead_chains_the_linears_in_forward_order():
-    """quant.DequantAhead's chain is every block's W4 linears in forward order, layer after layer; off CUDA (and on
-    CUDA below DEQUANT_MIN_M rows) its scope is a no-op, so CPU passes never touch a stream."""
-    from tinyvila.quant import LLM_LINEARS, DequantAhead
-    text = tiny("float32", text=SMALL_8B, llm="w4a16", group_size=128).model.text
-    ahead = DequantAhead(text)
-    want = [getattr(getattr(b, p.split(".")[0]), p.split(".")[1]) for b in text.layers for p in LLM_LINEARS]
-    assert ahead.chain == want and len(want) == 4 * SMALL_8B.n_layers
-    assert all(ahead.next[id(a)] is b for a, b in zip(want, want[1:])) and id(want[-1]) not in ahead.next
-    scope = ahead.scope(torch.zeros(1, 300, SMALL_8B.dim))
-    assert scope is not ahead
-    with scope:
-        assert all(lin.ahead is None for lin in want)
-
-
-@pytest.mark.gpu
-def test_dequant_ahead_gives_the_same_bits():
-    """Options.w4_dequant_ahead (the next W4 linear dequantized on a side stream while this one's GEMM runs) against
-    each linear dequantizing for itself: the same logits and K/V, eagerly and replayed from a graph, two passes
-    each (one bucket, another length)."""
-    vlm = tiny("float16", "cuda", text=SMALL_8B, llm="w4a16", group_size=128)
-    text = vlm.model.text
-    outs = {}
-    for ahead in (False, True):
-        vlm.model.set_options(Options(w4_dequant_ahead=ahead))
-        for graph in (False, True):
-            dec, got = Decoder(text, cuda_graph=graph), []
-            for n, seed in ((300, 1), (290, 2), (300, 3)):
-                dec.truncate(0)
-                got.append(dec.prefill(embeds(vlm, n, seed)))
-            outs[ahead, graph] = got + [t[:, :, :300].clone() for t in dec.cache.k + dec.cache.v]
-        assert (getattr(text, "_dequant_ahead", None) is not None) == ahead  # the pipeline ran only when asked
-    for graph in (False, True):
-        assert all(torch.equal(a, b) for a, b in zip(outs[False, graph], outs[True, graph])), f"graph={graph}"
-    assert text._dequant_ahead.pending is None and all(lin.ahead is None for lin in text._dequant_ahead.chain)

@@ -218,8 +218,7 @@ def w4_int4_fits(x: torch.Tensor, qweight: torch.Tensor) -> bool:
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  bias: torch.Tensor | None = None, *, norm: tuple[torch.Tensor, float] | None = None,
                  opts: Options = DEFAULT, dense: torch.Tensor | None = None,
-                 int4: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 weight: torch.Tensor | None = None) -> torch.Tensor:
+                 int4: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Linear with packed W4 weights (tinyvila/quant.py layout): (..., K) -> (..., N) in x's dtype.
 
     On CUDA: the Triton GEMV for at most GEMV_MAX_M rows (decode), the GEMM otherwise (prefill), which
@@ -233,7 +232,6 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     few ulps from the fp32 reference, at the dense model's speed instead of dequantizing every weight every call).
     int4: where w4_int4_fits, quant.int4pack_cpu's form kept by the caller (Options.w4_cpu_int4): PyTorch's int4 CPU
     matmul in bf16 (x, scales, zeros and the product rounded to bf16, fp32 sums), the bias added in fp32.
-    weight: on CUDA, these weights already dequantized (N, K) (quant.DequantAhead): the dequant path's cuBLAS call.
     """
     if dense is not None and norm is None and not x.is_cuda:
         return F.linear(x, dense, bias)
@@ -248,9 +246,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         from csrc_triton.w4a16_gemm import w4a16_gemm
         from csrc_triton.w4a16_gemv import w4a16_gemv
 
-        if weight is not None:  # as w4a16_gemm's dequant path, the dequantization already done
-            y = torch.mm(x2, weight.T) if bias is None else torch.addmm(bias, x2, weight.T)
-        elif x2.shape[0] <= GEMV_MAX_M:
+        if x2.shape[0] <= GEMV_MAX_M:
             y = w4a16_gemv(x2.contiguous(), qweight, scales, zeros, bias, prenorm=norm, kernel=opts.w4_gemv_kernel,
                            pdl=opts.pdl)
         else:

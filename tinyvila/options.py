@@ -46,8 +46,6 @@ class Options:
     w4_cpu_int4      off CUDA, W4 linears of up to ops.CPU_INT4_MAX_M rows run as PyTorch's packed-int4 CPU matmul
                      where it fits (ops.w4_int4_fits; packed on first use), in bf16: x, scales, zeros and the product
                      rounded to bf16 (3 mantissa bits fewer than fp16), fp32 sums (False: the fp32 reference)
-    w4_dequant_ahead long CUDA prefills dequantize the next W4 linear on a side stream while this one's GEMM runs
-                     (quant.DequantAhead: same bits; two extra workspaces of the largest linear)
     split_rows_attention  later turns replayed from a graph attend with csrc_triton.rows_attention, split over
                      the keys (False: FlashAttention-2's varlen call, unsplit; such turns past
                      generate.FOLLOWUP_GRAPH_MAX_KEYS keys then run eagerly)
@@ -65,7 +63,6 @@ class Options:
     w8a8_wgmma: bool = True
     w4_cpu_cache: bool = False
     w4_cpu_int4: bool = True
-    w4_dequant_ahead: bool = True
     split_rows_attention: bool = True
 
     def __post_init__(self):

@@ -20,7 +20,6 @@ dequantization bit for bit. Cost: 6 bytes of metadata per group, 9.4% over the i
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
@@ -108,7 +107,6 @@ class W4A16Linear(nn.Module):
 
     KEEP_DTYPE = ("zeros",)  # tensors a checkpoint stores in their own dtype, not config.dtype (loader)
     options: Options = DEFAULT  # runtime switches (options.set_options); the decode step's fused forms: decode_step.py
-    ahead: DequantAhead | None = None  # the model's prefill dequantization pipeline, while one is in use
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = 128,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
@@ -132,8 +130,7 @@ class W4A16Linear(nn.Module):
             dense = self._cached(x.dtype, lambda: ops.w4_reference_weight(*w, x.dtype))
         elif opts.w4_cpu_int4 and not x.is_cuda and ops.w4_int4_fits(x, self.qweight):
             int4 = self._cached("int4", lambda: int4pack_cpu(*w))
-        weight = self.ahead.weight(self, x) if self.ahead is not None else None
-        return ops.w4a16_linear(x, *w, self.bias, opts=opts, dense=dense, int4=int4, weight=weight)
+        return ops.w4a16_linear(x, *w, self.bias, opts=opts, dense=dense, int4=int4)
 
     def _cached(self, key, make):
         """A CPU form of the weights kept from its first use until the buffers are loaded, moved or cast (else a CPU
@@ -162,83 +159,8 @@ class W4A16Linear(nn.Module):
                 f"group_size={self.group_size}, bias={self.bias is not None}")
 
 
-# The quantizable linears of each text.layers.{i} block, in forward order; embeddings, lm_head and norms stay dense.
+# The quantizable linears of each text.layers.{i} block; embeddings, lm_head and norms stay dense.
 LLM_LINEARS = ("attn.wqkv", "attn.wo", "mlp.w13", "mlp.w2")
-
-
-class DequantAhead:
-    """Long prefills' W4 linears with the next linear's dequantization overlapped (Options.w4_dequant_ahead).
-
-    From DEQUANT_MIN_M rows a W4 linear on CUDA dequantizes its weights into an fp16 workspace (memory-bound: 2.5
-    bytes a weight) and calls cuBLAS (compute-bound at those rows). Inside `scope`, while one linear's GEMM runs, a
-    side stream dequantizes the next linear of the forward (`LLM_LINEARS` order, layer after layer) into the other
-    of two workspaces, and that linear waits for the side stream's event instead of dequantizing: the same kernels
-    on the same bytes, so the same bits. Where the next linear does not come (the pass ends, or it takes another
-    path), the main stream waits for the side stream at the next call or at the scope's end, so a CUDA-graph
-    capture joins every branch it forks. Costs two workspaces of the largest linear (2 x 235 MB for Llama-3-8B)."""
-
-    def __init__(self, text_model: nn.Module):
-        chain = [getattr(getattr(b, path.split(".")[0]), path.split(".")[1])
-                 for b in text_model.layers for path in LLM_LINEARS]
-        self.chain = [lin for lin in chain if isinstance(lin, W4A16Linear)]
-        self.next = {id(a): b for a, b in zip(self.chain, self.chain[1:])}
-        self.bufs: list[torch.Tensor] | None = None
-        self.side: torch.cuda.Stream | None = None
-        self.pending: tuple | None = None  # (linear, workspace index, the side stream's event)
-
-    def scope(self, h: torch.Tensor) -> DequantAhead | contextlib.nullcontext:
-        """A context in which the chain's linears pipeline their dequantization: for h's pass when it is a CUDA
-        fp16/bf16 pass of at least DEQUANT_MIN_M rows; a no-op context otherwise."""
-        from csrc_triton.w4a16_gemm import DEQUANT_MIN_M
-        rows = h.numel() // h.shape[-1]
-        if not (self.chain and h.is_cuda and h.dtype == self.chain[0].scales.dtype and rows >= DEQUANT_MIN_M):
-            return contextlib.nullcontext()
-        return self
-
-    def __enter__(self) -> DequantAhead:
-        for lin in self.chain:
-            lin.ahead = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for lin in self.chain:
-            lin.ahead = None
-        self._settle()
-
-    def _settle(self) -> None:
-        """The main stream waits for the side stream's last dequantization (nothing left in flight)."""
-        if self.pending is not None:
-            torch.cuda.current_stream(self.side.device).wait_event(self.pending[2])
-            self.pending = None
-
-    def weight(self, lin: W4A16Linear, x: torch.Tensor) -> torch.Tensor:
-        """lin's dequantized (N, K) weights for this call, with the next linear's dequantization queued behind."""
-        from csrc_triton.w4a16_dequant import w4a16_dequant
-        if self.bufs is None or self.bufs[0].dtype != x.dtype or self.bufs[0].device != x.device:
-            self._settle()  # sized once for the largest linear: never regrown under the side stream
-            numel = max(m.out_features * m.in_features for m in self.chain)
-            self.bufs = [torch.empty(numel, dtype=x.dtype, device=x.device) for _ in range(2)]
-            self.side = torch.cuda.Stream(x.device, priority=-1)
-        main, direct = torch.cuda.current_stream(x.device), lin.options.direct_launch
-        got = None
-        if self.pending is not None:
-            if self.pending[0] is lin:
-                got = self.pending[1]
-            self._settle()
-        idx = 0 if got is None else got
-        w = self.bufs[idx][: lin.out_features * lin.in_features].view(lin.out_features, lin.in_features)
-        if got is None:  # on the main stream, ordered after every earlier reader of either workspace
-            w4a16_dequant(lin.qweight, lin.scales, lin.zeros, out=w, direct=direct)
-        nxt = self.next.get(id(lin))
-        if nxt is not None:  # the other workspace: its last reader, the previous GEMM, is already on the main stream
-            self.side.wait_stream(main)
-            wn = self.bufs[1 - idx][: nxt.out_features * nxt.in_features].view(nxt.out_features, nxt.in_features)
-            with torch.cuda.stream(self.side):
-                w4a16_dequant(nxt.qweight, nxt.scales, nxt.zeros, out=wn, direct=direct)
-                event = torch.cuda.Event()
-                event.record(self.side)
-            self.pending = (nxt, 1 - idx, event)
-        return w
 
 
 def swap_linears(model: nn.Module, quant: QuantConfig) -> list[str]:

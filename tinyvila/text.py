@@ -8,7 +8,6 @@ activation dtype, RMSNorm statistics in fp32. Tested against transformers in tes
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -273,9 +272,8 @@ class TextModel(nn.Module):
             x, residual = decode_step.layers_fused(self, h, cos, sin, p)
         else:
             x, residual = h, None  # the residual stream is residual + x; each add fuses into the next norm
-            with self._ahead(h):
-                for block in self.layers:
-                    x, residual = block.forward_residual(x, residual, cos, sin, p)
+            for block in self.layers:
+                x, residual = block.forward_residual(x, residual, cos, sin, p)
         if rows is not None:
             x, residual = x.index_select(1, rows), None if residual is None else residual.index_select(1, rows)
         elif last_only:
@@ -284,15 +282,6 @@ class TextModel(nn.Module):
         # Logits in the activation dtype like HF, then fp32 for sampling.
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return ops.dense_linear(h, w, opts=self.options).float()
-
-    def _ahead(self, h: torch.Tensor):
-        """The W4 linears' dequantization pipeline for this pass (quant.DequantAhead), or a no-op context."""
-        if not (self.options.w4_dequant_ahead and h.is_cuda):
-            return contextlib.nullcontext()
-        if getattr(self, "_dequant_ahead", None) is None:
-            from tinyvila.quant import DequantAhead
-            self._dequant_ahead = DequantAhead(self)
-        return self._dequant_ahead.scope(h)
 
     def _rope(self, h: torch.Tensor, p: Pass, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, Dh) of this pass's rows: a decode step's row of its RoPE table (one gather), else

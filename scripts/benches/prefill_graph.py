@@ -143,7 +143,7 @@ def add_args(p) -> None:
     p.add_argument("--prefill-graph-start", type=int, default=0, metavar="S",
                    help="tokens already cached before the timed prefill (a later turn; default 0: a first turn)")
     p.add_argument("--prefill-graph-options", default="", metavar="NAME=VALUE,...",
-                   help="runtime options (tinyvila.options.Options fields, e.g. w4_dequant_ahead=0)")
+                   help="runtime options (tinyvila.options.Options fields, e.g. split_rows_attention=0)")
     p.add_argument("--prefill-graph-profile", type=int, default=0, metavar="N",
                    help="also print the N kernels with the most device time in the graph prefill")
 
