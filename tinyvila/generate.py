@@ -149,14 +149,14 @@ class Decoder:
     A later turn (a follow-up question, with the last answer's final token and the template around it) is
     as host-bound, so it replays a graph too, padded the same way, up to FOLLOWUP_GRAPH_MAX rows: its rows
     sit at slots `start`.. where start (the cache length) is a device value (`RowsIndex`), their attention
-    reads the cache up to start + row through a varlen call that takes that count from the device
-    (ops.attention_rows), so one graph per bucket serves every length of the conversation. Its padding rows
+    reads the cache up to start + row through a kernel that takes that count from the device and splits the
+    keys (ops.attention_rows), so one graph per bucket serves every length of the conversation. Its padding rows
     write K/V past the real ones, where the next tokens overwrite them. SparseVILA scores such a turn inside
     the graph when every row is a question row (no new retrievable tokens in it). A decoder's first later
     turn of each graph key runs eagerly and the capture waits for the second (`_later_graph_due`).
     Other prefills (FastV, a first turn whose question rows are not all in this prefill, a later turn that
     brings retrievable tokens, a packed buffer, more padded rows than the limits or `prefill_chunk`, past
-    the cache, or a later turn past FOLLOWUP_GRAPH_MAX_KEYS keys) run eagerly. `pad_prefill` (tests) runs the
+    the cache, or, with Options.split_rows_attention off, a later turn past FOLLOWUP_GRAPH_MAX_KEYS keys) run eagerly. `pad_prefill` (tests) runs the
     padded forward eagerly where no graph is used.
     """
 
