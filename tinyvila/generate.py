@@ -156,8 +156,8 @@ class Decoder:
     turn of each graph key runs eagerly and the capture waits for the second (`_later_graph_due`).
     Other prefills (FastV, a first turn whose question rows are not all in this prefill, a later turn that
     brings retrievable tokens, a packed buffer, more padded rows than the limits or `prefill_chunk`, past
-    the cache, or, with Options.split_rows_attention off, a later turn past FOLLOWUP_GRAPH_MAX_KEYS keys) run eagerly. `pad_prefill` (tests) runs the
-    padded forward eagerly where no graph is used.
+    the cache, or, with Options.split_rows_attention off, a later turn past FOLLOWUP_GRAPH_MAX_KEYS keys) run
+    eagerly. `pad_prefill` (tests) runs the padded forward eagerly where no graph is used.
     """
 
     def __init__(self, text_model, max_seq_len: int | None = None, cuda_graph: bool | None = None,

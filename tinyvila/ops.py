@@ -402,7 +402,7 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows, *, l
     used key count start + T from the device; else one call of PyTorch's varlen flash kernel given that count
     (`seqused_k`), whose causal mask aligns bottom-right to it, unsplit over the keys (generate's
     FOLLOWUP_GRAPH_MAX_KEYS). Elsewhere: the start is read back (a host sync: this path is never captured) and the
-    rows go through `attention` / `attention_lse` over exactly those keys, as the eager prefill of the same rows does."""
+    rows go through `attention` / `attention_lse` over exactly those keys, as the eager prefill of those rows does."""
     T = q.shape[2]
     if _flash_ok(q) and q.shape[0] == 1:
         from csrc_triton.rows_attention import rows_attention, supports

@@ -35,7 +35,8 @@ def _inputs(T: int, n: int, copies: int) -> list[tuple]:
         v = torch.randn_like(k)
         st = torch.tensor([n], device="cuda")
         two = torch.arange(2, device="cuda")
-        rows = RowsIndex(st, torch.arange(T, device="cuda") + st, (st + T).int(), (two * T).int(), (two * (n + T)).int())
+        rows = RowsIndex(st, torch.arange(T, device="cuda") + st, (st + T).int(), (two * T).int(),
+                         (two * (n + T)).int())
         out.append((q, k, v, rows))
     return out
 

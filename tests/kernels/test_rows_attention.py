@@ -62,9 +62,8 @@ def test_rows_attention_reads_strided_rows_and_agrees_with_sdpa(dtype):
     q = torch.randn(T, H, D, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype).transpose(0, 1)[None]
     o = check(q, k, v, n, splits=3, lse=False)
     mask = torch.arange(n, device=DEVICE)[None, :] <= (n - T + torch.arange(T, device=DEVICE))[:, None]
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k[:, :, :n].float().repeat_interleave(H // Hkv, 1), v[:, :, :n].float().repeat_interleave(H // Hkv, 1),
-        attn_mask=mask)
+    kr, vr = (t[:, :, :n].float().repeat_interleave(H // Hkv, 1) for t in (k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kr, vr, attn_mask=mask)
     torch.testing.assert_close(o.float(), ref, atol=TOL[dtype], rtol=0)
 
 
