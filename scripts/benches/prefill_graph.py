@@ -156,5 +156,6 @@ def run(args) -> list[dict]:
     for T in args.prefill_graph_t:
         rows.append({"preset": name, "quant": quant, "options": args.prefill_graph_options,
                      **measure(vlm, opts, T, iters, args.prefill_graph_start, args.prefill_graph_profile)})
-        print(rows[-1], flush=True)
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in rows[-1].items() if k != "profile"), flush=True)  # the JSON line comes at the end
     return rows

@@ -56,7 +56,7 @@ def run(args) -> list[dict]:
                 ms = common.graph_ms(fn, sets)
                 row[name] = None if ms is None else 1e3 * ms
             rows.append(row)
-            print(row, flush=True)
+            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
             del sets
             torch.cuda.empty_cache()
     return rows
