@@ -4,7 +4,7 @@
 
 Per (new rows T, cached keys n): per-call device time, replayed from one CUDA graph of back-to-back calls of one
 layer's attention, as the later-turn graph runs it (ops.attention_rows, the key count read from the device), of
-csrc_triton.rows_attention (split over the keys, 64 or 128 query vectors a program) and of PyTorch's varlen flash
+csrc_triton.rows_attention (split over the keys, its merge included) and of PyTorch's varlen flash
 call (FlashAttention-2, unsplit over the keys: the form before). `floor_us`: the layer's K/V bytes at the measured
 device-copy bandwidth (which counts bytes read + written): reading the n keys once takes at least this long.
 """
