@@ -66,27 +66,32 @@ def _rows_attention_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, part_ptr, plse_ptr, sq
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # -inf: no key of this split (weight 0 in the merge)
-    row = (s * H + h) * T + t  # partials (N_SPLITS, H, T[, D])
-    tl.store(part_ptr + row[:, None] * D + offs_d[None, :], out, mask=m_ok[:, None])
-    tl.store(plse_ptr + row, lse, mask=m_ok)
+    if lo < hi:  # a split past the block's keys writes nothing: the merge stops before it
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # -inf: no key of this split for that row
+        row = (s * H + h) * T + t  # partials (N_SPLITS, H, T[, D])
+        tl.store(part_ptr + row[:, None] * D + offs_d[None, :], out, mask=m_ok[:, None])
+        tl.store(plse_ptr + row, lse, mask=m_ok)
 
 
 @triton.jit
-def _rows_merge_kernel(part_ptr, plse_ptr, o_ptr, lse_ptr, T, H, N_SPLITS, soh, sot, D: tl.constexpr,
-                       BLOCK_T: tl.constexpr, WRITE_LSE: tl.constexpr):
+def _rows_merge_kernel(part_ptr, plse_ptr, keys_ptr, o_ptr, lse_ptr, T, H, N_SPLITS, soh, sot, D: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr):
+    # Program (h, i) merges rows block i of the attention kernel (the same BLOCK_T): its splits with keys are
+    # the first `used`, by the attention kernel's own bounds.
     h, tb = tl.program_id(0), tl.program_id(1)
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     offs_d = tl.arange(0, D)
+    tiles = tl.cdiv(tl.load(keys_ptr) - T + tl.minimum(tb * BLOCK_T + BLOCK_T, T), BLOCK_N)
+    used = tl.cdiv(tiles, tl.cdiv(tiles, N_SPLITS))
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    for s in range(0, N_SPLITS):
+    for s in range(0, used):
         m = tl.maximum(m, tl.load(plse_ptr + (s * H + h) * T + t, mask=t_ok, other=float("-inf")))
     m = tl.where(t_ok, m, 0.0)  # finite on real rows: split 0 holds key 0, which every row sees
     den = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, D], tl.float32)
-    for s in range(0, N_SPLITS):
+    for s in range(0, used):
         row = (s * H + h) * T + t
         w = tl.exp2(tl.load(plse_ptr + row, mask=t_ok, other=float("-inf")) - m)
         den += w
@@ -112,18 +117,19 @@ def default_splits(n_programs: int, capacity: int, device: torch.device) -> int:
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, *, lse: bool = False,
-                   splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   splits: int | None = None, query_tile: int = QUERY_TILE) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q (1, H, T, D), k, v (1, Hkv, S, D), keys (1,) int32 on the device -> o (1, H, T, D) in q's dtype (laid out as
     (T, H, D), like the flash call's output) and, with `lse`, the natural-log LSE (1, H, T) fp32 (else None).
-    `splits`: the key splits (default: default_splits). No host sync; workspaces are allocated per call (a CUDA
-    graph keeps them in its pool)."""
+    `splits`: the key splits (default: default_splits); `query_tile`: query vectors (rows x heads of a group) per
+    program, 64 or 128 (a program reads its split's K/V once per block of rows). No host sync; workspaces are
+    allocated per call (a CUDA graph keeps them in its pool)."""
     if not supports(q, k):
         raise ValueError(f"rows_attention: q {tuple(q.shape)} over k {tuple(k.shape)} is not a shape it takes")
     _, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     n_rep = H // Hkv
     NR = triton.next_power_of_2(n_rep)
-    block_t = max(1, QUERY_TILE // NR)
+    block_t = max(1, query_tile // NR)
     n_tb = triton.cdiv(T, block_t)
     n_splits = splits or default_splits(Hkv * n_tb, S, q.device)
     part = torch.empty(n_splits, H, T, D, dtype=torch.float32, device=q.device)
@@ -133,9 +139,9 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torc
     _rows_attention_kernel[(Hkv, n_tb, n_splits)](
         q, k, v, keys, part, plse, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         T, H, n_splits, LOG2E / math.sqrt(D), N_REP=n_rep, NR=NR, D=D, BLOCK_T=block_t, BLOCK_N=BLOCK_N,
-        UPCAST=INTERPRET, num_warps=4, num_stages=2)
-    _rows_merge_kernel[(H, triton.cdiv(T, 16))](part, plse, o, lse_out, T, H, n_splits, o.stride(1), o.stride(0),
-                                                D=D, BLOCK_T=16, WRITE_LSE=lse, num_warps=4)
+        UPCAST=INTERPRET, num_warps=4 if block_t * NR <= 64 else 8, num_stages=2)
+    _rows_merge_kernel[(H, n_tb)](part, plse, keys, o, lse_out, T, H, n_splits, o.stride(1), o.stride(0),
+                                  D=D, BLOCK_T=block_t, BLOCK_N=BLOCK_N, WRITE_LSE=lse, num_warps=4)
     return o.transpose(0, 1)[None], lse_out if lse else None
 
 

@@ -10,7 +10,7 @@
 # a live window's question dense in fp16 and W4; the hf pipeline needs transformers, which the device lacks unless
 # its wheels travel in .whl/), kernels (the W4 GEMV / GEMM rows against cuBLAS), followup (a later turn's split
 # attention against the flash call, the device-time profiles of a follow-up question and of a W4 and an fp16 first
-# turn, the W4 GEMM sweep at a follow-up's rows).
+# turn, the W4 GEMM sweep at a follow-up's rows), attn (followup's first three: the attention bench and the follow-up profiles).
 # ORDER="B A A B" runs each chosen bench in the tree at $BEFORE (an older commit, e.g. `git archive f86bed5 | tar -x
 # -C .gpu/before`, carried) and in this one, in that order; JSON lines gain "tree": "A" or "B".
 # WORKERS pytest-xdist workers (default 8) compile in parallel and share Triton's on-disk cache; the suite is
@@ -84,9 +84,9 @@ latency 90 scripts.bench --frames 64 --rounds 4 --new-tokens 100 --prefill-keep 
 latency 110 scripts.bench --frames 256 --rounds 4 --new-tokens 100 --prefill-keep 0.25 --decode-keep 0.1 --pipelines quant,sparse
 latency 90 scripts.bench_video --mode live --pipelines fp16,quant --seconds 10
 kernels 150 scripts.bench_kernels --only w4a16
-followup 70 scripts.bench_kernels --only rows_attention
-followup 60 scripts.bench_kernels --only prefill_graph --prefill-graph-t 46 --prefill-graph-start 600 --prefill-graph-profile 8
-followup 90 scripts.bench_kernels --only prefill_graph --prefill-graph-t 46 --prefill-graph-start 51000 --prefill-graph-profile 4
+followup,attn 70 scripts.bench_kernels --only rows_attention
+followup,attn 60 scripts.bench_kernels --only prefill_graph --prefill-graph-t 46 --prefill-graph-start 600 --prefill-graph-profile 8
+followup,attn 90 scripts.bench_kernels --only prefill_graph --prefill-graph-t 46 --prefill-graph-start 51000 --prefill-graph-profile 4
 followup 60 scripts.bench_kernels --only prefill_graph --prefill-graph-t 588 --prefill-graph-profile 8
 followup 60 scripts.bench_kernels --only prefill_graph --prefill-graph-t 588 --prefill-graph-quant none --prefill-graph-profile 6
 followup 120 scripts.bench_kernels --only w4a16 --w4-gemm-sweep 16,48

@@ -64,6 +64,26 @@ def test_dequantized_weights_bit_exact(G, dtype):
     assert torch.equal(y, w32.to(dtype).T)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_bits_exact(dtype):
+    """Scales read as halves of 4-byte words (even group counts) are widened to fp32 by bit arithmetic: exact for
+    subnormal (fp16), tiny, large, negative and zero scales, in both halves of a word. (bf16 widens by a plain
+    shift; its subnormals are left out because the interpreter's bf16 casts flush them.)"""
+    K, G = 256, 64
+    a = make(1, 16, K, G, dtype, seed=3, device=DEVICE)
+    tiny = 2.0 ** -20 if dtype == torch.float16 else 2.0 ** -120  # fp16: subnormal
+    special = torch.tensor([tiny, 2.0 ** -14, 4000.0 if dtype == torch.float16 else 1e30, -0.5, 0.0, 1.0,
+                            -tiny, 0.001], dtype=dtype)
+    a["scales"] = special.repeat(8)[: 16 * (K // G)].view(16, K // G).contiguous().to(DEVICE)
+    a["zeros"] = -(torch.arange(16 * (K // G)) % 16).view(16, K // G).float().to(DEVICE) * a["scales"].float()
+    x = torch.eye(K, dtype=dtype, device=DEVICE)
+    y = w4a16_gemm(x, a["qweight"], a["scales"], a["zeros"], config=Config(64, 64, 8, 1, 4, 2))
+    w32 = dequantize_ref(a["qweight"], a["scales"], a["zeros"])
+    if dtype == torch.bfloat16 and not ON_GPU:
+        w32 = (w32.view(torch.int32) & ~0xFFFF).view(torch.float32)  # the interpreter's truncating cast (above)
+    assert torch.equal(y, w32.to(dtype).T)
+
+
 @pytest.mark.parametrize("split", [2, 3, 4])
 def test_split_k(split):
     """Split-K partials summed by the last split; 5 K steps over 4 splits leaves one split empty. Two calls:
