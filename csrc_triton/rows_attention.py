@@ -8,9 +8,10 @@ length. Why not PyTorch's varlen flash call: FlashAttention-2 splits the keys ov
 only for one-row queries, so T rows over a long cache are read by one block per head (a 46-row turn over 51K keys:
 53 ms on an H100). Here program (g, i, s) takes the n_rep query heads of KV head g for rows block i (BLOCK_T rows x
 n_rep heads in one tile, so each K/V tile serves its whole group) and split s of the keys those rows see: whole
-BLOCK_N tiles, bounds from the device count, so a short cache leaves the late splits empty. Each program writes an
-fp32 partial output and its log2-sum-exp; the merge kernel combines a (row, head)'s splits and writes o in q's dtype
-and, if asked, the natural-log LSE (as the flash call returns it: SparseVILA's scoring reads it).
+BLOCK_N tiles, bounds from the device count, so a short cache leaves the late splits empty. Each program with keys
+writes an fp32 partial output and its log2-sum-exp; the merge kernel combines a (row, head)'s splits with keys (the
+same bounds: empty ones are neither written nor read) and writes o in q's dtype and, if asked, the natural-log LSE
+(as the flash call returns it: SparseVILA's scoring reads it).
 """
 
 from __future__ import annotations
@@ -77,8 +78,7 @@ def _rows_attention_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, part_ptr, plse_ptr, sq
 @triton.jit
 def _rows_merge_kernel(part_ptr, plse_ptr, keys_ptr, o_ptr, lse_ptr, T, H, N_SPLITS, soh, sot, D: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr):
-    # Program (h, i) merges rows block i of the attention kernel (the same BLOCK_T): its splits with keys are
-    # the first `used`, by the attention kernel's own bounds.
+    # Program (h, i) merges rows block i of the attention kernel (same BLOCK_T): its first `used` splits hold keys.
     h, tb = tl.program_id(0), tl.program_id(1)
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
@@ -117,19 +117,18 @@ def default_splits(n_programs: int, capacity: int, device: torch.device) -> int:
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, *, lse: bool = False,
-                   splits: int | None = None, query_tile: int = QUERY_TILE) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q (1, H, T, D), k, v (1, Hkv, S, D), keys (1,) int32 on the device -> o (1, H, T, D) in q's dtype (laid out as
     (T, H, D), like the flash call's output) and, with `lse`, the natural-log LSE (1, H, T) fp32 (else None).
-    `splits`: the key splits (default: default_splits); `query_tile`: query vectors (rows x heads of a group) per
-    program, 64 or 128 (a program reads its split's K/V once per block of rows). No host sync; workspaces are
-    allocated per call (a CUDA graph keeps them in its pool)."""
+    `splits`: the key splits (default: default_splits). No host sync; workspaces are allocated per call (a CUDA
+    graph keeps them in its pool)."""
     if not supports(q, k):
         raise ValueError(f"rows_attention: q {tuple(q.shape)} over k {tuple(k.shape)} is not a shape it takes")
     _, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     n_rep = H // Hkv
     NR = triton.next_power_of_2(n_rep)
-    block_t = max(1, query_tile // NR)
+    block_t = max(1, QUERY_TILE // NR)
     n_tb = triton.cdiv(T, block_t)
     n_splits = splits or default_splits(Hkv * n_tb, S, q.device)
     part = torch.empty(n_splits, H, T, D, dtype=torch.float32, device=q.device)
@@ -139,7 +138,7 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torc
     _rows_attention_kernel[(Hkv, n_tb, n_splits)](
         q, k, v, keys, part, plse, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         T, H, n_splits, LOG2E / math.sqrt(D), N_REP=n_rep, NR=NR, D=D, BLOCK_T=block_t, BLOCK_N=BLOCK_N,
-        UPCAST=INTERPRET, num_warps=4 if block_t * NR <= 64 else 8, num_stages=2)
+        UPCAST=INTERPRET, num_warps=4, num_stages=2)
     _rows_merge_kernel[(H, n_tb)](part, plse, keys, o, lse_out, T, H, n_splits, o.stride(1), o.stride(0),
                                   D=D, BLOCK_T=block_t, BLOCK_N=BLOCK_N, WRITE_LSE=lse, num_warps=4)
     return o.transpose(0, 1)[None], lse_out if lse else None

@@ -156,29 +156,17 @@ def _dequant_tile(words, s, b, UNPACK: tl.constexpr, dtype: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _group_meta(s_ptr, z_ptr, meta_rows, k0, offs_w, G: tl.constexpr, BLOCK_W: tl.constexpr, PAIRS: tl.constexpr):
+def _group_meta(s_ptr, z_ptr, meta_rows, k0, offs_w, G: tl.constexpr, BLOCK_W: tl.constexpr):
     """Scales (as fp32) and zeros of the K tile starting at k0: (BN,) when the tile lies in one group (a 1-D load
     takes the layout its use wants; a 2-D one would cost a shuffle of the dequantized tile), else (BN, BW), one per
-    word (a word's nibbles share a group). PAIRS (1-D case, an even number of groups per row): the 2-byte scale is
-    read as half of the 4-byte word holding it, so that Triton's pipeline prefetches it with cp.async as it does the
-    zeros; a 2-byte load stays a plain load in the loop and stalls each K step on memory latency."""
+    word (a word's nibbles share a group). The fp16 scale load stays a plain load in the loop (too narrow for
+    cp.async; as int32 pairs, Triton routed the tile through shared memory)."""
     GW: tl.constexpr = G // 8  # words per group
     if BLOCK_W <= GW:
-        g = k0 // G
-        off = meta_rows + g
-        if PAIRS:
-            pair = tl.load(s_ptr.to(tl.pointer_type(tl.float32)) + (meta_rows // 2 + g // 2)).to(tl.int32, bitcast=True)
-            h = (pair >> ((g % 2) * 16)) & 0xFFFF
-            if s_ptr.dtype.element_ty == tl.bfloat16:
-                s = (h << 16).to(tl.float32, bitcast=True)
-            else:  # fp16 bits -> fp32: exponent rebased by 2^112 (exact, subnormals included)
-                s = (((h & 0x7FFF) << 13) | ((h & 0x8000) << 16)).to(tl.float32, bitcast=True) * 5.192296858534828e33
-        else:
-            s = tl.load(s_ptr + off)
+        off = meta_rows + k0 // G
     else:
         off = meta_rows[:, None] + (k0 // G + offs_w // GW)[None, :]
-        s = tl.load(s_ptr + off)
-    return s.to(tl.float32), tl.load(z_ptr + off)
+    return tl.load(s_ptr + off).to(tl.float32), tl.load(z_ptr + off)
 
 
 # M and SPLIT_K are not specialized (Triton would compile a variant per divisibility of M, and make SPLIT_K = 1 a
@@ -186,8 +174,7 @@ def _group_meta(s_ptr, z_ptr, meta_rows, k0, offs_w, G: tl.constexpr, BLOCK_W: t
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
                        K8, NG, SPLIT_K, G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, UNPACK: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                       PAIRS: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, UNPACK: tl.constexpr, UPCAST_DOT: tl.constexpr):
     # UPCAST_DOT (interpreter + bf16 only): Triton 3.6's interpreter multiplies bf16 tiles as raw uint16, so both
     # operands are widened to fp32 first (exact). Grid (row tiles, column tiles, splits): row tiles vary fastest, so
     # the programs that read one weight tile run together and it comes from HBM once.
@@ -214,7 +201,7 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt
     qw_ptrs += it0 * BLOCK_W
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(it0, it1):
-        s, b = _group_meta(s_ptr, z_ptr, meta_rows, it * BLOCK_K, offs_w, G, BLOCK_W, PAIRS)
+        s, b = _group_meta(s_ptr, z_ptr, meta_rows, it * BLOCK_K, offs_w, G, BLOCK_W)
         xt = tl.load(xt_ptrs)  # (BK, BM)
         words = tl.load(qw_ptrs)  # (BN, BW) int32
         w = _dequant_tile(words, s, b, UNPACK, xt.dtype, BLOCK_N, BLOCK_W)  # (BN, BK), permuted K
@@ -398,7 +385,6 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack) -> _Plan:
     launch = Launch(_w4a16_gemm_kernel, grid, (M, N, K, x.stride(0), stride_ym, K // 8, K // G, cfg.split_k),
                     dict(G=G, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                          BLOCK_W=cfg.block_w, UNPACK=unpack, UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16,
-                         PAIRS=(K // G) % 2 == 0 and cfg.block_w <= G // 8,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return _Plan(M, N, K, path, cfg.split_k, grid[0] * grid[1], launch)
 

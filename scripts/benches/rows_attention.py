@@ -50,8 +50,7 @@ def run(args) -> list[dict]:
             kv_bytes = 2 * HKV * (n + T) * D * 2
             sets = _inputs(T, n, common.n_copies(kv_bytes))
             row = {"T": T, "keys": n, "floor_us": kv_bytes / copy / 1e3}  # bytes / (GB/s) -> us
-            for name, fn in (("split64_us", lambda q, k, v, r: rows_attention(q, k, v, r.keys, lse=True)),
-                             ("split128_us", lambda q, k, v, r: rows_attention(q, k, v, r.keys, lse=True, query_tile=128)),
+            for name, fn in (("split_us", lambda q, k, v, r: rows_attention(q, k, v, r.keys, lse=True)),
                              ("flash_us", lambda q, k, v, r: ops.attention_rows(
                                  q, k, v, r, lse=True, opts=Options(split_rows_attention=False)))):
                 ms = common.graph_ms(fn, sets)

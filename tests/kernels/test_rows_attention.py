@@ -32,9 +32,9 @@ def make(H, Hkv, S, D, dtype, n, seed=0):
     return k, v
 
 
-def check(q, k, v, n, splits=None, lse=True, query_tile=64):
+def check(q, k, v, n, splits=None, lse=True):
     keys = torch.tensor([n], dtype=torch.int32, device=DEVICE)
-    o, got_lse = rows_attention(q, k, v, keys, lse=lse, splits=splits, query_tile=query_tile)
+    o, got_lse = rows_attention(q, k, v, keys, lse=lse, splits=splits)
     want, want_lse = rows_attention_ref(q, k, v, keys)
     assert o.shape == q.shape and o.dtype == q.dtype
     torch.testing.assert_close(o.float(), want.float(), atol=TOL[q.dtype], rtol=0)
@@ -45,15 +45,14 @@ def check(q, k, v, n, splits=None, lse=True, query_tile=64):
     return o
 
 
-@pytest.mark.parametrize("query_tile", [64, 128])
 @pytest.mark.parametrize("H,Hkv", [(4, 1), (6, 2), (7, 1), (2, 2)])
 @pytest.mark.parametrize("T,n,splits", [(5, 40, 1), (5, 40, 3), (20, 150, 4), (33, 34, 8), (1, 70, 2), (70, 300, 3)])
-def test_rows_attention_matches_the_reference(H, Hkv, T, n, splits, query_tile):
+def test_rows_attention_matches_the_reference(H, Hkv, T, n, splits):
     """Splits past a row block's keys write nothing (the workspaces start as garbage) and the merge stops before
     them; (70, 300): row blocks whose splits hold different key counts."""
     k, v = make(H, Hkv, 320, 32, torch.float16, n)
     q = torch.randn(1, H, T, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
-    check(q, k, v, n, splits, query_tile=query_tile)
+    check(q, k, v, n, splits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -87,18 +86,17 @@ def test_rows_attention_rejects_shapes_it_does_not_take():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("query_tile", [64, 128])
 @pytest.mark.parametrize("n", [600, 51_000])
-def test_llama3_heads_over_a_long_cache_and_a_graph_replay(n, query_tile):
+def test_llama3_heads_over_a_long_cache_and_a_graph_replay(n):
     H, Hkv, T, D = 32, 8, 64, 128
     k, v = make(H, Hkv, 52_000, D, torch.float16, 52_000, seed=6)
     q = torch.randn(1, H, T, D, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.float16)
-    check(q, k, v, n, query_tile=query_tile)
+    check(q, k, v, n)
     keys = torch.tensor([n], dtype=torch.int32, device=DEVICE)
-    rows_attention(q, k, v, keys, lse=True, query_tile=query_tile)
+    rows_attention(q, k, v, keys, lse=True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o, lse = rows_attention(q, k, v, keys, lse=True, query_tile=query_tile)
+        o, lse = rows_attention(q, k, v, keys, lse=True)
     keys.fill_(n // 2)
     graph.replay()
     want, want_lse = rows_attention_ref(q, k, v, keys)

@@ -66,9 +66,8 @@ def test_dequantized_weights_bit_exact(G, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scale_bits_exact(dtype):
-    """Scales read as halves of 4-byte words (even group counts) are widened to fp32 by bit arithmetic: exact for
-    subnormal (fp16), tiny, large, negative and zero scales, in both halves of a word. (bf16 widens by a plain
-    shift; its subnormals are left out because the interpreter's bf16 casts flush them.)"""
+    """The in-register dequantization is exact for subnormal (fp16), tiny, large, negative and zero scales. (bf16
+    subnormals are left out: the interpreter's bf16 casts flush them.)"""
     K, G = 256, 64
     a = make(1, 16, K, G, dtype, seed=3, device=DEVICE)
     tiny = 2.0 ** -20 if dtype == torch.float16 else 2.0 ** -120  # fp16: subnormal
