@@ -10,7 +10,8 @@
 # a live window's question dense in fp16 and W4; the hf pipeline needs transformers, which the device lacks unless
 # its wheels travel in .whl/), kernels (the W4 GEMV / GEMM rows against cuBLAS), followup (a later turn's split
 # attention against the flash call, the device-time profiles of a follow-up question and of a W4 and an fp16 first
-# turn, the W4 GEMM sweep at a follow-up's rows), attn (followup's first three: the attention bench and the follow-up profiles).
+# turn, the W4 GEMM sweep at a follow-up's rows), attn (followup's first three: the attention bench and the
+# follow-up profiles).
 # ORDER="B A A B" runs each chosen bench in the tree at $BEFORE (an older commit, e.g. `git archive f86bed5 | tar -x
 # -C .gpu/before`, carried) and in this one, in that order; JSON lines gain "tree": "A" or "B".
 # WORKERS pytest-xdist workers (default 8) compile in parallel and share Triton's on-disk cache; the suite is
