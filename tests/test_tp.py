@@ -4,7 +4,8 @@ One spawned pair runs every case (spawning costs seconds a process) and writes i
 the test process computes TP=1 itself and compares: prefill logits to 1e-5 and greedy tokens identical, for
 dense fp32, KV heads replicated (one KV head, Qwen2's q/k/v bias), SparseVILA (prefill and decode keep 0.5:
 each rank's decode selection equals TP=1's for its own KV heads) and W4 (group 32, loaded from a checkpoint
-through the loader's slicing); and rank 0 leading rank 1 through sampled answers, one closed early.
+through the loader's slicing); and rank 0 leading rank 1 through a video (decoded on rank 0, its frames sent)
+and sampled answers, one closed early.
 """
 
 import dataclasses
@@ -27,6 +28,13 @@ from tinyvila.loader import build_synthetic
 GREEDY = SamplingParams(max_new_tokens=10)
 PIXELS = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
 SPARSE = SparsityConfig(prefill_keep=0.5, decode_keep=0.5, decode_window=0)
+FRAMES = [np.random.default_rng(i).integers(0, 256, (48 + 8 * i, 64, 3), dtype=np.uint8) for i in range(3)]
+
+
+def _video_turn(chat) -> tuple[list[float], str]:
+    """Two of FRAMES as a video, then a greedy answer: (the frames' times, the answer's text)."""
+    times = chat.add_video(FRAMES, 2)
+    return times, "".join(chat.ask("What happens?", GREEDY))
 
 
 def _configs():
@@ -77,6 +85,8 @@ def _worker(rank: int, world: int, store: str, folder: str, out: str) -> None:
     chat = chat.chat(sampling=SamplingParams(temperature=1.0, max_new_tokens=12))
     if rank == 0:
         lead = tp.Leader(chat, r)
+        results["video"] = _video_turn(lead)
+        lead.clear()
         lead.add_image(PIXELS)
         stream = lead.ask("Describe it.")
         next(stream), next(stream)
@@ -106,6 +116,7 @@ def ranks(tmp_path_factory):
     for p in procs:
         p.start()
     single = _cases(None, folder)
+    single["video"] = _video_turn(from_config(_configs()["dense"], seed=1).chat())
     for p in procs:
         p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0, 0]
@@ -130,6 +141,22 @@ def test_decode_retrieval_selects_per_rank_among_its_own_kv_heads(ranks):
     assert not torch.equal(full[:, :, :n], full[:, :, n:])  # heads choose differently: the split is visible
     for r, got in enumerate(pair):
         assert torch.equal(got["sparse"]["packed"], full[:, :, r * n:(r + 1) * n])
+
+
+def test_a_video_under_tp_answers_as_tp1(ranks):
+    single, (lead, _) = ranks
+    assert lead["video"] == single["video"] and len(single["video"][0]) == 2 and single["video"][1]
+
+
+def test_a_bad_video_fails_on_rank0_before_the_others_hear_of_it(monkeypatch, tmp_path):
+    from tinyvila.errors import VideoError
+
+    sent = []
+    monkeypatch.setattr(tp, "_send", lambda rank, *request: sent.append(request))
+    chat = from_config(_configs()["dense"], seed=1).chat()
+    with pytest.raises(VideoError, match="missing.mp4"):
+        tp.Leader(chat, tp.Rank(0, 2)).add_video(str(tmp_path / "missing.mp4"))
+    assert sent == [] and chat.queued() == ""
 
 
 def test_rank0_leads_sampled_answers_in_lock_step(ranks):

@@ -311,6 +311,15 @@ class Leader:
         pixels = resize_uint8(image, self.chat.vlm.model.cfg.vision)[0].numpy()  # (S, S, 3): resizes to itself
         self._run("add_image", pixels)
 
+    def add_video(self, source, num_frames: int = 8, fps: float | None = None) -> list[float]:
+        """Decoded and sampled here (a bad source fails before the others hear of it); the resized frames travel and
+        each rank queues them as pre-sampled frames (resizing them again is the identity). Returns their times."""
+        from .video import frame_batches
+
+        batches = list(frame_batches(source, self.chat.vlm.model.cfg.vision, num_frames, fps))
+        self._run("add_video", [f for _, px, _ in batches for f in px.numpy()], sum(len(b[0]) for b in batches))
+        return [t for ts, _, _ in batches for t in ts]
+
     def clear(self) -> None:
         self._run("clear")
 
