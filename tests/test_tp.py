@@ -4,8 +4,9 @@ One spawned pair runs every case (spawning costs seconds a process) and writes i
 the test process computes TP=1 itself and compares: prefill logits to 1e-5 and greedy tokens identical, for
 dense fp32, KV heads replicated (one KV head, Qwen2's q/k/v bias), SparseVILA (prefill and decode keep 0.5:
 each rank's decode selection equals TP=1's for its own KV heads) and W4 (group 32, loaded from a checkpoint
-through the loader's slicing); and rank 0 leading rank 1 through a video (decoded on rank 0, its frames sent)
-and sampled answers, one closed early.
+through the loader's slicing); and rank 0 leading rank 1 through a video (decoded on rank 0, its frames sent),
+sampled answers (one closed early) and the HTTP server's engine over tp.LeadModel (chats opened, reused,
+recycled). `python -m tinyvila.chat --tp 2` and `python -m tinyvila.serve --tp 2` run as whole commands.
 """
 
 import dataclasses
@@ -60,6 +61,38 @@ def _conversation(model, sparsity=None) -> dict:
     return out
 
 
+def _engine_answers(vlm) -> list[str]:
+    """The HTTP server's engine (no HTTP) answering three conversations with room for one chat: a first question,
+    its follow-up (the cached chat, its prefix reused), and another conversation resent with its history (the
+    chat recycled: cleared, its system prompt set, the history prefilled)."""
+    import threading
+
+    from tinyvila.serve.engine import Engine, Job
+    from tinyvila.serve.protocol import Defaults, parse_request
+
+    engine, texts = Engine(vlm, cache_size=1), []
+
+    def ask(messages):
+        done, pieces = threading.Event(), []
+        req = parse_request({"messages": messages, "max_tokens": 6}, Defaults())
+        engine.submit(Job(req, lambda kind, payload: pieces.append(payload) if kind == "text" else
+                          done.set() if kind in ("done", "error") else None))
+        assert done.wait(60)
+        texts.append("".join(pieces))
+        return texts[-1]
+
+    try:
+        first = ask([{"role": "user", "content": "Hello?"}])
+        ask([{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": first},
+             {"role": "user", "content": "And then?"}])
+        ask([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "More?"}])
+        assert engine.metrics.get("prefix_cache_hits_total") == 1 and engine.metrics.get("chats_recycled_total") == 1
+    finally:
+        engine.close()
+    return texts
+
+
 def _cases(rank, folder) -> dict:
     """Every case's conversation at this rank (None: TP=1)."""
     def shard(m):
@@ -80,9 +113,9 @@ def _worker(rank: int, world: int, store: str, folder: str, out: str) -> None:
     r = tp.init(rank, world, torch.device("cpu"), init_method=f"file://{store}")
     results = _cases(r, folder)
     # Rank 0 leads rank 1 (tp.Leader / tp.follow): sampled answers stay in lock-step, one closed early.
-    chat = from_config(_configs()["dense"], seed=1)
-    tp.shard_model(chat.model, r)
-    chat = chat.chat(sampling=SamplingParams(temperature=1.0, max_new_tokens=12))
+    model = from_config(_configs()["dense"], seed=1)
+    tp.shard_model(model.model, r)
+    chat = model.chat(sampling=SamplingParams(temperature=1.0, max_new_tokens=12))
     if rank == 0:
         lead = tp.Leader(chat, r)
         results["video"] = _video_turn(lead)
@@ -92,10 +125,11 @@ def _worker(rank: int, world: int, store: str, folder: str, out: str) -> None:
         next(stream), next(stream)
         stream.close()
         list(lead.ask("More."))
+        results["engine"] = _engine_answers(tp.LeadModel(model, r))
         tp.quit(r)
     else:
         r.joined = True
-        tp.follow(chat, r)
+        tp.follow(chat, r, model=model)
     results["led"] = [list(t[2]) for t in chat.turns]
     torch.save(results, f"{out}.{rank}")
     torch.distributed.destroy_process_group()
@@ -117,6 +151,7 @@ def ranks(tmp_path_factory):
         p.start()
     single = _cases(None, folder)
     single["video"] = _video_turn(from_config(_configs()["dense"], seed=1).chat())
+    single["engine"] = _engine_answers(from_config(_configs()["dense"], seed=1))
     for p in procs:
         p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0, 0]
@@ -157,6 +192,12 @@ def test_a_bad_video_fails_on_rank0_before_the_others_hear_of_it(monkeypatch, tm
     with pytest.raises(VideoError, match="missing.mp4"):
         tp.Leader(chat, tp.Rank(0, 2)).add_video(str(tmp_path / "missing.mp4"))
     assert sent == [] and chat.queued() == ""
+
+
+def test_the_servers_engine_under_tp_answers_as_tp1(ranks):
+    """Chats opened, reused, recycled and resent with their history (tp.LeadModel): the same answers as TP=1."""
+    single, (lead, _) = ranks
+    assert lead["engine"] == single["engine"] and all(single["engine"])
 
 
 def test_rank0_leads_sampled_answers_in_lock_step(ranks):
@@ -229,3 +270,59 @@ def test_a_rank_that_dies_fails_the_launch():
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_serve_tp2_answers_over_http_as_tp1():
+    """`python -m tinyvila.serve --tp 2` on the demo: rank 0 serves on a free port, rank 1 (spawned) follows; a chat
+    completion over HTTP equals the TP=1 engine's answer; Ctrl-C stops both ranks."""
+    import json
+    import subprocess
+    import time
+    import urllib.request
+
+    pytest.importorskip("uvicorn")
+    port = tp.free_port()
+    server = subprocess.Popen([sys.executable, "-m", "tinyvila.serve", "--model", "demo", "--device", "cpu", "--tp", "2",
+                               "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    body = json.dumps({"messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 8}).encode()
+    try:
+        for _ in range(240):
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                             {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    got = json.load(r)["choices"][0]["message"]["content"]
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read()
+                time.sleep(0.5)
+        else:
+            pytest.fail("the --tp 2 server did not answer within 120 s")
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            code = server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+            raise
+    want = _engine_answers_one(load("demo"), "Hello?", 8)
+    assert got == want and got
+    assert code == 0, server.stderr.read()
+
+
+def _engine_answers_one(vlm, question: str, max_tokens: int) -> str:
+    import threading
+
+    from tinyvila.serve.engine import Engine, Job
+    from tinyvila.serve.protocol import Defaults, parse_request
+
+    engine, done, pieces = Engine(vlm), threading.Event(), []
+    req = parse_request({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens}, Defaults())
+    engine.submit(Job(req, lambda kind, payload: pieces.append(payload) if kind == "text" else
+                      done.set() if kind in ("done", "error") else None))
+    try:
+        assert done.wait(60)
+    finally:
+        engine.close()
+    return "".join(pieces)

@@ -6,8 +6,8 @@ followed by an all-reduce. Norms, embeddings, lm_head and the vision tower are r
 sampled tokens and SparseVILA's prefill pruning (from the replicated vision tower) are the same on every rank;
 decode retrieval scores and selects per KV head, so each rank chooses among its own heads' keys. W4 weights
 split on group boundaries (`shard_text` checks every split first). `python -m tinyvila.chat --tp N` spawns the
-ranks (`launch`); rank 0 owns the terminal and broadcasts each request (`Leader`, `follow`). Follows gpt-fast's
-tp.py and vLLM's split rules; tested on CPU over gloo in tests/test_tp.py.
+ranks (`launch`); rank 0 owns the terminal or the HTTP server and broadcasts each request (`Leader`, `LeadModel`,
+`follow`). Follows gpt-fast's tp.py and vLLM's split rules; tested on CPU over gloo in tests/test_tp.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import random
 import signal
 import socket
 import sys
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -266,30 +268,38 @@ def _recv(rank: Rank) -> tuple:
 
 class _DeferInterrupt:
     """Ctrl-C held back while a request runs: raising inside a forward would leave the other ranks waiting in an
-    all-reduce that never comes. `pressed` says whether it came; the caller raises at a safe point."""
+    all-reduce that never comes. `pressed` says whether it came; the caller raises at a safe point. Off the main
+    thread (the server's worker) there is nothing to hold back: Python delivers Ctrl-C to the main thread."""
 
     def __enter__(self):
-        self.pressed = False
-        self._old = signal.signal(signal.SIGINT, self._press)
+        self.pressed, self._main = False, threading.current_thread() is threading.main_thread()
+        if self._main:
+            self._old = signal.signal(signal.SIGINT, self._press)
         return self
 
     def _press(self, *_):
         self.pressed = True
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self._old)
+        if self._main:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def _apply(chat, op: str, args: tuple):
+    """One request on a rank's chat: a method call, or ("set", attribute, value)."""
+    return setattr(chat, *args) if op == "set" else getattr(chat, op)(*args)
 
 
 class Leader:
     """Rank 0's Chat: each request is sent to the other ranks, then run here, so every rank's Chat goes through
     the same calls with the same arguments (and their forwards' collectives pair up). Images are read here; the
     resized pixels travel. Sampling gets a seed drawn here: every rank then samples the same tokens from the
-    same (all-reduced, replicated) logits."""
+    same (all-reduced, replicated) logits. `cid` names the chat on every rank (0: the CLI's one chat)."""
 
-    READ = ("stats", "images", "queued", "decoder", "vlm", "sampling", "turns", "mode", "system", "last_logits")
+    READ = ("stats", "images", "queued", "decoder", "vlm", "sampling", "turns", "mode", "last_logits")
 
-    def __init__(self, chat, rank: Rank):
-        self.chat, self.rank = chat, rank
+    def __init__(self, chat, rank: Rank, cid: int = 0):
+        self.chat, self.rank, self.cid = chat, rank, cid
 
     def __getattr__(self, name):
         if name in self.READ:
@@ -299,11 +309,22 @@ class Leader:
 
     def _run(self, op: str, *args):
         with _DeferInterrupt() as d:
-            _send(self.rank, op, *args)
-            out = getattr(self.chat, op)(*args)
+            _send(self.rank, self.cid, op, *args)
+            out = _apply(self.chat, op, args)
         if d.pressed:
             raise KeyboardInterrupt
         return out
+
+    @property
+    def system(self) -> str | None:
+        return self.chat.system
+
+    @system.setter
+    def system(self, value: str | None) -> None:
+        self._run("set", "system", value)
+
+    def add_turn(self, question: str, answer: str) -> None:
+        self._run("add_turn", question, answer)
 
     def add_image(self, image) -> None:
         from .image import resize_uint8
@@ -366,21 +387,45 @@ class _LeadStream:
         self.answer.close()
 
 
+class LeadModel:
+    """Rank 0's Model for a caller that opens many chats (the HTTP server's engine): `chat()` opens the same chat
+    on every rank, under a new id, and returns its Leader. A chat rank 0 no longer holds (its Leader collected) is
+    dropped on the other ranks when the next one opens. Everything else reads rank 0's Model."""
+
+    def __init__(self, base, rank: Rank):
+        self.base, self.rank, self._live, self._next = base, rank, weakref.WeakValueDictionary(), 1
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def chat(self, **kw) -> Leader:
+        cid, self._next = self._next, self._next + 1
+        _send(self.rank, cid, "new", kw, sorted(self._live))
+        lead = self._live[cid] = Leader(self.base.chat(**kw), self.rank, cid)
+        return lead
+
+
 def quit(rank: Rank) -> None:
     """Rank 0 at the end of the session: let the other ranks go (when they got as far as waiting for requests)."""
     if rank.joined:
-        _send(rank, "quit")
+        _send(rank, None, "quit")
 
 
-def follow(chat, rank: Rank) -> int:
-    """A rank > 0: run rank 0's requests on this rank's Chat until it quits. Errors are rank 0's to report (the
-    same inputs meet the same state on every rank)."""
+def follow(chat, rank: Rank, model=None) -> int:
+    """A rank > 0: run rank 0's requests on this rank's chats (`chat`, id 0; those LeadModel opens from `model`)
+    until it quits. Errors are rank 0's to report (the same inputs meet the same state on every rank)."""
+    chats = {0: chat}
     while True:
-        op, *args = _recv(rank)
+        cid, op, *args = _recv(rank)
         if op == "quit":
             return 0
         try:
-            out = getattr(chat, op)(*args)
+            if op == "new":
+                for gone in [i for i in chats if i and i not in args[1]]:
+                    del chats[gone]
+                chats[cid] = model.chat(**args[0])
+                continue
+            out = _apply(chats[cid], op, args)
             if op == "ask":
                 _follow_answer(out, rank)
         except Exception:  # noqa: BLE001 - rank 0 raised the same and reports it
