@@ -61,32 +61,34 @@ def _conversation(model, sparsity=None) -> dict:
     return out
 
 
-def _engine_answers(vlm) -> list[str]:
-    """The HTTP server's engine (no HTTP) answering three conversations with room for one chat: a first question,
-    its follow-up (the cached chat, its prefix reused), and another conversation resent with its history (the
-    chat recycled: cleared, its system prompt set, the history prefilled)."""
+def _ask(engine, messages: list[dict], max_tokens: int = 6) -> str:
+    """One request through the HTTP server's engine (no HTTP): the answer's text."""
     import threading
 
-    from tinyvila.serve.engine import Engine, Job
+    from tinyvila.serve.engine import Job
     from tinyvila.serve.protocol import Defaults, parse_request
 
-    engine, texts = Engine(vlm, cache_size=1), []
+    done, pieces = threading.Event(), []
+    req = parse_request({"messages": messages, "max_tokens": max_tokens}, Defaults())
+    engine.submit(Job(req, lambda kind, payload: pieces.append(payload) if kind == "text" else
+                      done.set() if kind in ("done", "error") else None))
+    assert done.wait(60)
+    return "".join(pieces)
 
-    def ask(messages):
-        done, pieces = threading.Event(), []
-        req = parse_request({"messages": messages, "max_tokens": 6}, Defaults())
-        engine.submit(Job(req, lambda kind, payload: pieces.append(payload) if kind == "text" else
-                          done.set() if kind in ("done", "error") else None))
-        assert done.wait(60)
-        texts.append("".join(pieces))
-        return texts[-1]
 
+def _engine_answers(vlm) -> list[str]:
+    """The engine answering three conversations with room for one chat: a first question, its follow-up (the
+    cached chat, its prefix reused), and another conversation resent with its history (the chat recycled:
+    cleared, its system prompt set, the history prefilled)."""
+    from tinyvila.serve.engine import Engine
+
+    engine = Engine(vlm, cache_size=1)
     try:
-        first = ask([{"role": "user", "content": "Hello?"}])
-        ask([{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": first},
-             {"role": "user", "content": "And then?"}])
-        ask([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-             {"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "More?"}])
+        first = _ask(engine, [{"role": "user", "content": "Hello?"}])
+        texts = [first, _ask(engine, [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": first},
+                                      {"role": "user", "content": "And then?"}]),
+                 _ask(engine, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                               {"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "More?"}])]
         assert engine.metrics.get("prefix_cache_hits_total") == 1 and engine.metrics.get("chats_recycled_total") == 1
     finally:
         engine.close()
@@ -306,23 +308,12 @@ def test_serve_tp2_answers_over_http_as_tp1():
             server.kill()
             server.wait()
             raise
-    want = _engine_answers_one(load("demo"), "Hello?", 8)
-    assert got == want and got
-    assert code == 0, server.stderr.read()
+    from tinyvila.serve.engine import Engine
 
-
-def _engine_answers_one(vlm, question: str, max_tokens: int) -> str:
-    import threading
-
-    from tinyvila.serve.engine import Engine, Job
-    from tinyvila.serve.protocol import Defaults, parse_request
-
-    engine, done, pieces = Engine(vlm), threading.Event(), []
-    req = parse_request({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens}, Defaults())
-    engine.submit(Job(req, lambda kind, payload: pieces.append(payload) if kind == "text" else
-                      done.set() if kind in ("done", "error") else None))
+    engine = Engine(load("demo"))
     try:
-        assert done.wait(60)
+        want = _ask(engine, [{"role": "user", "content": "Hello?"}], 8)
     finally:
         engine.close()
-    return "".join(pieces)
+    assert got == want and got
+    assert code == 0, server.stderr.read()
