@@ -5,8 +5,9 @@ the test process computes TP=1 itself and compares: prefill logits to 1e-5 and g
 dense fp32, KV heads replicated (one KV head, Qwen2's q/k/v bias), SparseVILA (prefill and decode keep 0.5:
 each rank's decode selection equals TP=1's for its own KV heads) and W4 (group 32, loaded from a checkpoint
 through the loader's slicing); and rank 0 leading rank 1 through a video (decoded on rank 0, its frames sent),
-sampled answers (one closed early) and the HTTP server's engine over tp.LeadModel (chats opened, reused,
-recycled). `python -m tinyvila.chat --tp 2` and `python -m tinyvila.serve --tp 2` run as whole commands.
+sampled answers (one closed early), the HTTP server's engine over tp.LeadModel (chats opened, reused,
+recycled) and a live session (frames encoded on rank 0, their embeddings sent). `python -m tinyvila.chat --tp 2`
+and `python -m tinyvila.serve --tp 2` run as whole commands.
 """
 
 import dataclasses
@@ -76,6 +77,18 @@ def _ask(engine, messages: list[dict], max_tokens: int = 6) -> str:
     return "".join(pieces)
 
 
+def _live_answers(vlm) -> list[str]:
+    """A LiveSession (tinyvila.live: frames encoded as they come, a window asked about) over two frames, asked
+    twice: the second question reuses the window's prefill."""
+    from tinyvila.live import LiveSession
+
+    with LiveSession(vlm, window=2, sample_fps=None) as live:
+        for n, frame in enumerate(FRAMES[:2], 1):
+            live.push(frame, float(n))
+            assert live.wait_frames(n, timeout=60)
+        return ["".join(live.ask(q, GREEDY)) for q in ("What happens?", "And now?")]
+
+
 def _engine_answers(vlm) -> list[str]:
     """The engine answering three conversations with room for one chat: a first question, its follow-up (the
     cached chat, its prefix reused), and another conversation resent with its history (the chat recycled:
@@ -128,6 +141,7 @@ def _worker(rank: int, world: int, store: str, folder: str, out: str) -> None:
         stream.close()
         list(lead.ask("More."))
         results["engine"] = _engine_answers(tp.LeadModel(model, r))
+        results["live"] = _live_answers(tp.LeadModel(model, r))
         tp.quit(r)
     else:
         r.joined = True
@@ -154,6 +168,7 @@ def ranks(tmp_path_factory):
     single = _cases(None, folder)
     single["video"] = _video_turn(from_config(_configs()["dense"], seed=1).chat())
     single["engine"] = _engine_answers(from_config(_configs()["dense"], seed=1))
+    single["live"] = _live_answers(from_config(_configs()["dense"], seed=1))
     for p in procs:
         p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0, 0]
@@ -200,6 +215,13 @@ def test_the_servers_engine_under_tp_answers_as_tp1(ranks):
     """Chats opened, reused, recycled and resent with their history (tp.LeadModel): the same answers as TP=1."""
     single, (lead, _) = ranks
     assert lead["engine"] == single["engine"] and all(single["engine"])
+
+
+def test_a_live_session_under_tp_answers_as_tp1(ranks):
+    """tinyvila.live over tp.LeadModel: rank 0 encodes the frames (the vision tower is replicated), their
+    embeddings travel with the window's prefill."""
+    single, (lead, _) = ranks
+    assert lead["live"] == single["live"] and all(single["live"])
 
 
 def test_rank0_leads_sampled_answers_in_lock_step(ranks):

@@ -286,7 +286,10 @@ class _DeferInterrupt:
 
 
 def _apply(chat, op: str, args: tuple):
-    """One request on a rank's chat: a method call, or ("set", attribute, value)."""
+    """One request on a rank's chat: a method call, or ("set", attribute, value). Encoded frames (live.py's window)
+    travel as CPU tensors: each rank moves them to its device."""
+    if op == "_add_encoded":
+        args = ([tuple(t.to(chat.vlm.model.device) if torch.is_tensor(t) else t for t in e) for e in args[0]], *args[1:])
     return setattr(chat, *args) if op == "set" else getattr(chat, op)(*args)
 
 
@@ -296,7 +299,10 @@ class Leader:
     resized pixels travel. Sampling gets a seed drawn here: every rank then samples the same tokens from the
     same (all-reduced, replicated) logits. `cid` names the chat on every rank (0: the CLI's one chat)."""
 
-    READ = ("stats", "images", "queued", "decoder", "vlm", "sampling", "turns", "mode", "last_logits")
+    # Read on rank 0 alone; `_encode` too: the vision tower is replicated, so a frame encoded here (tinyvila.live)
+    # needs no other rank, and its embeddings travel with `_add_encoded`.
+    READ = ("stats", "images", "queued", "decoder", "vlm", "sampling", "sparsity", "turns", "mode", "last_logits",
+            "_encode", "_lock")
 
     def __init__(self, chat, rank: Rank, cid: int = 0):
         self.chat, self.rank, self.cid = chat, rank, cid
@@ -325,6 +331,9 @@ class Leader:
 
     def add_turn(self, question: str, answer: str) -> None:
         self._run("add_turn", question, answer)
+
+    def _add_encoded(self, encoded: list, media_ms: float = 0.0) -> None:
+        self._run("_add_encoded", [tuple(t.cpu() if torch.is_tensor(t) else t for t in e) for e in encoded], media_ms)
 
     def add_image(self, image) -> None:
         from .image import resize_uint8
