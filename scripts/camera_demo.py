@@ -2,10 +2,13 @@
 
     python -m scripts.camera_demo --model vila-8b-awq --source 0 --question "Is anyone at the door?" --every 2
     python -m scripts.camera_demo --model demo --source clip.mp4 --every 1 --max-answers 3   # a file plays as a camera
+    python -m scripts.camera_demo --model vila-40b-awq --tp 2        # tensor parallel: rank 0 owns the camera
 
 --source is a camera index, /dev/videoN, an rtsp:// (or http) URL or a video file. Needs OpenCV (pip install
 "tinyvila[video]"). The capture is the loop a robot's own code would run (read, push with bgr=True) on a thread of
 its own; `LiveSession.attach(source)` does the same inside the session. Each answer is printed with its TTFT.
+With --tp N, rank 0 runs all of this over a tp.LeadModel (it encodes the frames; the window's embeddings go to
+the other ranks, which follow its requests on their shards).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 import torch
 
 import tinyvila
+from tinyvila import tp
 from tinyvila.generate import SamplingParams
 from tinyvila.video import STREAM_SCHEMES, open_capture
 
@@ -36,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-keep", type=float, help="SparseVILA: fraction of each frame's tokens kept")
     p.add_argument("--decode-keep", type=float, help="SparseVILA: fraction of the visual tokens each question reads")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N ranks (spawned here)")
     return p.parse_args(argv)
 
 
@@ -57,10 +62,35 @@ def capture(cap, live: tinyvila.LiveSession, paced: bool, stop: threading.Event)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.tp < 1:
+        print(f"error: --tp {args.tp}: the rank count must be 1 or more", file=sys.stderr)
+        return 1
+    return tp.launch(args.tp, _tp_rank, args) if args.tp > 1 else run(args)
+
+
+def _tp_rank(rank: int, world: int, args: argparse.Namespace) -> int:
+    """One rank under --tp: each loads its shard; rank 0 runs the demo, the others follow its requests."""
+    r = tp.init(rank, world, tp.rank_device(args.device, rank))
+    try:
+        if rank == 0:
+            return run(args, lambda: tp.LeadModel(tp.load(args.model, r, device=tp.rank_device(args.device, 0)), r))
+        try:
+            model = tp.load(args.model, r, device=tp.rank_device(args.device, rank))
+        except Exception:  # noqa: BLE001 - tp.load told rank 0, which reports it
+            return 1
+        return tp.follow(None, r, model=model)
+    finally:
+        if rank == 0:
+            tp.quit(r)
+        torch.distributed.destroy_process_group()
+
+
+def run(args: argparse.Namespace, load=None) -> int:
+    """The demo; `load` makes the model (default: tinyvila.load of --model on --device)."""
     source = int(args.source) if args.source.isdigit() else args.source
     paced = not isinstance(source, int) and not args.source.startswith((*STREAM_SCHEMES, "/dev/"))
     try:
-        vlm = tinyvila.load(args.model, device=args.device)
+        vlm = load() if load else tinyvila.load(args.model, device=args.device)
         keeps = {k: v for k, v in (("prefill_keep", args.prefill_keep), ("decode_keep", args.decode_keep))
                  if v is not None}
         sparsity = dataclasses.replace(vlm.cfg.sparsity, **keeps)

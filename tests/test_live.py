@@ -300,3 +300,20 @@ def test_camera_demo_answers_about_a_file(tmp_path, capsys):
     assert len(lines) == 2 and all(x.startswith("[") for x in lines)
     assert camera_demo.main([*argv[:2], "--source", str(tmp_path / "none.mp4")]) == 1
     assert "none.mp4: cannot open" in capsys.readouterr().err and live_threads() == []
+
+
+def test_camera_demo_under_tp2_answers_about_a_file(tmp_path):
+    """`--tp 2`: rank 0 owns the capture and asks over a tp.LeadModel, rank 1 (spawned) follows; the answers come.
+    (Which frames a paced file puts in the window depends on timing, so the text is not compared with --tp 1.)"""
+    import subprocess
+    import sys
+
+    from tinyvila.loader import build_synthetic
+
+    build_synthetic(tmp_path / "tiny", "tiny-siglip-llama", seed=1)
+    clip = _clip(tmp_path / "clip.avi", 40, 20)
+    r = subprocess.run([sys.executable, "-m", "scripts.camera_demo", "--model", str(tmp_path / "tiny"), "--source", clip,
+                        "--every", "0.3", "--max-answers", "2", "--max-new-tokens", "2", "--device", "cpu", "--tp", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert len([x for x in r.stdout.splitlines() if "TTFT" in x and x.startswith("[")]) == 2, r.stdout
