@@ -70,19 +70,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tp_rank(rank: int, world: int, args: argparse.Namespace) -> int:
     """One rank under --tp: each loads its shard; rank 0 runs the demo, the others follow its requests."""
-    r = tp.init(rank, world, tp.rank_device(args.device, rank))
-    try:
-        if rank == 0:
-            return run(args, lambda: tp.LeadModel(tp.load(args.model, r, device=tp.rank_device(args.device, 0)), r))
-        try:
-            model = tp.load(args.model, r, device=tp.rank_device(args.device, rank))
-        except Exception:  # noqa: BLE001 - tp.load told rank 0, which reports it
-            return 1
-        return tp.follow(None, r, model=model)
-    finally:
-        if rank == 0:
-            tp.quit(r)
-        torch.distributed.destroy_process_group()
+    shard = lambda r: tp.load(args.model, r, device=tp.rank_device(args.device, r.rank))  # noqa: E731
+    return tp.run_rank(rank, world, args.device, lambda r: run(args, lambda: tp.LeadModel(shard(r), r)),
+                       lambda r: (None, shard(r)))
 
 
 def run(args: argparse.Namespace, load=None) -> int:

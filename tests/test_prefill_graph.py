@@ -196,7 +196,8 @@ def test_fallbacks_run_eagerly(monkeypatch):
     # FOLLOWUP_GRAPH_MAX_KEYS cached keys (here 40, as the cache's 40 slots are).
     long = embeds(vlm, 10 + FOLLOWUP_GRAPH_MAX + 1)
     cases = [({}, h[:, 10:], False, True, True), ({}, h[:, 10:], False, False, False),
-             ({}, h[:, 10:], True, True, False), ({}, long[:, 10:], False, True, False), ({"max_seq_len": 40}, h[:, 10:], False, True, False),
+             ({}, h[:, 10:], True, True, False), ({}, long[:, 10:], False, True, False),
+             ({"max_seq_len": 40}, h[:, 10:], False, True, False),
              ({"keys": 40, "split": False}, h[:, 10:], False, True, False),
              ({"keys": 48, "split": False}, h[:, 10:], False, True, True), ({"keys": 40}, h[:, 10:], False, True, True)]
     for kw, later, scored, seen, padded_too in cases:

@@ -233,20 +233,8 @@ def tp_main(args: argparse.Namespace) -> int:
 
 def _tp_rank(rank: int, world: int, args: argparse.Namespace) -> int:
     """One rank of tp_main; errors are rank 0's to print (every rank meets the same ones)."""
-    r = tp.init(rank, world, tp.rank_device(args.device, rank))
-    args = argparse.Namespace(**vars(args), tp_rank=r)
-    try:
-        if rank == 0:
-            return main(args=args)
-        try:
-            chat = open_chat(args)
-        except Exception:  # noqa: BLE001 - tp.load told rank 0, which reports it
-            return 1
-        return tp.follow(chat, r)
-    finally:
-        if rank == 0:
-            tp.quit(r)
-        torch.distributed.destroy_process_group()
+    ranked = lambda r: argparse.Namespace(**vars(args), tp_rank=r)  # noqa: E731
+    return tp.run_rank(rank, world, args.device, lambda r: main(args=ranked(r)), lambda r: (open_chat(ranked(r)), None))
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:

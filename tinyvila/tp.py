@@ -219,6 +219,24 @@ def launch(world: int, target, args) -> int:
     return code or next((c for c in failed if c), 0)
 
 
+def run_rank(rank: int, world: int, device, lead, load) -> int:
+    """One rank of a --tp command (what `launch`'s target calls): join the group; rank 0 returns lead(Rank), the
+    others follow its requests on load(Rank) = (their chat 0 or None, their Model or None) until it quits."""
+    r = init(rank, world, rank_device(device, rank))
+    try:
+        if rank == 0:
+            return lead(r)
+        try:
+            chat, model = load(r)
+        except Exception:  # noqa: BLE001 - tp.load told rank 0, which reports it
+            return 1
+        return follow(chat, r, model=model)
+    finally:
+        if rank == 0:
+            quit(r)
+        dist.destroy_process_group()
+
+
 def load(name_or_path, rank: Rank, *, device, dtype=None, options=None, verify=None):
     """tinyvila.load for one rank: the full checkpoint memory-mapped, this rank's slice kept (checked first), then
     moved to the device. Every rank reports how its load went before any goes on, so a failure on one rank is an
@@ -286,8 +304,7 @@ class _DeferInterrupt:
 
 
 def _apply(chat, op: str, args: tuple):
-    """One request on a rank's chat: a method call, or ("set", attribute, value). Encoded frames (live.py's window)
-    travel as CPU tensors: each rank moves them to its device."""
+    """One request on a rank's chat: a method call or ("set", name, value); encoded frames arrive on the CPU."""
     if op == "_add_encoded":
         args = ([tuple(t.to(chat.vlm.model.device) if torch.is_tensor(t) else t for t in e) for e in args[0]], *args[1:])
     return setattr(chat, *args) if op == "set" else getattr(chat, op)(*args)

@@ -101,23 +101,9 @@ def build(args: argparse.Namespace, vlm=None):
 
 def _tp_rank(rank: int, world: int, args: argparse.Namespace) -> int:
     """One rank under --tp: every rank loads its shard; rank 0 serves, the others follow its requests."""
-    import torch
-
     from .. import tp
 
-    r = tp.init(rank, world, tp.rank_device(_device(args), rank))
-    try:
-        if rank == 0:
-            return serve(args, r)
-        try:
-            model = load_model(args, r)
-        except Exception:  # noqa: BLE001 - tp.load told rank 0, which reports it
-            return 1
-        return tp.follow(None, r, model=model)
-    finally:
-        if rank == 0:
-            tp.quit(r)
-        torch.distributed.destroy_process_group()
+    return tp.run_rank(rank, world, _device(args), lambda r: serve(args, r), lambda r: (None, load_model(args, r)))
 
 
 def main(argv: list[str] | None = None) -> int:
