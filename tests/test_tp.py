@@ -264,6 +264,10 @@ def test_a_rank_count_below_one_is_refused(n, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--model", "demo", "--tp", n])
     assert e.value.code == 2 and f"--tp {n}: the rank count must be 1 or more" in capsys.readouterr().err
+    from scripts import camera_demo
+
+    assert camera_demo.main(["--model", "demo", "--tp", n]) == 1
+    assert f"--tp {n}: the rank count must be 1 or more" in capsys.readouterr().err
     pytest.importorskip("uvicorn")
     assert serve_main(["--model", "demo", "--tp", n]) == 1
     assert f"--tp {n}: the rank count must be 1 or more" in capsys.readouterr().err
