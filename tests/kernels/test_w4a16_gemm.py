@@ -83,6 +83,30 @@ def test_scale_bits_exact(dtype):
     assert torch.equal(y, w32.to(dtype).T)
 
 
+@pytest.mark.parametrize("G", [32, 128])
+@pytest.mark.parametrize("zeros", ["fp16", "any"])
+def test_fp16_zero_points_bit_exact_others_bounded(zeros, G):
+    """llm-awq v2's zero points are fp16 values, not exact multiples of s (the formats we build have b = -z s): the
+    dequantized weights must still be the reference's bits. Any other fp32 zero point (no format we build or import)
+    may be off by <= 2^-12 |s| before the rounding to fp16 (module docstring)."""
+    K = 256
+    a = make(1, 40, K, G, torch.float16, seed=G + len(zeros), device=DEVICE)
+    s = a["scales"].float()
+    if zeros == "fp16":
+        a["zeros"] = a["zeros"].half().float()
+        assert not torch.equal(a["zeros"] / s, torch.round(a["zeros"] / s))  # not integer zero points
+    else:
+        a["zeros"] = a["zeros"] + torch.rand(s.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE) * s * 0.4
+    x = torch.eye(K, dtype=torch.float16, device=DEVICE)
+    y = w4a16_gemm(x, a["qweight"], a["scales"], a["zeros"], config=Config(64, 64, 8, 1, 4, 2)).float().T
+    w32 = dequantize_ref(a["qweight"], a["scales"], a["zeros"])
+    if zeros == "fp16":
+        assert torch.equal(y, w32.half().float())
+    else:
+        bound = 2.0 ** -12 * s.abs().repeat_interleave(G, 1) + 2.0 ** -11 * w32.abs() + 2.0 ** -24
+        assert ((y - w32).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("split", [2, 3, 4])
 def test_split_k(split):
     """Split-K partials summed by the last split; 5 K steps over 4 splits leaves one split empty. Two calls:
