@@ -258,6 +258,40 @@ def test_encodes_and_streamed_pieces_take_turns_on_the_device(vlm, monkeypatch):
     assert sum(during) > 0  # frames were encoded while answers streamed, between their pieces
 
 
+def test_a_waiting_encode_goes_before_the_next_piece(vlm, monkeypatch):
+    """A Lock is not fair: the answer's thread would take the device again right after a piece, so a frame waiting
+    to be encoded could wait out the whole answer. A frame that arrives while a piece is made is encoded before the
+    next piece is made."""
+    live = LiveSession(vlm, window=2, sample_fps=None)
+    text, events = vlm.model.text, []
+    forward, encode = text.forward, live.chat._encode
+
+    def tracked_forward(*args, **kwargs):
+        events.append("llm")
+        if events.count("llm") == 2:  # the first greedy batch (Decoder.greedy: up to 16 steps a device sync)
+            live.push(frame(3))
+            deadline = time.monotonic() + 10
+            while not live._waiting and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert live._waiting, "the encoder never asked for the device"
+        return forward(*args, **kwargs)
+
+    def tracked_encode(*args, **kwargs):
+        events.append("enc")
+        return encode(*args, **kwargs)
+
+    with live:
+        live.push(frame(0))
+        assert live.wait_frames(1, timeout=30)
+        monkeypatch.setattr(text, "forward", tracked_forward)
+        monkeypatch.setattr(live.chat, "_encode", tracked_encode)
+        seen = []  # per piece received: had the new frame's encode begun?
+        for _ in live.ask("Go on?", SamplingParams(max_new_tokens=8)):
+            seen.append("enc" in events)
+    assert events.count("llm") >= 3 and len(seen) >= 3, (events, seen)
+    assert seen[2:] == [True] * (len(seen) - 2), seen  # the third piece waited for the device the encoder took
+
+
 def gpu_bytes(device) -> tuple[int, int]:
     if device != "cuda":
         return 0, 0

@@ -12,7 +12,7 @@ many were dropped). One encoder thread takes the slot, encodes the frame once (u
 its embedding to the window of the last `window` frames; `attach` adds one capture thread that pushes a source's
 frames through OpenCV. `ask` (one thread at a time, as a Chat) snapshots the window and answers about it as it was
 then, while frames keep arriving. The encoder and the answer take turns on the device (a lock per encode and per
-streamed piece): a CUDA graph captured in one thread must not see another thread's kernels or copies.
+piece; a waiting encode goes first): a CUDA graph captured in one thread must not see another thread's work.
 
 Asking re-prefills the window from the cached frame embeddings (a sliding window encodes only its new frames). A
 question about a window that has not moved since the last one (`reuse`, the default) is asked against the cached
@@ -103,7 +103,7 @@ class LiveSession:
         self._device = threading.Lock()  # one of: a frame's encode, the ask's set-up, one streamed piece
         self._frames: deque[_Frame] = deque(maxlen=window)
         self._slot: tuple[np.ndarray, float] | None = None
-        self._due, self._last, self._busy, self._closed = -math.inf, -math.inf, False, False
+        self._due, self._last, self._busy, self._closed, self._waiting = -math.inf, -math.inf, False, False, False
         self._t0 = time.monotonic()
         self._capture: threading.Thread | None = None
         self._stop = threading.Event()
@@ -154,7 +154,12 @@ class LiveSession:
             frame, error = None, None
             try:
                 pixels = resize_uint8(rgb, cfg)
+                with self._cond:
+                    self._waiting = True  # for the device: a streaming answer lets us in before its next piece
                 with self._device:
+                    with self._cond:
+                        self._waiting = False
+                        self._cond.notify_all()
                     emb, idx, _ = self.chat._encode(pixels)
                 frame = _Frame(t, emb, idx, self.counts["encoded"] + 1)
             except Exception as e:  # noqa: BLE001 - kept for the next ask(); the stream goes on
@@ -266,13 +271,15 @@ class LiveSession:
         return self._stream(answer)
 
     def _stream(self, answer: Answer) -> Iterator[str]:
-        """The answer's pieces, each made under the device lock (the encoder runs between them)."""
+        """The answer's pieces, each made under the device lock (a waiting encoder runs between them)."""
         try:
             while True:
                 with self._device:
                     piece = next(answer, None)
                 if piece is None:
                     return
+                with self._cond:  # a Lock is not fair: the releasing thread would take it again before the encoder
+                    self._cond.wait_for(lambda: not self._waiting or self._closed, timeout=1.0)
                 yield piece
         finally:
             answer.close()
