@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-keep", type=float, help="SparseVILA: fraction of each frame's tokens kept")
     p.add_argument("--decode-keep", type=float, help="SparseVILA: fraction of the visual tokens each question reads")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N ranks (spawned here)")
+    p.add_argument("--tp", type=tp.world_size, default=1, metavar="N", help="tensor parallel over N ranks (spawned here)")
     return p.parse_args(argv)
 
 
@@ -62,9 +62,6 @@ def capture(cap, live: tinyvila.LiveSession, paced: bool, stop: threading.Event)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.tp < 1:
-        print(f"error: --tp {args.tp}: the rank count must be 1 or more", file=sys.stderr)
-        return 1
     return tp.launch(args.tp, _tp_rank, args) if args.tp > 1 else run(args)
 
 

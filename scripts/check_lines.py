@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 # The budgets: set in docs/design.md, changed only together with it.
-TINYVILA_BUDGET = 6397
+TINYVILA_BUDGET = 6402
 CSRC_TRITON_BUDGET = 4610
 
 ROOT = Path(__file__).resolve().parents[1]

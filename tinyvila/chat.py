@@ -78,10 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graph", action="store_true", help="run eagerly, without CUDA graphs (debugging)")
     p.add_argument("--options", default="", metavar="NAME=VALUE,...",
                    help="runtime switches (tinyvila.Options, e.g. 'pdl=0,fused_norm_gemv=off'); for A/B runs")
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N ranks (GPUs cuda:0..N-1, or "
+    p.add_argument("--tp", type=tp.world_size, default=1, metavar="N", help="tensor parallel over N ranks (GPUs cuda:0..N-1, or "
                    "CPU processes with --device cpu), spawned here; under torchrun its ranks are used")
-    args = p.parse_args(argv)
-    return args if args.tp >= 1 else p.error(f"--tp {args.tp}: the rank count must be 1 or more")
+    return p.parse_args(argv)
 
 
 def answer(chat: Chat, question: str, show_stats: bool, recorder: benchmark.Recorder | None = None) -> None:

@@ -12,6 +12,7 @@ ranks (`launch`); rank 0 owns the terminal or the HTTP server and broadcasts eac
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import random
@@ -161,6 +162,13 @@ def from_env() -> tuple[int, int] | None:
     """(rank, world size) when torchrun (or any env:// launcher) started this process with WORLD_SIZE > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return (int(os.environ["RANK"]), world) if world > 1 and "RANK" in os.environ else None
+
+
+def world_size(value: str) -> int:
+    """argparse type of --tp (the chat, the server, the camera demo): a rank count of 1 or more."""
+    if not value.lstrip("-").isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value}: the rank count must be a whole number, 1 or more")
+    return int(value)
 
 
 def rank_device(device: str | torch.device, rank: int) -> torch.device:

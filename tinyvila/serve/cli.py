@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from .. import tp
+
 INSTALL = 'pip install "tinyvila[serve]"   (in a checkout: pip install -e ".[serve]")'
 
 
@@ -48,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--video-frames", type=int, default=8, help="frames sampled from a video without max_frames (VILA1.5's 8)")
     a("--max-frames", type=int, default=64, help="the most frames a request may ask for")
     a("--no-cuda-graph", action="store_true", help="run eagerly, without CUDA graphs (debugging)")
-    a("--tp", type=int, default=1, metavar="N", help="tensor parallel over N ranks (GPUs cuda:0..N-1, or gloo on "
+    a("--tp", type=tp.world_size, default=1, metavar="N", help="tensor parallel over N ranks (GPUs cuda:0..N-1, or gloo on "
       "CPU): rank 0 serves, the others run its requests on their shards (torchrun works too)")
     a("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p.parse_args(argv)
@@ -64,7 +66,6 @@ def load_model(args: argparse.Namespace, rank=None):
     """The model as the flags say; with `rank` (a tp.Rank), that rank's shard."""
     import torch
 
-    from .. import tp
     from ..api import load
     from ..options import Options
 
@@ -101,8 +102,6 @@ def build(args: argparse.Namespace, vlm=None):
 
 def _tp_rank(rank: int, world: int, args: argparse.Namespace) -> int:
     """One rank under --tp: every rank loads its shard; rank 0 serves, the others follow its requests."""
-    from .. import tp
-
     return tp.run_rank(rank, world, _device(args), lambda r: serve(args, r), lambda r: (None, load_model(args, r)))
 
 
@@ -114,11 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"error: python -m tinyvila.serve needs Starlette and uvicorn ({e.name} is not installed): {INSTALL}",
               file=sys.stderr)
-        return 1
-    from .. import tp
-
-    if args.tp < 1:
-        print(f"error: --tp {args.tp}: the rank count must be 1 or more", file=sys.stderr)
         return 1
     env = tp.from_env()
     if env is not None and args.tp not in (1, env[1]):
@@ -133,7 +127,6 @@ def serve(args: argparse.Namespace, rank=None) -> int:
     """Build and run the server (under --tp: rank 0's, over its tp.LeadModel) until it is stopped."""
     import uvicorn
 
-    from .. import tp
     from ..errors import TinyVilaError
 
     try:
