@@ -17,12 +17,18 @@ w = f * (2^11 s) + (b - 2^11 s) = q s + b with an exact product and one rounding
 q * s + b, whenever b - 2^11 s is exact in fp32: always for b = -z s with an integer zero point z in [0, 15]
 ((z + 2^11) s has <= 23 significant bits), i.e. every format we build or import; otherwise off by <= 2^-12 |s|
 before the final rounding. w is then rounded once to x's dtype, like `_ref`.
+Pairs (UNPACK=2): the same weights in 16-bit pair arithmetic, which is what the tile holds anyway (the two nibbles of
+byte c of word j are adjacent in the K order above): PRMT + LOP3 make {m + q, m + q'} (m = 1024 fp16, 128 bf16), then
+HSUB2 of m + z and HFMA2 by s plus d, with z = rint(-b / s), d = b + z s (_h2_meta): 17 instructions a word instead
+of 24, the reference's bits whenever q s + b is exact in fp32 and d in the dtype (integer and fp16 zero points).
 Split-K (SPLIT_K > 1, for prompts whose tiles do not fill the GPU): each split writes its fp32 partial tile to a
 workspace; the last split of a tile (an atomic counter per tile) sums the partials in split order
 (deterministic), adds the bias and stores y, then resets the counter for the next call.
 Paths: on CUDA, M >= DEQUANT_MIN_M dequantizes W once (w4a16_dequant, into a reused workspace) and calls cuBLAS;
 so do K not divisible by 64. Tiles: CONFIG_TABLE (H200 sweep, scripts/benches/w4a16.py) keyed by (M bucket, N, K),
 else `rule_config`; never autotuned at call time. `warmup` compiles every bucket's kernel ahead of the first prompt.
+PDL (sm_90+, optional): waits for its predecessor before reading x or writing, lets its successor start after
+the K loop, and with PREFETCH first pulls its weight rows into L2 (they depend on no earlier kernel).
 Limits: K % G == 0; any M, N. One CUDA stream at a time (the split-K counters are shared per device).
 """
 
@@ -33,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import pdl
 from ._common import INTERPRET, check_w4_args, dequantize_ref
 from ._triton import tl, triton
 from .launch import Launch, Plans, tensor_key
@@ -129,6 +136,69 @@ def _weight(words, i: tl.constexpr, UNPACK: tl.constexpr, s_lo, b_lo, s_hi, b_hi
     return w.to(dtype)
 
 
+def _h2_asm(c: int, bf16: bool) -> str:
+    """PTX of one nibble pair c (byte c of a word) in 16-bit pair arithmetic: PRMT puts byte c of the word and of the
+    word >> 4 in the two halves, one LOP3 makes the magic pair {m + q_2c, m + q_2c+1} (m = 1024 in fp16, 128 in bf16:
+    there the spacing is 1), then (v - (m + z)) s + d, exact up to the FMA's one rounding."""
+    t, magic = ("bf16x2", 0x43004300) if bf16 else ("f16x2", 0x64006400)
+    sel = c | c << 4 | (4 + c) << 8 | (4 + c) << 12
+    return ("{ .reg .b32 t, z, s, d; mov.b32 z, {$4, $4}; mov.b32 s, {$5, $5}; mov.b32 d, {$6, $6}; "
+            f"prmt.b32 t, $2, $3, {sel}; lop3.b32 t, t, 983055, {magic}, 0xEA; sub.{t} t, t, z; "
+            f"fma.rn.{t} t, t, s, d; mov.b32 {{$0, $1}}, t; }}")
+
+
+_H2_F16 = [tl.constexpr(_h2_asm(c, False)) for c in range(4)]
+_H2_BF16 = [tl.constexpr(_h2_asm(c, True)) for c in range(4)]
+H2_F16_0, H2_F16_1, H2_F16_2, H2_F16_3 = _H2_F16  # jit bodies read constexpr globals, not list items
+H2_BF16_0, H2_BF16_1, H2_BF16_2, H2_BF16_3 = _H2_BF16
+
+
+@triton.jit
+def _h2_meta(s, b, dtype: tl.constexpr):
+    """Per-row (or per-word) operands of the pair form: m + z, s and d in dtype, with z = rint(-b / s) (0 where s is
+    0; clamped so that m + z stays an integer of the dtype) and d = b + z s. For b = -z s (integer zero points: every
+    format we build) d = 0; for llm-awq v2's fp16 zero points d is exact in the dtype (|d| <= |s| / 2 on s's grid), so
+    (q - z) s + d = q s + b exactly before the FMA's rounding: the reference's bits (q s + b is exact in fp32)."""
+    MAG: tl.constexpr = 128.0 if dtype == tl.bfloat16 else 1024.0
+    z = tl.where(s == 0.0, 0.0, tl.extra.cuda.libdevice.rint(tl.extra.cuda.libdevice.fast_dividef(-b, s)))
+    z = tl.minimum(tl.maximum(z, -MAG), MAG - 1.0)
+    return (z + MAG).to(dtype), s.to(dtype), (b + z * s).to(dtype)
+
+
+@triton.jit
+def _h2_asm_call(words, w4, zm, sh, dh, ASM: tl.constexpr, dtype: tl.constexpr):
+    if dtype == tl.bfloat16:  # the result dtypes as literals: a tuple of constexpr dtypes does not lower
+        lo, hi = tl.inline_asm_elementwise(ASM, "=h,=h,r,r,h,h,h", [words, w4, zm, sh, dh],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        lo, hi = tl.inline_asm_elementwise(ASM, "=h,=h,r,r,h,h,h", [words, w4, zm, sh, dh],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _h2_pair(words, w4, zm, sh, dh, c: tl.constexpr, dtype: tl.constexpr):
+    """Nibbles 2c, 2c + 1 of each word dequantized in one 32-bit register (BN, BW) x 2, as (BN, BW, 2)."""
+    if dtype == tl.bfloat16:
+        if c == 0:
+            return _h2_asm_call(words, w4, zm, sh, dh, H2_BF16_0, dtype)
+        elif c == 1:
+            return _h2_asm_call(words, w4, zm, sh, dh, H2_BF16_1, dtype)
+        elif c == 2:
+            return _h2_asm_call(words, w4, zm, sh, dh, H2_BF16_2, dtype)
+        else:
+            return _h2_asm_call(words, w4, zm, sh, dh, H2_BF16_3, dtype)
+    else:
+        if c == 0:
+            return _h2_asm_call(words, w4, zm, sh, dh, H2_F16_0, dtype)
+        elif c == 1:
+            return _h2_asm_call(words, w4, zm, sh, dh, H2_F16_1, dtype)
+        elif c == 2:
+            return _h2_asm_call(words, w4, zm, sh, dh, H2_F16_2, dtype)
+        else:
+            return _h2_asm_call(words, w4, zm, sh, dh, H2_F16_3, dtype)
+
+
 @triton.jit
 def _dequant_tile(words, s, b, UNPACK: tl.constexpr, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_W: tl.constexpr):
@@ -137,18 +207,26 @@ def _dequant_tile(words, s, b, UNPACK: tl.constexpr, dtype: tl.constexpr, BLOCK_
     if len(s.shape) == 1:  # one group per row: broadcast along the tile
         s = s[:, None]
         b = b[:, None]
-    s_lo = s * 2048.0
-    b_lo = b - s_lo  # exact for b = -z s (module docstring)
-    s_hi = s * 128.0
-    b_hi = b - s_hi
-    p0 = tl.join(_weight(words, 0, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
-                 _weight(words, 1, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))  # (BN, BW, 2): q = 2j + e
-    p1 = tl.join(_weight(words, 2, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
-                 _weight(words, 3, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))
-    p2 = tl.join(_weight(words, 4, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
-                 _weight(words, 5, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))
-    p3 = tl.join(_weight(words, 6, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
-                 _weight(words, 7, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))
+    if UNPACK == 2:  # pairs in 16-bit arithmetic (GPU only: inline PTX); one shift serves the four pairs
+        zm, sh, dh = _h2_meta(s, b, dtype)
+        w4 = words >> 4
+        p0 = _h2_pair(words, w4, zm, sh, dh, 0, dtype)  # (BN, BW, 2): nibbles 0, 1
+        p1 = _h2_pair(words, w4, zm, sh, dh, 1, dtype)
+        p2 = _h2_pair(words, w4, zm, sh, dh, 2, dtype)
+        p3 = _h2_pair(words, w4, zm, sh, dh, 3, dtype)
+    else:
+        s_lo = s * 2048.0
+        b_lo = b - s_lo  # exact for b = -z s (module docstring)
+        s_hi = s * 128.0
+        b_hi = b - s_hi
+        p0 = tl.join(_weight(words, 0, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
+                     _weight(words, 1, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))  # (BN, BW, 2): q = 2j + e
+        p1 = tl.join(_weight(words, 2, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
+                     _weight(words, 3, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))
+        p2 = tl.join(_weight(words, 4, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
+                     _weight(words, 5, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))
+        p3 = tl.join(_weight(words, 6, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype),
+                     _weight(words, 7, UNPACK, s_lo, b_lo, s_hi, b_hi, dtype))
     Q: tl.constexpr = 2 * BLOCK_W
     quad = tl.join(tl.join(tl.reshape(p0, (BLOCK_N, Q)), tl.reshape(p1, (BLOCK_N, Q))),
                    tl.join(tl.reshape(p2, (BLOCK_N, Q)), tl.reshape(p3, (BLOCK_N, Q))))  # (BN, Q, c & 1, c >> 1)
@@ -160,7 +238,8 @@ def _group_meta(s_ptr, z_ptr, meta_rows, k0, offs_w, G: tl.constexpr, BLOCK_W: t
     """Scales (as fp32) and zeros of the K tile starting at k0: (BN,) when the tile lies in one group (a 1-D load
     takes the layout its use wants; a 2-D one would cost a shuffle of the dequantized tile), else (BN, BW), one per
     word (a word's nibbles share a group). The fp16 scale load stays a plain load in the loop (too narrow for
-    cp.async; as int32 pairs, Triton routed the tile through shared memory)."""
+    cp.async; as int32 pairs, Triton routed the tile through shared memory, and so did a scale loaded one step
+    ahead by hand: the loop-carried value took another layout)."""
     GW: tl.constexpr = G // 8  # words per group
     if BLOCK_W <= GW:
         off = meta_rows + k0 // G
@@ -174,7 +253,8 @@ def _group_meta(s_ptr, z_ptr, meta_rows, k0, offs_w, G: tl.constexpr, BLOCK_W: t
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
                        K8, NG, SPLIT_K, G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, UNPACK: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, UNPACK: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                       PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # UPCAST_DOT (interpreter + bf16 only): Triton 3.6's interpreter multiplies bf16 tiles as raw uint16, so both
     # operands are widened to fp32 first (exact). Grid (row tiles, column tiles, splits): row tiles vary fastest, so
     # the programs that read one weight tile run together and it comes from HBM once.
@@ -189,7 +269,9 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt
     # The K order of _dequant_tile, k = 8j + 2c + e, in the form whose runs of 2 contiguous, 4-byte aligned elements
     # Triton's axis analysis sees: x is copied with 4-byte cp.async (other forms give 2-byte loads).
     kk = p % 2 + 8 * ((p // 2) % BLOCK_W) + 2 * (p // Q)
-    xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + kk[:, None]  # (BK, BM): x tile, transposed
+    # x tile, transposed (BK, BM): loop-invariant int32 offsets from one scalar pointer that moves (the launcher
+    # checks M * stride_xm < 2^31): 64-bit pointer tiles advanced every step cost ~6 instructions per 4-byte copy.
+    xt_offs = offs_m[None, :] * stride_xm + kk[:, None]
     qw_ptrs = qw_ptr + offs_n[:, None].to(tl.int64) * K8 + offs_w[None, :]  # (BN, BW)
     meta_rows = offs_n.to(tl.int64) * NG
     # This split's K tiles.
@@ -197,20 +279,22 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt
     per_split = tl.cdiv(n_k, SPLIT_K)
     it0 = pid_k * per_split
     it1 = tl.minimum(it0 + per_split, n_k)
-    xt_ptrs += it0 * BLOCK_K
     qw_ptrs += it0 * BLOCK_W
+    if PREFETCH and it1 > it0:  # the weights depend on no earlier kernel: into L2 while the predecessor runs
+        _prefetch_l2(qw_ptr + offs_n.to(tl.int64) * K8 + it0 * BLOCK_W, (it1 - it0) * (4 * BLOCK_W))
+    pdl.wait(PDL)  # x, and every write, only once the predecessor is done
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(it0, it1):
         s, b = _group_meta(s_ptr, z_ptr, meta_rows, it * BLOCK_K, offs_w, G, BLOCK_W)
-        xt = tl.load(xt_ptrs)  # (BK, BM)
+        xt = tl.load((x_ptr + it * BLOCK_K) + xt_offs)  # (BK, BM)
         words = tl.load(qw_ptrs)  # (BN, BW) int32
         w = _dequant_tile(words, s, b, UNPACK, xt.dtype, BLOCK_N, BLOCK_W)  # (BN, BK), permuted K
         if UPCAST_DOT:
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
         else:
             acc = tl.dot(w, xt, acc)
-        xt_ptrs += BLOCK_K
         qw_ptrs += BLOCK_W
+    pdl.launch_dependents(PDL)  # after the K loop: the next kernel's programs must not take SM slots from it
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (cols < N)[:, None] & (rows < M)[None, :]  # (BN, BM)
@@ -236,6 +320,13 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt
 
 
 @triton.jit
+def _prefetch_l2(row_ptrs, nbytes):
+    """One bulk L2 prefetch per row: nbytes (a multiple of 16) from each 16-byte aligned row pointer."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [row_ptrs, nbytes],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _store_tile(acc, y_ptr, out_offs, mask, bias_ptr, cols, N, HAS_BIAS: tl.constexpr):
     """y^T tile (BN, BM) fp32 (+ bias per row of W) -> y, rounded once to y's dtype."""
     if HAS_BIAS:
@@ -257,11 +348,12 @@ def _sm_count(device_index: int) -> int:
 def config_ok(cfg: Config) -> bool:
     """Whether a config compiles well for sm_90 (Triton 3.6's ptxas, fp16 and bf16): one warpgroup per 64 weight rows
     (BLOCK_N = 16 num_warps; else the dequantized tile goes through shared memory), BLOCK_W 8 or 16, and no register
-    spills in the main loop (128-row tiles need BLOCK_W 8 or 8 warps; 256-row tiles BLOCK_W 8 and 8 warps)."""
-    if cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps or cfg.block_w not in (8, 16):
+    spills in the main loop (128-row tiles need BLOCK_W 8 or 8+ warps; 256-row tiles BLOCK_W 8 and 8 warps; 16 warps
+    fit 128 registers a thread up to 128 rows)."""
+    if cfg.num_warps not in (4, 8, 16) or cfg.block_n != 16 * cfg.num_warps or cfg.block_w not in (8, 16):
         return False
     if cfg.block_m == 128:
-        return cfg.block_w == 8 or cfg.num_warps == 8
+        return cfg.block_w == 8 or cfg.num_warps >= 8
     if cfg.block_m == 256:
         return cfg.block_w == 8 and cfg.num_warps == 8
     return cfg.block_m in (16, 32, 64) and cfg.split_k >= 1 and cfg.num_stages >= 1
@@ -360,7 +452,7 @@ class _Plan(NamedTuple):
 _PLANS = Plans()
 
 
-def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack) -> _Plan:
+def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, pdl_mode) -> _Plan:
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
     if path is None:
         big = x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M
@@ -377,29 +469,37 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack) -> _Plan:
         config = pick_config(M, N, K, x.device)
     if unpack is None:
         unpack = 0 if INTERPRET or not x.is_cuda else 1
-    if unpack == 1 and INTERPRET:
-        raise ValueError("unpack=1 (inline PTX) cannot run under TRITON_INTERPRET; use unpack=0")
+    if unpack not in (0, 1, 2):
+        raise ValueError(f"unpack must be 0 (plain ops), 1 (PTX lop3) or 2 (16-bit pairs), got {unpack!r}")
+    if unpack and INTERPRET:
+        raise ValueError(f"unpack={unpack} (inline PTX) cannot run under TRITON_INTERPRET; use unpack=0")
+    if pdl_mode not in ("off", "on", "prefetch"):
+        raise ValueError(f"pdl must be 'off', 'on' or 'prefetch', got {pdl_mode!r}")
+    pdl_on = pdl_mode != "off" and pdl.supported(x.device)
     cfg = fit_config(config, K, G)
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), cfg.split_k)
     stride_ym = N if out is None else out.stride(0)
     launch = Launch(_w4a16_gemm_kernel, grid, (M, N, K, x.stride(0), stride_ym, K // 8, K // G, cfg.split_k),
                     dict(G=G, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                          BLOCK_W=cfg.block_w, UNPACK=unpack, UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                         PDL=pdl_on, launch_pdl=pdl_on, PREFETCH=pdl_on and pdl_mode == "prefetch"
+                         and qweight.data_ptr() % 16 == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return _Plan(M, N, K, path, cfg.split_k, grid[0] * grid[1], launch)
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                config: Config | None = None, path: str | None = None, unpack: int | None = None,
-               direct: bool = True) -> torch.Tensor:
+               pdl: str = "off", direct: bool = True) -> torch.Tensor:
     """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins the fused kernel's tiles (else CONFIG_TABLE /
     rule_config); `path` forces "fused" or "dequant" (dequantize to a workspace + a dense matmul); default: dequant
     from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0, fused otherwise. `unpack`: 1 inline PTX (GPU default),
-    0 plain ops, same bits. direct: after the first launch, skip Triton's dispatch (launch.py; both paths)."""
+    2 16-bit pairs (GPU), 0 plain ops, same bits. `pdl` (fused kernel, sm_90+): "on" launches it with programmatic
+    dependent launch (csrc_triton/pdl.py; its successor may start after its K loop), "prefetch" also pulls each
+    program's weights into L2 before it waits; same bits. direct: after the first launch, skip Triton's dispatch."""
     key = (tensor_key(x), tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(bias), tensor_key(out),
-           config, path, unpack, DEQUANT_MIN_M, INTERPRET)
-    plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack))
+           config, path, unpack, pdl, qweight.data_ptr() % 16 == 0, DEQUANT_MIN_M, INTERPRET)
+    plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, pdl))
     M, N, K = plan.M, plan.N, plan.K
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)

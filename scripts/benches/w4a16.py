@@ -105,6 +105,8 @@ def add_args(p) -> None:
     p.add_argument("--w4-table-out", metavar="PATH", help="the GEMV sweep also writes its GEMV_TABLE literal here")
     p.add_argument("--w4-gemm-sweep", type=common.ints, metavar="M,...",
                    help="instead of the rows: the fused GEMM tile sweep at these prompt row counts")
+    p.add_argument("--w4-gemm-unpack", type=common.ints, default=[1], metavar="U,...",
+                   help="the GEMM sweep times each tile in these dequantization forms (1: fp32 FMAs, 2: 16-bit pairs)")
     p.add_argument("--w4-pdl-sweep", action="store_true",
                    help="instead of the rows: the GEMVs and (norm -> GEMV) pairs with PDL off and on, M = 1")
 
@@ -115,7 +117,7 @@ def run(args) -> list[dict]:
     if args.w4_gemv_sweep:
         return gemv_sweep(args.w4_gemv_sweep, gemv_sweep_tiles(args.w4_sweep_tiles), args.w4_table_out)
     if args.w4_gemm_sweep:
-        return gemm_sweep(args.w4_gemm_sweep)
+        return gemm_sweep(args.w4_gemm_sweep, args.w4_gemm_unpack)
     quick = args.quick
     gemv_ms = [1] if quick else [1, 4, 8]
     # GEMM rows: path None = the default dispatch (fused below DEQUANT_MIN_M rows, dequant + cuBLAS above).
@@ -145,7 +147,7 @@ def gemm_sweep_configs(M: int, N: int, K: int, n_sm: int = 132) -> list[Config]:
     top = min(m_bucket(M), 256)
     out = [rule_config(M, N, K, n_sm)]
     for bm in [top] + ([top // 2] if top >= 64 else []):
-        for bn, warps in ((64, 4), (128, 8)):
+        for bn, warps in ((64, 4), (128, 8), (256, 16)):
             for bw in (8, 16):
                 for stages in (3, 4):
                     cfg = Config(bm, bn, bw, 1, warps, stages)
@@ -160,32 +162,39 @@ def gemm_sweep_configs(M: int, N: int, K: int, n_sm: int = 132) -> list[Config]:
     return list(dict.fromkeys(out))
 
 
-def _time_configs(M: int, N: int, K: int, sets: list[tuple], n_sm: int, iters: int) -> tuple[list[dict], dict]:
-    """Times every sweep config (checked first against the dequant path's output), the dequant path and
-    fp16 cuBLAS at one (M, N, K); prints one line per config, returns them and the summary row."""
+def _time_configs(M: int, N: int, K: int, sets: list[tuple], n_sm: int, iters: int,
+                  unpacks: list[int]) -> list[tuple[list[dict], dict]]:
+    """Times every sweep config in every dequantization form of `unpacks` (checked first against the dequant path's
+    output), the dequant path and fp16 cuBLAS at one (M, N, K); prints one line per config, returns per form the
+    config rows and the summary row."""
     xs = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _ in sets]
     w4_in = [(x, q, s, z) for x, (_, q, s, z) in zip(xs, sets)]
     ref = w4a16_gemm(*w4_in[0], path="dequant")
-    flop = 2 * M * N * K
     t_deq = device_ms(lambda x, q, s, z: w4a16_gemm(x, q, s, z, path="dequant"), w4_in, iters=iters)
     t_fp = device_ms(F.linear, [(x, w) for x, (w, _, _, _) in zip(xs, sets)], iters=iters)
+    return [_time_form(M, N, K, w4_in, ref, t_deq, t_fp, n_sm, iters, u) for u in unpacks]
+
+
+def _time_form(M, N, K, w4_in, ref, t_deq, t_fp, n_sm, iters, unpack) -> tuple[list[dict], dict]:
+    flop = 2 * M * N * K
     rows = []
     for cfg in gemm_sweep_configs(M, N, K, n_sm):
+        name = f"{cfg.name}u{unpack}"
         try:  # a config that fails to compile or launch is reported, not fatal to the sweep
-            y = w4a16_gemm(*w4_in[0], config=cfg)
+            y = w4a16_gemm(*w4_in[0], config=cfg, unpack=unpack)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            t = device_ms(lambda x, q, s, z, c=cfg: w4a16_gemm(x, q, s, z, config=c), w4_in, iters=iters)
+            t = device_ms(lambda x, q, s, z, c=cfg: w4a16_gemm(x, q, s, z, config=c, unpack=unpack), w4_in, iters=iters)
         except Exception as e:
-            print(f"  M={M:<5} N={N:<6} K={K:<6} {cfg.name:<22} FAILED: {str(e).splitlines()[0][:120]}", flush=True)
+            print(f"  M={M:<5} N={N:<6} K={K:<6} {name:<24} FAILED: {str(e).splitlines()[0][:120]}", flush=True)
             rows.append({"config": cfg, "us": float("inf"), "ok": False, "err": float("nan")})
             continue
         rows.append({"config": cfg, "us": 1e3 * t, "ok": err < 1e-2, "err": err})
-        print(f"  M={M:<5} N={N:<6} K={K:<6} {cfg.name:<22} {1e3 * t:9.1f} us {flop / t / 1e9:6.0f} TFLOP/s "
+        print(f"  M={M:<5} N={N:<6} K={K:<6} {name:<24} {1e3 * t:9.1f} us {flop / t / 1e9:6.0f} TFLOP/s "
               f"x{t_deq / t:5.2f} vs dequant x{t_fp / t:5.2f} vs fp16{'' if err < 1e-2 else f'  WRONG (rel err {err:.2g})'}",
               flush=True)
     good = [r for r in rows if r["ok"]]
     best = min(good, key=lambda r: r["us"]) if good else None
-    summary = {"M": M, "N": N, "K": K, "best": best["config"].name if best else None,
+    summary = {"M": M, "N": N, "K": K, "unpack": unpack, "best": best["config"].name if best else None,
                "best_us": best["us"] if best else None, "rule_us": rows[0]["us"] if rows[0]["ok"] else None,
                "dequant_us": 1e3 * t_deq, "fp16_us": 1e3 * t_fp,
                "best_TFLOPs": flop / best["us"] / 1e6 if best else None,
@@ -194,7 +203,7 @@ def _time_configs(M: int, N: int, K: int, sets: list[tuple], n_sm: int, iters: i
     return rows, {**summary, "_config": best["config"] if best else None}
 
 
-def gemm_sweep(ms: list[int], iters: int = 30) -> list[dict]:
+def gemm_sweep(ms: list[int], unpacks: list[int] = (1,), iters: int = 30) -> list[dict]:
     """Per Llama-3-8B shape and M: every sweep config's time, TFLOP/s and ratios (printed as it goes), then
     the CONFIG_TABLE literal to paste into csrc_triton/w4a16_gemm.py, the suggested DEQUANT_MIN_M, and one
     summary row per (shape, M) plus a per-M total over the 4 shapes (and x32 layers: the 8B prefill's linears)."""
@@ -203,12 +212,20 @@ def gemm_sweep(ms: list[int], iters: int = 30) -> list[dict]:
     for name, K, N in SHAPES:
         sets = _weights(N, K, common.n_copies(_w4_bytes(N, K)))
         for M in ms:
-            _, summary = _time_configs(M, N, K, sets, n_sm, iters)
-            summaries.append({"layer": name, **summary})
+            for _, summary in _time_configs(M, N, K, sets, n_sm, iters, list(unpacks)):
+                summaries.append({"layer": name, **summary})
         del sets
         torch.cuda.empty_cache()
+    totals = []
+    for unpack in unpacks:
+        totals += _sweep_totals([r for r in summaries if r["unpack"] == unpack], ms, unpack)
+    return [{k: v for k, v in r.items() if k != "_config"} for r in summaries] + totals
+
+
+def _sweep_totals(summaries: list[dict], ms: list[int], unpack: int) -> list[dict]:
+    """One form's CONFIG_TABLE literal, its DEQUANT_MIN_M crossover and per-M totals over the 4 shapes x 32 layers."""
     table = {(m_bucket(r["M"]), r["N"], r["K"]): r["_config"] for r in summaries if r["_config"] is not None}
-    print("\nCONFIG_TABLE = {  # H200 sweep, fp16, group 128")
+    print(f"\nCONFIG_TABLE = {{  # {torch.cuda.get_device_name()} sweep, fp16, group 128, unpack={unpack}")
     for key, cfg in sorted(table.items()):
         print(f"    {key}: Config{tuple(cfg)},  # {cfg.name}")
     print("}")
@@ -217,14 +234,14 @@ def gemm_sweep(ms: list[int], iters: int = 30) -> list[dict]:
         rs = [r for r in summaries if r["M"] == M]
         fused = sum(r["best_us"] or float("inf") for r in rs)
         deq, fp = sum(r["dequant_us"] for r in rs), sum(r["fp16_us"] for r in rs)
-        totals.append({"layer": "all x32 (ms)", "M": M, "best_us": LAYERS_8B * fused / 1e3,
+        totals.append({"layer": "all x32 (ms)", "M": M, "unpack": unpack, "best_us": LAYERS_8B * fused / 1e3,
                        "rule_us": LAYERS_8B * sum(r["rule_us"] or float("inf") for r in rs) / 1e3,
                        "dequant_us": LAYERS_8B * deq / 1e3, "fp16_us": LAYERS_8B * fp / 1e3,
                        "vs_dequant": deq / fused, "vs_fp16": fp / fused})
     worse = [t["M"] for t in totals if t["vs_dequant"] < 1]
     print(f"DEQUANT_MIN_M: {min(worse) if worse else f'> {max(ms)} (fused wins at every swept M)'}  "
           f"(smallest swept M where dequant + cuBLAS beats the best fused tiles, summed over the 4 shapes)")
-    return [{k: v for k, v in r.items() if k != "_config"} for r in summaries] + totals
+    return totals
 
 
 # -- GEMV config sweep: --w4-gemv-sweep 1 (or a list of M: 1,2,4,8) -------------------------------------------

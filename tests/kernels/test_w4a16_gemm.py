@@ -48,15 +48,22 @@ def test_prompt_lengths(M, G, dtype, bias):
     assert_w4_close(run(a), a)
 
 
+# The dequantization forms: the interpreter runs the plain ops (0); the GPU its default (1, PTX lop3) and the 16-bit
+# pairs (2), both of which must give the reference's bits.
+UNPACKS = [None, 2] if ON_GPU else [None]
+
+
+@pytest.mark.parametrize("unpack", UNPACKS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("G", [32, 64, 128])
-def test_dequantized_weights_bit_exact(G, dtype):
-    """One-hot rows of x make y a column of W: the kernel's in-register w = f * 2^11 s + (b - 2^11 s) must
-    equal the reference's fp32 q * s + b rounded to x's dtype, for every k of the permuted K order."""
+def test_dequantized_weights_bit_exact(G, dtype, unpack):
+    """One-hot rows of x make y a column of W: the kernel's in-register w = f * 2^11 s + (b - 2^11 s) (or the pair
+    form's (q - z) s + d) must equal the reference's fp32 q * s + b rounded to x's dtype, for every k of the
+    permuted K order."""
     K = 256
     a = make(1, 72, K, G, dtype, seed=G, device=DEVICE)
     x = torch.eye(K, dtype=dtype, device=DEVICE)
-    y = w4a16_gemm(x, a["qweight"], a["scales"], a["zeros"], config=Config(64, 64, 16, 2, 4, 2))
+    y = w4a16_gemm(x, a["qweight"], a["scales"], a["zeros"], config=Config(64, 64, 16, 2, 4, 2), unpack=unpack)
     w32 = dequantize_ref(a["qweight"], a["scales"], a["zeros"])  # (N, K) fp32, exact
     if dtype == torch.bfloat16 and not ON_GPU:
         # Triton 3.6's interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest even).
@@ -64,8 +71,9 @@ def test_dequantized_weights_bit_exact(G, dtype):
     assert torch.equal(y, w32.to(dtype).T)
 
 
+@pytest.mark.parametrize("unpack", UNPACKS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_scale_bits_exact(dtype):
+def test_scale_bits_exact(dtype, unpack):
     """The in-register dequantization is exact for subnormal (fp16), tiny, large, negative and zero scales. (bf16
     subnormals are left out: the interpreter's bf16 casts flush them.)"""
     K, G = 256, 64
@@ -76,16 +84,17 @@ def test_scale_bits_exact(dtype):
     a["scales"] = special.repeat(8)[: 16 * (K // G)].view(16, K // G).contiguous().to(DEVICE)
     a["zeros"] = -(torch.arange(16 * (K // G)) % 16).view(16, K // G).float().to(DEVICE) * a["scales"].float()
     x = torch.eye(K, dtype=dtype, device=DEVICE)
-    y = w4a16_gemm(x, a["qweight"], a["scales"], a["zeros"], config=Config(64, 64, 8, 1, 4, 2))
+    y = w4a16_gemm(x, a["qweight"], a["scales"], a["zeros"], config=Config(64, 64, 8, 1, 4, 2), unpack=unpack)
     w32 = dequantize_ref(a["qweight"], a["scales"], a["zeros"])
     if dtype == torch.bfloat16 and not ON_GPU:
         w32 = (w32.view(torch.int32) & ~0xFFFF).view(torch.float32)  # the interpreter's truncating cast (above)
     assert torch.equal(y, w32.to(dtype).T)
 
 
+@pytest.mark.parametrize("unpack", UNPACKS)
 @pytest.mark.parametrize("G", [32, 128])
 @pytest.mark.parametrize("zeros", ["fp16", "any"])
-def test_fp16_zero_points_bit_exact_others_bounded(zeros, G):
+def test_fp16_zero_points_bit_exact_others_bounded(zeros, G, unpack):
     """llm-awq v2's zero points are fp16 values, not exact multiples of s (the formats we build have b = -z s): the
     dequantized weights must still be the reference's bits. Any other fp32 zero point (no format we build or import)
     may be off by <= 2^-12 |s| before the rounding to fp16 (module docstring)."""
@@ -98,7 +107,8 @@ def test_fp16_zero_points_bit_exact_others_bounded(zeros, G):
     else:
         a["zeros"] = a["zeros"] + torch.rand(s.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE) * s * 0.4
     x = torch.eye(K, dtype=torch.float16, device=DEVICE)
-    y = w4a16_gemm(x, a["qweight"], a["scales"], a["zeros"], config=Config(64, 64, 8, 1, 4, 2)).float().T
+    y = w4a16_gemm(x, a["qweight"], a["scales"], a["zeros"], config=Config(64, 64, 8, 1, 4, 2),
+                   unpack=unpack).float().T
     w32 = dequantize_ref(a["qweight"], a["scales"], a["zeros"])
     if zeros == "fp16":
         assert torch.equal(y, w32.half().float())
@@ -169,6 +179,10 @@ def test_bad_inputs_are_clear_errors():
         w4a16_gemm(a["x"].repeat(1, 2)[:, ::2], a["qweight"], a["scales"], a["zeros"])
     with pytest.raises(ValueError, match="path must be"):
         w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], path="cublas")
+    with pytest.raises(ValueError, match="unpack must be"):
+        w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], unpack=3)
+    with pytest.raises(ValueError, match="pdl must be"):
+        w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], pdl="early")
 
 
 # -- GPU: real shapes -------------------------------------------------------------------------------------
@@ -207,9 +221,35 @@ def test_llama3_8b_default_dispatch(K, N, M, path, dtype):
 @pytest.mark.gpu  # the PTX unpacking
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_unpackings_agree(dtype):
-    """Inline-PTX lop3 and the plain ops produce the same bits, so the outputs are identical."""
+    """Inline-PTX lop3, the 16-bit pairs and the plain ops produce the same weights, so the outputs are identical."""
     a = make(100, 520, 1536, 128, dtype, seed=5, bias=True, device=DEVICE)
-    assert torch.equal(run(a, unpack=0), run(a, unpack=1))
+    plain = run(a, unpack=0)
+    assert torch.equal(plain, run(a, unpack=1))
+    assert torch.equal(plain, run(a, unpack=2))
+
+
+@pytest.mark.gpu  # programmatic dependent launch: sm_90+
+@pytest.mark.parametrize("pdl", ["on", "prefetch"])
+def test_pdl_same_bits(pdl):
+    """Launched with PDL (and the L2 prefetch of its weights), eagerly and replayed from a CUDA graph after a norm
+    that lets it start early, the fused GEMM gives the plain launch's bits; split-K too (its counters are written only
+    after the wait)."""
+    from csrc_triton.add_rms_norm import add_rms_norm
+
+    a = make(48, 4096, 4096, 128, torch.float16, seed=21, device=DEVICE)
+    cfg = Config(64, 128, 8, 4, 8, 3)
+    w = torch.rand(4096, device=DEVICE, dtype=torch.float16) + 0.5
+    chain = lambda p: w4a16_gemm(add_rms_norm(a["x"], None, w, 1e-5)[0], a["qweight"], a["scales"], a["zeros"],  # noqa: E731
+                                 config=cfg, pdl=p)
+    ref = chain("off").clone()
+    assert torch.equal(chain(pdl), ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(pdl)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, ref)
 
 
 @pytest.mark.gpu  # split-K races only show on the GPU
@@ -244,9 +284,9 @@ def test_sweep_tiles_are_valid_and_correct():
     for M in (16, 32, 64, 128, 256, 512):
         for K, N in LLAMA3_8B:
             cfgs = _sweep_configs(M, N, K)
-            assert cfgs[0] == rule_config(M, N, K) and all(config_ok(c) for c in cfgs) and len(cfgs) <= 60
+            assert cfgs[0] == rule_config(M, N, K) and all(config_ok(c) for c in cfgs) and len(cfgs) <= 72
             tiles |= {(c.block_m, c.block_n, c.block_w) for c in cfgs}
-    assert len(tiles) == 16
+    assert len(tiles) == 24
     if ON_GPU:
         return  # the sweep itself checks each config against the dequant path before timing it
     a = make(40, 130, 256, 128, torch.float16, seed=4, bias=True, device=DEVICE)
