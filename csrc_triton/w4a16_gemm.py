@@ -461,6 +461,9 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, pdl_mode) 
         raise ValueError(f"path must be 'fused' or 'dequant', got {path!r}")
     if path == "fused" and K % 64:
         raise ValueError(f"the fused W4 GEMM needs K % 64 == 0 (got K={K}); use path='dequant'")
+    if path == "fused" and M * x.stride(0) >= 2**31:
+        raise ValueError(f"the fused W4 GEMM addresses x with int32 offsets: M * stride ({M} * {x.stride(0)}) must "
+                         "be < 2^31; use path='dequant'")
     if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be ({M}, {N}) {x.dtype} with unit stride along N")
     if M == 0 or path == "dequant":

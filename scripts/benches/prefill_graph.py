@@ -142,8 +142,9 @@ def add_args(p) -> None:
     p.add_argument("--prefill-graph-quant", default="w4a16", choices=["w4a16", "none"])
     p.add_argument("--prefill-graph-start", type=int, default=0, metavar="S",
                    help="tokens already cached before the timed prefill (a later turn; default 0: a first turn)")
-    p.add_argument("--prefill-graph-options", default="", metavar="NAME=VALUE,...",
-                   help="runtime options (tinyvila.options.Options fields, e.g. split_rows_attention=0)")
+    p.add_argument("--prefill-graph-options", default="", metavar="NAME=VALUE,...[;...]",
+                   help="runtime options (tinyvila.options.Options fields, e.g. split_rows_attention=0); several "
+                        "sets separated by ';' are each timed on the same model, in turn (A/B in one process)")
     p.add_argument("--prefill-graph-profile", type=int, default=0, metavar="N",
                    help="also print the N kernels with the most device time in the graph prefill")
 
@@ -151,11 +152,14 @@ def add_args(p) -> None:
 def run(args) -> list[dict]:
     name, quant = args.prefill_graph_preset, args.prefill_graph_quant
     iters = 5 if args.quick else 20
-    vlm, opts = text_vlm(name, quant), Options.parse(args.prefill_graph_options, Options.from_env())
+    specs = args.prefill_graph_options.split(";")
+    all_opts = [Options.parse(spec, Options.from_env()) for spec in specs]  # bad options fail before the model
+    vlm = text_vlm(name, quant)
     rows = []
     for T in args.prefill_graph_t:
-        rows.append({"preset": name, "quant": quant, "options": args.prefill_graph_options,
-                     **measure(vlm, opts, T, iters, args.prefill_graph_start, args.prefill_graph_profile)})
-        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in rows[-1].items() if k != "profile"), flush=True)  # the JSON line comes at the end
+        for spec, opts in zip(specs, all_opts):
+            rows.append({"preset": name, "quant": quant, "options": spec,
+                         **measure(vlm, opts, T, iters, args.prefill_graph_start, args.prefill_graph_profile)})
+            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in rows[-1].items() if k != "profile"), flush=True)  # JSON lines come at the end
     return rows
