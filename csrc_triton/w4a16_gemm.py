@@ -27,8 +27,6 @@ workspace; the last split of a tile (an atomic counter per tile) sums the partia
 Paths: on CUDA, M >= DEQUANT_MIN_M dequantizes W once (w4a16_dequant, into a reused workspace) and calls cuBLAS;
 so do K not divisible by 64. Tiles: CONFIG_TABLE (H200 sweep, scripts/benches/w4a16.py) keyed by (M bucket, N, K),
 else `rule_config`; never autotuned at call time. `warmup` compiles every bucket's kernel ahead of the first prompt.
-PDL (sm_90+, optional): waits for its predecessor before reading x or writing, lets its successor start after
-the K loop, and with PREFETCH first pulls its weight rows into L2 (they depend on no earlier kernel).
 Limits: K % G == 0; any M, N. One CUDA stream at a time (the split-K counters are shared per device).
 """
 
@@ -39,7 +37,6 @@ from typing import NamedTuple
 
 import torch
 
-from . import pdl
 from ._common import INTERPRET, check_w4_args, dequantize_ref
 from ._triton import tl, triton
 from .launch import Launch, Plans, tensor_key
@@ -74,10 +71,10 @@ CONFIG_TABLE: dict[tuple[int, int, int], Config] = {
     (16, 4096, 14336): Config(16, 64, 16, 8, 4, 3),
     (16, 6144, 4096): Config(16, 64, 16, 4, 4, 4),
     (16, 28672, 4096): Config(16, 64, 16, 2, 4, 4),
-    (64, 4096, 4096): Config(64, 128, 8, 4, 8, 3),
-    (64, 4096, 14336): Config(64, 64, 8, 8, 4, 3),
-    (64, 6144, 4096): Config(64, 64, 8, 4, 4, 3),
-    (64, 28672, 4096): Config(64, 128, 8, 1, 8, 4),
+    (64, 4096, 4096): Config(64, 128, 8, 8, 8, 3),  # M 33..64: the pair form's best on an H100 (16-warp tiles)
+    (64, 4096, 14336): Config(64, 128, 8, 8, 8, 3),
+    (64, 6144, 4096): Config(64, 128, 8, 4, 8, 3),
+    (64, 28672, 4096): Config(64, 256, 16, 1, 16, 3),
     (256, 4096, 4096): Config(128, 128, 16, 2, 8, 4),  # M 129..255 (256 itself takes the dequant path)
     (256, 4096, 14336): Config(128, 128, 16, 2, 8, 3),
     (256, 6144, 4096): Config(128, 128, 16, 1, 8, 4),
@@ -253,8 +250,7 @@ def _group_meta(s_ptr, z_ptr, meta_rows, k0, offs_w, G: tl.constexpr, BLOCK_W: t
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
                        K8, NG, SPLIT_K, G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, UNPACK: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                       PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, UNPACK: tl.constexpr, UPCAST_DOT: tl.constexpr):
     # UPCAST_DOT (interpreter + bf16 only): Triton 3.6's interpreter multiplies bf16 tiles as raw uint16, so both
     # operands are widened to fp32 first (exact). Grid (row tiles, column tiles, splits): row tiles vary fastest, so
     # the programs that read one weight tile run together and it comes from HBM once.
@@ -280,9 +276,6 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt
     it0 = pid_k * per_split
     it1 = tl.minimum(it0 + per_split, n_k)
     qw_ptrs += it0 * BLOCK_W
-    if PREFETCH and it1 > it0:  # the weights depend on no earlier kernel: into L2 while the predecessor runs
-        _prefetch_l2(qw_ptr + offs_n.to(tl.int64) * K8 + it0 * BLOCK_W, (it1 - it0) * (4 * BLOCK_W))
-    pdl.wait(PDL)  # x, and every write, only once the predecessor is done
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(it0, it1):
         s, b = _group_meta(s_ptr, z_ptr, meta_rows, it * BLOCK_K, offs_w, G, BLOCK_W)
@@ -294,7 +287,6 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt
         else:
             acc = tl.dot(w, xt, acc)
         qw_ptrs += BLOCK_W
-    pdl.launch_dependents(PDL)  # after the K loop: the next kernel's programs must not take SM slots from it
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (cols < N)[:, None] & (rows < M)[None, :]  # (BN, BM)
@@ -317,13 +309,6 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt
                 total += tl.load(ws_ptr + k * tile_elems + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
             _store_tile(total, y_ptr, out_offs, mask, bias_ptr, cols, N, HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call
-
-
-@triton.jit
-def _prefetch_l2(row_ptrs, nbytes):
-    """One bulk L2 prefetch per row: nbytes (a multiple of 16) from each 16-byte aligned row pointer."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [row_ptrs, nbytes],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -452,7 +437,7 @@ class _Plan(NamedTuple):
 _PLANS = Plans()
 
 
-def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, pdl_mode) -> _Plan:
+def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack) -> _Plan:
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
     if path is None:
         big = x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M
@@ -476,33 +461,28 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, pdl_mode) 
         raise ValueError(f"unpack must be 0 (plain ops), 1 (PTX lop3) or 2 (16-bit pairs), got {unpack!r}")
     if unpack and INTERPRET:
         raise ValueError(f"unpack={unpack} (inline PTX) cannot run under TRITON_INTERPRET; use unpack=0")
-    if pdl_mode not in ("off", "on", "prefetch"):
-        raise ValueError(f"pdl must be 'off', 'on' or 'prefetch', got {pdl_mode!r}")
-    pdl_on = pdl_mode != "off" and pdl.supported(x.device)
     cfg = fit_config(config, K, G)
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), cfg.split_k)
     stride_ym = N if out is None else out.stride(0)
     launch = Launch(_w4a16_gemm_kernel, grid, (M, N, K, x.stride(0), stride_ym, K // 8, K // G, cfg.split_k),
                     dict(G=G, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                          BLOCK_W=cfg.block_w, UNPACK=unpack, UPCAST_DOT=not x.is_cuda and x.dtype == torch.bfloat16,
-                         PDL=pdl_on, launch_pdl=pdl_on, PREFETCH=pdl_on and pdl_mode == "prefetch"
-                         and qweight.data_ptr() % 16 == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return _Plan(M, N, K, path, cfg.split_k, grid[0] * grid[1], launch)
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                config: Config | None = None, path: str | None = None, unpack: int | None = None,
-               pdl: str = "off", direct: bool = True) -> torch.Tensor:
+               direct: bool = True) -> torch.Tensor:
     """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins the fused kernel's tiles (else CONFIG_TABLE /
     rule_config); `path` forces "fused" or "dequant" (dequantize to a workspace + a dense matmul); default: dequant
     from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0, fused otherwise. `unpack`: 1 inline PTX (GPU default),
-    2 16-bit pairs (GPU), 0 plain ops, same bits. `pdl` (fused kernel, sm_90+): "on" launches it with programmatic
-    dependent launch (csrc_triton/pdl.py; its successor may start after its K loop), "prefetch" also pulls each
-    program's weights into L2 before it waits; same bits. direct: after the first launch, skip Triton's dispatch."""
+    2 16-bit pairs (GPU), 0 plain ops, same bits. direct: after the first launch, skip Triton's dispatch (launch.py;
+    both paths)."""
     key = (tensor_key(x), tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(bias), tensor_key(out),
-           config, path, unpack, pdl, qweight.data_ptr() % 16 == 0, DEQUANT_MIN_M, INTERPRET)
-    plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, pdl))
+           config, path, unpack, DEQUANT_MIN_M, INTERPRET)
+    plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack))
     M, N, K = plan.M, plan.N, plan.K
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, fields, replace
 
 _NORM_MODES = ("auto", "on", "off")
 _GEMV_KERNELS = ("auto", "mma", "fma")
-_GEMM_PDL = ("off", "on", "prefetch")
 
 
 @dataclass(frozen=True)
@@ -48,9 +47,7 @@ class Options:
                      where it fits (ops.w4_int4_fits; packed on first use), in bf16: x, scales, zeros and the product
                      rounded to bf16 (3 mantissa bits fewer than fp16), fp32 sums (False: the fp32 reference)
     w4_gemm_pairs    the fused W4 prefill GEMM dequantizes in 16-bit pairs (csrc_triton/w4a16_gemm.py; the same
-                     bits for integer and fp16 zero points) instead of fp32 FMAs
-    w4_gemm_pdl      the fused W4 prefill GEMM's launch: "off", "on" (programmatic dependent launch, where `pdl`
-                     is on) or "prefetch" (also its weights into L2 before it waits for its predecessor)
+                     bits for integer and fp16 zero points) instead of fp32 FMAs (False)
     split_rows_attention  later turns replayed from a graph attend with csrc_triton.rows_attention, split over
                      the keys (False: FlashAttention-2's varlen call, unsplit; such turns past
                      generate.FOLLOWUP_GRAPH_MAX_KEYS keys then run eagerly)
@@ -68,15 +65,12 @@ class Options:
     w8a8_wgmma: bool = True
     w4_cpu_cache: bool = False
     w4_cpu_int4: bool = True
-    w4_gemm_pairs: bool = False
-    w4_gemm_pdl: str = "off"
+    w4_gemm_pairs: bool = True
     split_rows_attention: bool = True
 
     def __post_init__(self):
         if self.fused_norm_gemv not in _NORM_MODES:
             raise ValueError(f"fused_norm_gemv must be one of {_NORM_MODES}, got {self.fused_norm_gemv!r}")
-        if self.w4_gemm_pdl not in _GEMM_PDL:
-            raise ValueError(f"w4_gemm_pdl must be one of {_GEMM_PDL}, got {self.w4_gemm_pdl!r}")
         if self.w4_gemv_kernel not in _GEMV_KERNELS:
             raise ValueError(f"w4_gemv_kernel must be one of {_GEMV_KERNELS}, got {self.w4_gemv_kernel!r}")
         for f in fields(self):

@@ -181,8 +181,6 @@ def test_bad_inputs_are_clear_errors():
         w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], path="cublas")
     with pytest.raises(ValueError, match="unpack must be"):
         w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], unpack=3)
-    with pytest.raises(ValueError, match="pdl must be"):
-        w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], pdl="early")
 
 
 # -- GPU: real shapes -------------------------------------------------------------------------------------
@@ -226,30 +224,6 @@ def test_unpackings_agree(dtype):
     plain = run(a, unpack=0)
     assert torch.equal(plain, run(a, unpack=1))
     assert torch.equal(plain, run(a, unpack=2))
-
-
-@pytest.mark.gpu  # programmatic dependent launch: sm_90+
-@pytest.mark.parametrize("pdl", ["on", "prefetch"])
-def test_pdl_same_bits(pdl):
-    """Launched with PDL (and the L2 prefetch of its weights), eagerly and replayed from a CUDA graph after a norm
-    that lets it start early, the fused GEMM gives the plain launch's bits; split-K too (its counters are written only
-    after the wait)."""
-    from csrc_triton.add_rms_norm import add_rms_norm
-
-    a = make(48, 4096, 4096, 128, torch.float16, seed=21, device=DEVICE)
-    cfg = Config(64, 128, 8, 4, 8, 3)
-    w = torch.rand(4096, device=DEVICE, dtype=torch.float16) + 0.5
-    chain = lambda p: w4a16_gemm(add_rms_norm(a["x"], None, w, 1e-5)[0], a["qweight"], a["scales"], a["zeros"],  # noqa: E731
-                                 config=cfg, pdl=p)
-    ref = chain("off").clone()
-    assert torch.equal(chain(pdl), ref)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(pdl)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        assert torch.equal(out, ref)
 
 
 @pytest.mark.gpu  # split-K races only show on the GPU
