@@ -42,6 +42,11 @@ from ._triton import tl, triton
 from .launch import Launch, Plans, tensor_key
 from .w4a16_dequant import w4a16_dequant
 
+try:  # the Gluon kernel (sm_90, Triton 3.6); absent on builds without triton.experimental.gluon
+    from . import w4a16_gemm_wgmma as _wgmma
+except ImportError:  # pragma: no cover - depends on the Triton build
+    _wgmma = None
+
 # From this many rows on (CUDA), W is dequantized once into an (N, K) workspace and cuBLAS runs the GEMM
 # (~2.5 bytes of traffic per weight, then the fp16 GEMM at full rate). Below it, the fused kernel reads 0.5 byte
 # per weight and dequantizes each weight once per BLOCK_M rows: cheaper while a few row tiles cover the prompt
@@ -426,10 +431,11 @@ class _Plan(NamedTuple):
     M: int
     N: int
     K: int
-    path: str  # "fused" or "dequant"
+    path: str  # "fused", "wgmma" or "dequant"
     split_k: int  # the fused kernel's split (1: its workspace and counters are 1-element placeholders)
     counters: int  # split-K counters (one per output tile)
-    launch: Launch | None  # the fused kernel's; None on the dequant path or when M == 0
+    launch: Launch | None  # the fused kernel's; None on the other paths or when M == 0
+    tile: object = None  # the Gluon kernel's fitted Tile on the "wgmma" path
 
 
 # Plans per distinct call (every tensor's shape, strides, dtype and device, the options and the module switches
@@ -442,8 +448,12 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack) -> _Plan:
     if path is None:
         big = x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M
         path = "dequant" if big or K % 64 else "fused"
-    if path not in ("fused", "dequant"):
-        raise ValueError(f"path must be 'fused' or 'dequant', got {path!r}")
+        if path == "fused" and wgmma_wins(x, qweight, G):
+            path = "wgmma"
+    if path not in ("fused", "wgmma", "dequant"):
+        raise ValueError(f"path must be 'fused', 'wgmma' or 'dequant', got {path!r}")
+    if path == "wgmma":
+        return _wgmma_plan(x, qweight, out, config, M, N, K, G)
     if path == "fused" and K % 64:
         raise ValueError(f"the fused W4 GEMM needs K % 64 == 0 (got K={K}); use path='dequant'")
     if path == "fused" and M * x.stride(0) >= 2**31:
@@ -471,6 +481,39 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack) -> _Plan:
     return _Plan(M, N, K, path, cfg.split_k, grid[0] * grid[1], launch)
 
 
+def wgmma_wins(x: torch.Tensor, qweight: torch.Tensor, G: int) -> bool:
+    """Whether the default dispatch takes the Gluon kernel: on sm_90 under Triton 3.6, for the (M bucket, N, K) that
+    its TILE_TABLE lists (where the sweep measured it faster than this module's kernel), when the operands suit TMA
+    and the tile's shared memory fits at this group size."""
+    M, K = x.shape
+    if _wgmma is None or INTERPRET or not x.is_cuda or not USE_WGMMA:
+        return False
+    tile = _wgmma.TILE_TABLE.get((m_bucket(M), qweight.shape[0], K))
+    return (tile is not None and _wgmma.ok(x, qweight, G)
+            and _wgmma.smem_bytes(_wgmma.fit_tile(tile, K, G), K, G) <= _wgmma.SMEM_LIMIT)
+
+
+# Off: the default dispatch never takes the Gluon kernel (benches compare; tests pin path="wgmma").
+USE_WGMMA = True
+
+
+def _wgmma_plan(x, qweight, out, config, M, N, K, G) -> _Plan:
+    if _wgmma is None or not _wgmma.ok(x, qweight, G):
+        raise ValueError("path='wgmma' needs an sm_90 GPU under Triton 3.6, fp16/bf16 x with 16-byte aligned rows, "
+                         f"K (={K}) a multiple of min(128, G={G}) and a contiguous qweight; use path='fused'")
+    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
+        raise ValueError(f"out must be ({M}, {N}) {x.dtype} with unit stride along N")
+    tile = config if config is not None else _wgmma.TILE_TABLE.get((m_bucket(M), N, K), _wgmma.DEFAULT_TILE)
+    if not _wgmma.tile_ok(tile):
+        raise ValueError(f"w4a16_gemm: {tile} is not a valid tile of the Gluon kernel (w4a16_gemm_wgmma.tile_ok)")
+    tile = _wgmma.fit_tile(tile, K, G)
+    if _wgmma.smem_bytes(tile, K, G) > _wgmma.SMEM_LIMIT:
+        raise ValueError(f"w4a16_gemm: {tile.name} needs {_wgmma.smem_bytes(tile, K, G)} bytes of shared memory at "
+                         f"K={K}, G={G} (limit {_wgmma.SMEM_LIMIT}): fewer stages, a larger split or path='fused'")
+    counters = triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n)
+    return _Plan(M, N, K, "wgmma", tile.split_k, counters, None, tile)
+
+
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                config: Config | None = None, path: str | None = None, unpack: int | None = None,
@@ -481,13 +524,18 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     2 16-bit pairs (GPU), 0 plain ops, same bits. direct: after the first launch, skip Triton's dispatch (launch.py;
     both paths)."""
     key = (tensor_key(x), tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(bias), tensor_key(out),
-           config, path, unpack, DEQUANT_MIN_M, INTERPRET)
+           config, path, unpack, DEQUANT_MIN_M, INTERPRET, USE_WGMMA)
     plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack))
     M, N, K = plan.M, plan.N, plan.K
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
+    if plan.path == "wgmma":
+        split = plan.split_k > 1
+        ws = scratch("w4_splitk", plan.split_k * M * N if split else 1, torch.float32, x.device)
+        cnt = scratch("w4_counters", plan.counters if split else 1, torch.int32, x.device, zero=True)
+        return _wgmma.w4a16_gemm_wgmma(x, qweight, scales, zeros, bias, out, ws, cnt, plan.tile)
     if plan.path == "dequant":
         w = w4a16_dequant(qweight, scales, zeros, out=scratch("w4_dequant", N * K, x.dtype, x.device).view(N, K),
                           direct=direct)

@@ -24,6 +24,10 @@ Programmatic dependent launch (csrc_triton/pdl.py) off and on, M=1 (~30 s):
 per shape: per-call time of 16 back-to-back GEMVs, and of 16 (add+RMSNorm -> GEMV) pairs, the decode step's
 pattern (the norm's output is the GEMV's input), both replayed from a CUDA graph, each output checked.
 
+Gluon GEMM sweep (replaces the rows above; ~3 min):
+    python -m scripts.bench_kernels --only w4a16 --w4-wgmma-sweep 16,32,48
+prints, per shape and M, the Triton GEMM's time (its table tile) and each Gluon tile's (csrc_triton/w4a16_gemm_wgmma.py),
+both per call from a CUDA graph, then the TILE_TABLE to paste (shapes where the Gluon kernel wins) and totals x32.
 GEMV config sweep (replaces the rows above; for M = 1: 22 variants compiled in 12 worker processes, 136 configs
 timed, then the chosen table checked at fp16/bf16, M = 1, 2, 4, 8; ~190 configs took ~70 s on an H200):
 
@@ -45,7 +49,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from csrc_triton import w4a16_gemm as gemm_mod
 from csrc_triton.w4a16_gemm import Config, config_ok, m_bucket, rule_config, split_for, w4a16_gemm
+from csrc_triton.w4a16_gemm_wgmma import Tile
 from scripts.benches import common
 from tinyvila import ops
 from tinyvila.quant import dequantize_w4, quantize_w4
@@ -107,6 +113,9 @@ def add_args(p) -> None:
                    help="instead of the rows: the fused GEMM tile sweep at these prompt row counts")
     p.add_argument("--w4-gemm-unpack", type=common.ints, default=[1], metavar="U,...",
                    help="the GEMM sweep times each tile in these dequantization forms (1: fp32 FMAs, 2: 16-bit pairs)")
+    p.add_argument("--w4-wgmma-sweep", type=common.ints, metavar="M,...",
+                   help="instead of the rows: the Gluon GEMM's tiles against the Triton GEMM's table tile at these "
+                        "prompt row counts, each replayed from a CUDA graph; prints its TILE_TABLE")
     p.add_argument("--w4-pdl-sweep", action="store_true",
                    help="instead of the rows: the GEMVs and (norm -> GEMV) pairs with PDL off and on, M = 1")
 
@@ -118,6 +127,8 @@ def run(args) -> list[dict]:
         return gemv_sweep(args.w4_gemv_sweep, gemv_sweep_tiles(args.w4_sweep_tiles), args.w4_table_out)
     if args.w4_gemm_sweep:
         return gemm_sweep(args.w4_gemm_sweep, args.w4_gemm_unpack)
+    if args.w4_wgmma_sweep:
+        return wgmma_sweep(args.w4_wgmma_sweep)
     quick = args.quick
     gemv_ms = [1] if quick else [1, 4, 8]
     # GEMM rows: path None = the default dispatch (fused below DEQUANT_MIN_M rows, dequant + cuBLAS above).
@@ -242,6 +253,84 @@ def _sweep_totals(summaries: list[dict], ms: list[int], unpack: int) -> list[dic
     print(f"DEQUANT_MIN_M: {min(worse) if worse else f'> {max(ms)} (fused wins at every swept M)'}  "
           f"(smallest swept M where dequant + cuBLAS beats the best fused tiles, summed over the 4 shapes)")
     return totals
+
+
+# -- Gluon GEMM tile sweep: --w4-wgmma-sweep 16,32,64 -------------------------------------------------------
+def wgmma_sweep_tiles(M: int) -> list[Tile]:
+    """The Gluon kernel's tiles timed at M rows: one row tile (BLOCK_M = the M bucket, at most 64), 64 weight rows a
+    warpgroup, one or two warpgroups, one or two m64 blocks each, rings of 4 to 8 stages, splits of 1 to 8."""
+    bm = min(64, m_bucket(M))
+    return ([Tile(bm, 64, 16, sp, st, 4) for sp in (2, 4, 8) for st in (6, 8)]
+            + [Tile(bm, 128, 16, sp, 4, 4) for sp in (1, 2, 4)]
+            + [Tile(bm, 128, 16, sp, st, 8) for sp in (1, 2, 4) for st in (4, 6)]
+            + [Tile(bm, 256, 16, sp, 4, 8) for sp in (1, 2)])
+
+
+def _wgmma_compile(job: tuple) -> str | None:
+    """Worker: one Gluon GEMM call at (M, N, K, tile) on zero weights, so Triton compiles it into its disk cache."""
+    M, N, K, tile = job
+    try:
+        x = torch.zeros(M, K, device="cuda", dtype=torch.float16)
+        w4a16_gemm(x, torch.zeros(N, K // 8, device="cuda", dtype=torch.int32),
+                   torch.ones(N, K // GROUP, device="cuda", dtype=torch.float16),
+                   torch.zeros(N, K // GROUP, device="cuda"), path="wgmma", config=Tile(*tile))
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:
+        return str(e).splitlines()[0][:120]
+
+
+def wgmma_sweep(ms: list[int], calls: int = 16) -> list[dict]:
+    """Per Llama-3-8B shape and M: the Triton GEMM (its table tile, pair form) and every Gluon tile, each checked
+    against the dequant path and timed per call from a CUDA graph of `calls` back-to-back calls over rotating weight
+    copies (a prefill graph's situation: no host cost). Prints each time, then the TILE_TABLE literal (the shapes
+    where the best Gluon tile beats the Triton kernel) and per-M totals x32 layers."""
+    jobs = [(M, N, K, tuple(t)) for _, K, N in SHAPES for M in ms for t in wgmma_sweep_tiles(M)]
+    with _pool(14) as pool:  # compiled in parallel (16 cores), then found in the disk cache below
+        fails = [(j, r) for j, r in zip(jobs, pool.map(_wgmma_compile, jobs)) if r]
+    print(f"precompiled {len(jobs)} Gluon variants, {len(fails)} failed", flush=True)
+    rows = []
+    with mock.patch.object(gemm_mod, "USE_WGMMA", False):  # "fused" below: the Triton kernel, never the table's
+        for name, K, N in SHAPES:
+            sets = _weights(N, K, common.n_copies(_w4_bytes(N, K)))
+            for M in ms:
+                ins = [(torch.randn(M, K, device="cuda", dtype=torch.float16), q, s, z) for _, q, s, z in sets]
+                ref = w4a16_gemm(*ins[0], path="dequant").float()
+                t_tr = common.graph_ms(lambda x, q, s, z: w4a16_gemm(x, q, s, z, path="fused", unpack=2), ins, calls)
+                best = (float("inf"), None)
+                for tile in wgmma_sweep_tiles(M):
+                    try:
+                        y = w4a16_gemm(*ins[0], path="wgmma", config=tile).float()
+                        err = ((y - ref).abs().max() / ref.abs().max()).item()
+                        t = common.graph_ms(lambda x, q, s, z, c=tile: w4a16_gemm(x, q, s, z, path="wgmma", config=c),
+                                            ins, calls)
+                    except Exception as e:  # a tile that does not fit is reported, not fatal
+                        print(f"  M={M:<4} {name:<8} {tile.name:<22} FAILED: {str(e).splitlines()[0][:120]}",
+                              flush=True)
+                        continue
+                    ok = err < 1e-2 and t is not None
+                    print(f"  M={M:<4} {name:<8} {tile.name:<22} {1e3 * t:8.1f} us  x{t_tr / t:4.2f} vs Triton"
+                          f"{'' if ok else f'  WRONG (rel err {err:.2g})'}", flush=True)
+                    if ok and t < best[0]:
+                        best = (t, tile)
+                rows.append({"layer": name, "M": M, "N": N, "K": K, "triton_us": 1e3 * t_tr,
+                             "wgmma_us": 1e3 * best[0], "best": best[1].name if best[1] else None,
+                             "speedup": t_tr / best[0], "_tile": best[1]})
+            del sets
+            torch.cuda.empty_cache()
+    print(f"\nTILE_TABLE = {{  # {torch.cuda.get_device_name()}, fp16, group 128: where the Gluon kernel wins")
+    for r in rows:
+        if r["_tile"] is not None and r["speedup"] > 1.0:
+            print(f"    ({m_bucket(r['M'])}, {r['N']}, {r['K']}): Tile{tuple(r['_tile'])},  # x{r['speedup']:.2f}")
+    print("}")
+    totals = []
+    for M in ms:
+        rs = [r for r in rows if r["M"] == M]
+        tr = sum(r["triton_us"] for r in rs)
+        both = sum(min(r["triton_us"], r["wgmma_us"]) for r in rs)
+        totals.append({"layer": "all x32 (ms)", "M": M, "triton_us": LAYERS_8B * tr / 1e3,
+                       "wgmma_us": LAYERS_8B * both / 1e3, "speedup": tr / both})
+    return [{k: v for k, v in r.items() if k != "_tile"} for r in rows] + totals
 
 
 # -- GEMV config sweep: --w4-gemv-sweep 1 (or a list of M: 1,2,4,8) -------------------------------------------

@@ -21,6 +21,8 @@ from csrc_triton import w4a16_gemm as gemm_mod  # noqa: E402
 from csrc_triton._common import dequantize_ref  # noqa: E402
 from csrc_triton.w4a16_gemm import (CONFIG_TABLE, Config, config_ok, fit_config, m_bucket, pick_config,  # noqa: E402
                                     rule_config, scratch, w4a16_gemm, w4a16_gemm_ref)
+from csrc_triton.w4a16_gemm_wgmma import (SMEM_LIMIT, TILE_TABLE, Tile, fit_tile, groups, smem_bytes,  # noqa: E402
+                                          tile_ok)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -167,6 +169,25 @@ def test_config_choice():
     assert fit_config(Config(64, 128, 16, 64, 8, 3), K=256, G=128).split_k == 2  # at most the K steps
     assert not config_ok(Config(128, 64, 16, 1, 4, 3))  # spills (ptxas, sm_90)
     assert not config_ok(Config(64, 128, 16, 1, 4, 3))  # 128 rows need two warpgroups
+
+
+def test_wgmma_tiles_and_dispatch():
+    """The Gluon kernel's tile rules (w4a16_gemm_wgmma; its numerics: test_w4a16_gemm_wgmma.py on Hopper): fitting to
+    K and G, the scales' shared-memory block, the table's tiles valid and within shared memory at group 128, and the
+    default dispatch taking it only where it can run."""
+    assert fit_tile(Tile(64, 64, 16, 3, 6, 4), K=4096, G=64) == Tile(64, 64, 8, 3, 6, 4)  # BK <= G
+    assert fit_tile(Tile(64, 64, 16, 3, 6, 4), K=384, G=128).split_k == 3  # 3 K steps: 3 splits of one
+    assert fit_tile(Tile(64, 64, 16, 4, 6, 4), K=640, G=128).split_k == 3  # 5 steps: 2 + 2 + 1, no empty split
+    assert groups(Tile(64, 64, 16, 2, 6, 4), K=4096, G=128) == 16
+    assert groups(Tile(64, 64, 8, 3, 6, 4), K=4096, G=128) == 16  # 22 steps of 64 -> 11 groups + a straddled one
+    assert not tile_ok(Tile(64, 128, 16, 1, 4, 8)._replace(block_n=192)) and not tile_ok(Tile(48, 64, 16, 1, 4, 4))
+    for (_, _, K), tile in TILE_TABLE.items():
+        assert tile_ok(tile) and smem_bytes(fit_tile(tile, K, 128), K, 128) <= SMEM_LIMIT, tile
+    a = make(48, 64, 256, 128, torch.float16, seed=1, device=DEVICE)
+    assert not gemm_mod.wgmma_wins(a["x"], a["qweight"], 128) or gemm_mod._wgmma.available(a["x"].device)
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="sm_90"):
+            w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], path="wgmma")
 
 
 def test_bad_inputs_are_clear_errors():
