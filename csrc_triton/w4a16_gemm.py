@@ -25,8 +25,10 @@ Split-K (SPLIT_K > 1, for prompts whose tiles do not fill the GPU): each split w
 workspace; the last split of a tile (an atomic counter per tile) sums the partials in split order
 (deterministic), adds the bias and stores y, then resets the counter for the next call.
 Paths: on CUDA, M >= DEQUANT_MIN_M dequantizes W once (w4a16_dequant, into a reused workspace) and calls cuBLAS;
-so do K not divisible by 64. Tiles: CONFIG_TABLE (H200 sweep, scripts/benches/w4a16.py) keyed by (M bucket, N, K),
-else `rule_config`; never autotuned at call time. `warmup` compiles every bucket's kernel ahead of the first prompt.
+so do K not divisible by 64. On sm_90 the shapes of w4a16_gemm_wgmma.TILE_TABLE (short prompts) take that module's
+Gluon kernel (weights through a TMA ring; measured faster there), the rest this module's. Tiles: CONFIG_TABLE
+(H200 sweep, scripts/benches/w4a16.py) keyed by (M bucket, N, K), else `rule_config`; never autotuned at call time.
+`warmup` compiles every bucket's kernel ahead of the first prompt.
 Limits: K % G == 0; any M, N. One CUDA stream at a time (the split-K counters are shared per device).
 """
 
@@ -443,12 +445,12 @@ class _Plan(NamedTuple):
 _PLANS = Plans()
 
 
-def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack) -> _Plan:
+def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, wgmma) -> _Plan:
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
     if path is None:
         big = x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M
         path = "dequant" if big or K % 64 else "fused"
-        if path == "fused" and wgmma_wins(x, qweight, G):
+        if path == "fused" and wgmma and wgmma_wins(x, qweight, G):
             path = "wgmma"
     if path not in ("fused", "wgmma", "dequant"):
         raise ValueError(f"path must be 'fused', 'wgmma' or 'dequant', got {path!r}")
@@ -486,15 +488,11 @@ def wgmma_wins(x: torch.Tensor, qweight: torch.Tensor, G: int) -> bool:
     its TILE_TABLE lists (where the sweep measured it faster than this module's kernel), when the operands suit TMA
     and the tile's shared memory fits at this group size."""
     M, K = x.shape
-    if _wgmma is None or INTERPRET or not x.is_cuda or not USE_WGMMA:
+    if _wgmma is None or INTERPRET or not x.is_cuda:
         return False
     tile = _wgmma.TILE_TABLE.get((m_bucket(M), qweight.shape[0], K))
     return (tile is not None and _wgmma.ok(x, qweight, G)
             and _wgmma.smem_bytes(_wgmma.fit_tile(tile, K, G), K, G) <= _wgmma.SMEM_LIMIT)
-
-
-# Off: the default dispatch never takes the Gluon kernel (benches compare; tests pin path="wgmma").
-USE_WGMMA = True
 
 
 def _wgmma_plan(x, qweight, out, config, M, N, K, G) -> _Plan:
@@ -517,15 +515,17 @@ def _wgmma_plan(x, qweight, out, config, M, N, K, G) -> _Plan:
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                config: Config | None = None, path: str | None = None, unpack: int | None = None,
-               direct: bool = True) -> torch.Tensor:
-    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins the fused kernel's tiles (else CONFIG_TABLE /
-    rule_config); `path` forces "fused" or "dequant" (dequantize to a workspace + a dense matmul); default: dequant
-    from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0, fused otherwise. `unpack`: 1 inline PTX (GPU default),
-    2 16-bit pairs (GPU), 0 plain ops, same bits. direct: after the first launch, skip Triton's dispatch (launch.py;
-    both paths)."""
+               direct: bool = True, wgmma: bool = True) -> torch.Tensor:
+    """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins the tiles (a Config of the fused kernel, else
+    CONFIG_TABLE / rule_config; a w4a16_gemm_wgmma.Tile on the "wgmma" path, else its TILE_TABLE); `path` forces
+    "fused" (this module's Triton kernel), "wgmma" (the Gluon kernel: sm_90, Triton 3.6) or "dequant" (dequantize to
+    a workspace + a dense matmul); default: dequant from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0; else the
+    Gluon kernel where its TILE_TABLE lists the shape and `wgmma` is on, else fused. `unpack`: the fused kernel's
+    dequantization, 1 inline PTX (GPU default), 2 16-bit pairs (GPU), 0 plain ops, same bits. direct: after the first
+    launch, skip Triton's dispatch (launch.py; the fused and dequant paths)."""
     key = (tensor_key(x), tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(bias), tensor_key(out),
-           config, path, unpack, DEQUANT_MIN_M, INTERPRET, USE_WGMMA)
-    plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack))
+           config, path, unpack, DEQUANT_MIN_M, INTERPRET, wgmma)
+    plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, wgmma))
     M, N, K = plan.M, plan.N, plan.K
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -562,8 +562,9 @@ def _buckets(max_m: int) -> list[int]:
 
 def warmup(shapes: list[tuple[int, int]], group_size: int, dtype: torch.dtype, device: torch.device | str,
            bias: bool = False, max_m: int = DEQUANT_MIN_M - 1) -> int:
-    """Compiles the fused kernel of every M bucket up to max_m for each (N, K) in `shapes`, so the first prompts of a
-    chat do not wait for Triton's compiler (later runs: its disk cache). Returns the number of calls made."""
+    """Compiles the kernel the default dispatch runs (the fused Triton GEMM, or the Gluon one at its table's shapes) for
+    every M bucket up to max_m and each (N, K) in `shapes`, so the first prompts of a chat do not wait for Triton's
+    compiler (later runs: its disk cache). Returns the number of calls made."""
     device = torch.device(device)
     calls = 0
     for N, K in shapes:
@@ -575,7 +576,7 @@ def warmup(shapes: list[tuple[int, int]], group_size: int, dtype: torch.dtype, d
         b = torch.zeros(N, dtype=dtype, device=device) if bias else None
         for bucket in _buckets(max_m):
             x = torch.zeros(min(bucket, max_m), K, dtype=dtype, device=device)
-            w4a16_gemm(x, qweight, scales, zeros, b, path="fused")
+            w4a16_gemm(x, qweight, scales, zeros, b)
             calls += 1
     return calls
 

@@ -32,7 +32,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
@@ -139,7 +139,7 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, c
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(STAGES - 1):
+    for i in gl.static_range(STAGES):
         if i < n_steps:
             _load_step(x_desc, w_desc, x_smem, w_smem, ready, i, it0, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_W, STAGES)
 
@@ -173,7 +173,6 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, c
     gl.thread_barrier()
 
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=acc_layout)
-    a_prev = gl.zeros((BLOCK_N, BLOCK_K), s_ptr.dtype.element_ty, layout=a_layout)
     for t in range(n_steps):
         s = t % STAGES
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
@@ -181,17 +180,15 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, c
         g = (it0 + t) // GPK - g0
         a = _dequant(words, s_smem.index(g).load(row_layout), z_smem.index(g).load(row_layout), sel, BF16, BLOCK_N,
                      BLOCK_W, a_layout)
-        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-        # The previous step's wgmma is done (its stage is free, its A registers too); this one may run on.
-        acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
-        a_prev = a
+        # Synchronous: wgmma reads A from registers that the compiler packs from `a` and frees at issue, so the next
+        # step's dequantization would overwrite them under an in-flight wgmma. Other programs on the SM (and the other
+        # warpgroup) fill the wait.
+        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc)
         if num_warps > 4:
-            gl.thread_barrier()  # every warpgroup is done with the stage refilled next
-        nxt = t + STAGES - 1
-        if nxt < n_steps:
-            _load_step(x_desc, w_desc, x_smem, w_smem, ready, nxt, it0, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_W,
-                       STAGES)
-    acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+            gl.thread_barrier()  # every warpgroup is done with stage s
+        if t + STAGES < n_steps:
+            _load_step(x_desc, w_desc, x_smem, w_smem, ready, t + STAGES, it0, off_m, off_n, BLOCK_M, BLOCK_N,
+                       BLOCK_W, STAGES)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 

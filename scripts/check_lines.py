@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 # The budgets: set in docs/design.md, changed only together with it.
-TINYVILA_BUDGET = 6406
+TINYVILA_BUDGET = 6409
 CSRC_TRITON_BUDGET = 5000
 
 ROOT = Path(__file__).resolve().parents[1]

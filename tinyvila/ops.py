@@ -251,7 +251,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                            pdl=opts.pdl)
         else:
             y = w4a16_gemm(x2.contiguous(), qweight, scales, zeros, bias, unpack=2 if opts.w4_gemm_pairs else None,
-                           direct=opts.direct_launch)
+                           direct=opts.direct_launch, wgmma=opts.w4_gemm_wgmma)
     else:
         ct = torch.promote_types(x.dtype, torch.float32)  # fp32 math, or fp64 for a float64 model
         y = x2.to(ct) @ w4_reference_weight(qweight, scales, zeros, x.dtype).to(ct).T

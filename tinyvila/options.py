@@ -48,6 +48,8 @@ class Options:
                      rounded to bf16 (3 mantissa bits fewer than fp16), fp32 sums (False: the fp32 reference)
     w4_gemm_pairs    the fused W4 prefill GEMM dequantizes in 16-bit pairs (csrc_triton/w4a16_gemm.py; the same
                      bits for integer and fp16 zero points) instead of fp32 FMAs (False)
+    w4_gemm_wgmma    short W4 prefills (a follow-up question) run the Gluon GEMM (csrc_triton/w4a16_gemm_wgmma.py:
+                     Hopper, Triton 3.6) at the shapes of its table; False: the Triton GEMM everywhere
     split_rows_attention  later turns replayed from a graph attend with csrc_triton.rows_attention, split over
                      the keys (False: FlashAttention-2's varlen call, unsplit; such turns past
                      generate.FOLLOWUP_GRAPH_MAX_KEYS keys then run eagerly)
@@ -66,6 +68,7 @@ class Options:
     w4_cpu_cache: bool = False
     w4_cpu_int4: bool = True
     w4_gemm_pairs: bool = True
+    w4_gemm_wgmma: bool = True
     split_rows_attention: bool = True
 
     def __post_init__(self):

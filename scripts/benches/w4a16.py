@@ -49,7 +49,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from csrc_triton import w4a16_gemm as gemm_mod
 from csrc_triton.w4a16_gemm import Config, config_ok, m_bucket, rule_config, split_for, w4a16_gemm
 from csrc_triton.w4a16_gemm_wgmma import Tile
 from scripts.benches import common
@@ -290,34 +289,34 @@ def wgmma_sweep(ms: list[int], calls: int = 16) -> list[dict]:
         fails = [(j, r) for j, r in zip(jobs, pool.map(_wgmma_compile, jobs)) if r]
     print(f"precompiled {len(jobs)} Gluon variants, {len(fails)} failed", flush=True)
     rows = []
-    with mock.patch.object(gemm_mod, "USE_WGMMA", False):  # "fused" below: the Triton kernel, never the table's
-        for name, K, N in SHAPES:
-            sets = _weights(N, K, common.n_copies(_w4_bytes(N, K)))
-            for M in ms:
-                ins = [(torch.randn(M, K, device="cuda", dtype=torch.float16), q, s, z) for _, q, s, z in sets]
-                ref = w4a16_gemm(*ins[0], path="dequant").float()
-                t_tr = common.graph_ms(lambda x, q, s, z: w4a16_gemm(x, q, s, z, path="fused", unpack=2), ins, calls)
-                best = (float("inf"), None)
-                for tile in wgmma_sweep_tiles(M):
-                    try:
-                        y = w4a16_gemm(*ins[0], path="wgmma", config=tile).float()
-                        err = ((y - ref).abs().max() / ref.abs().max()).item()
-                        t = common.graph_ms(lambda x, q, s, z, c=tile: w4a16_gemm(x, q, s, z, path="wgmma", config=c),
-                                            ins, calls)
-                    except Exception as e:  # a tile that does not fit is reported, not fatal
-                        print(f"  M={M:<4} {name:<8} {tile.name:<22} FAILED: {str(e).splitlines()[0][:120]}",
-                              flush=True)
-                        continue
-                    ok = err < 1e-2 and t is not None
-                    print(f"  M={M:<4} {name:<8} {tile.name:<22} {1e3 * t:8.1f} us  x{t_tr / t:4.2f} vs Triton"
-                          f"{'' if ok else f'  WRONG (rel err {err:.2g})'}", flush=True)
-                    if ok and t < best[0]:
-                        best = (t, tile)
-                rows.append({"layer": name, "M": M, "N": N, "K": K, "triton_us": 1e3 * t_tr,
-                             "wgmma_us": 1e3 * best[0], "best": best[1].name if best[1] else None,
-                             "speedup": t_tr / best[0], "_tile": best[1]})
-            del sets
-            torch.cuda.empty_cache()
+    for name, K, N in SHAPES:
+        sets = _weights(N, K, common.n_copies(_w4_bytes(N, K)))
+        for M in ms:
+            ins = [(torch.randn(M, K, device="cuda", dtype=torch.float16), q, s, z) for _, q, s, z in sets]
+            ref = w4a16_gemm(*ins[0], path="dequant").float()
+            triton_gemm = lambda x, q, s, z: w4a16_gemm(x, q, s, z, path="fused", unpack=2)  # noqa: E731
+            t_tr = common.graph_ms(triton_gemm, ins, calls)
+            best = (float("inf"), None)
+            for tile in wgmma_sweep_tiles(M):
+                try:
+                    y = w4a16_gemm(*ins[0], path="wgmma", config=tile).float()
+                    err = ((y - ref).abs().max() / ref.abs().max()).item()
+                    t = common.graph_ms(lambda x, q, s, z, c=tile: w4a16_gemm(x, q, s, z, path="wgmma", config=c),
+                                        ins, calls)
+                except Exception as e:  # a tile that does not fit is reported, not fatal
+                    print(f"  M={M:<4} {name:<8} {tile.name:<22} FAILED: {str(e).splitlines()[0][:120]}",
+                          flush=True)
+                    continue
+                ok = err < 1e-2 and t is not None
+                print(f"  M={M:<4} {name:<8} {tile.name:<22} {1e3 * t:8.1f} us  x{t_tr / t:4.2f} vs Triton"
+                      f"{'' if ok else f'  WRONG (rel err {err:.2g})'}", flush=True)
+                if ok and t < best[0]:
+                    best = (t, tile)
+            rows.append({"layer": name, "M": M, "N": N, "K": K, "triton_us": 1e3 * t_tr,
+                         "wgmma_us": 1e3 * best[0], "best": best[1].name if best[1] else None,
+                         "speedup": t_tr / best[0], "_tile": best[1]})
+        del sets
+        torch.cuda.empty_cache()
     print(f"\nTILE_TABLE = {{  # {torch.cuda.get_device_name()}, fp16, group 128: where the Gluon kernel wins")
     for r in rows:
         if r["_tile"] is not None and r["speedup"] > 1.0:
