@@ -436,7 +436,7 @@ class _Plan(NamedTuple):
     path: str  # "fused", "wgmma" or "dequant"
     split_k: int  # the fused kernel's split (1: its workspace and counters are 1-element placeholders)
     counters: int  # split-K counters (one per output tile)
-    launch: Launch | None  # the fused kernel's; None on the other paths or when M == 0
+    launch: object  # the fused kernel's Launch, the Gluon kernel's WgmmaLaunch; None on the dequant path or M == 0
     tile: object = None  # the Gluon kernel's fitted Tile on the "wgmma" path
 
 
@@ -455,7 +455,7 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, wgmma) -> 
     if path not in ("fused", "wgmma", "dequant"):
         raise ValueError(f"path must be 'fused', 'wgmma' or 'dequant', got {path!r}")
     if path == "wgmma":
-        return _wgmma_plan(x, qweight, out, config, M, N, K, G)
+        return _wgmma_plan(x, qweight, bias, out, config, M, N, K, G)
     if path == "fused" and K % 64:
         raise ValueError(f"the fused W4 GEMM needs K % 64 == 0 (got K={K}); use path='dequant'")
     if path == "fused" and M * x.stride(0) >= 2**31:
@@ -495,7 +495,7 @@ def wgmma_wins(x: torch.Tensor, qweight: torch.Tensor, G: int) -> bool:
             and _wgmma.smem_bytes(_wgmma.fit_tile(tile, K, G), K, G) <= _wgmma.SMEM_LIMIT)
 
 
-def _wgmma_plan(x, qweight, out, config, M, N, K, G) -> _Plan:
+def _wgmma_plan(x, qweight, bias, out, config, M, N, K, G) -> _Plan:
     if _wgmma is None or not _wgmma.ok(x, qweight, G):
         raise ValueError("path='wgmma' needs an sm_90 GPU under Triton 3.6, fp16/bf16 x with 16-byte aligned rows, "
                          f"K (={K}) a multiple of min(128, G={G}) and a contiguous qweight; use path='fused'")
@@ -509,7 +509,8 @@ def _wgmma_plan(x, qweight, out, config, M, N, K, G) -> _Plan:
         raise ValueError(f"w4a16_gemm: {tile.name} needs {_wgmma.smem_bytes(tile, K, G)} bytes of shared memory at "
                          f"K={K}, G={G} (limit {_wgmma.SMEM_LIMIT}): fewer stages, a larger split or path='fused'")
     counters = triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n)
-    return _Plan(M, N, K, "wgmma", tile.split_k, counters, None, tile)
+    launch = _wgmma.WgmmaLaunch(M, N, K, G, tile, x.dtype, bias is not None, N if out is None else out.stride(0))
+    return _Plan(M, N, K, "wgmma", tile.split_k, counters, launch, tile)
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -535,7 +536,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         split = plan.split_k > 1
         ws = scratch("w4_splitk", plan.split_k * M * N if split else 1, torch.float32, x.device)
         cnt = scratch("w4_counters", plan.counters if split else 1, torch.int32, x.device, zero=True)
-        return _wgmma.w4a16_gemm_wgmma(x, qweight, scales, zeros, bias, out, ws, cnt, plan.tile)
+        return plan.launch(x, qweight, scales, zeros, bias, out, ws, cnt, direct=direct)
     if plan.path == "dequant":
         w = w4a16_dequant(qweight, scales, zeros, out=scratch("w4_dequant", N * K, x.dtype, x.device).view(N, K),
                           direct=direct)
