@@ -38,8 +38,7 @@ def launch_ref(fn, grid: tuple[int, ...], tensors: tuple, scalars: tuple, meta: 
 
 class Launch:
     """One kernel launch with its grid, scalar arguments, constexprs and options fixed; called with the
-    kernel's tensor arguments (or host TMA descriptors, for Gluon kernels), which must be its leading parameters,
-    in order.
+    kernel's tensor arguments, which must be its leading parameters, in order.
 
     The first launch per (device, Triton debug flag, 16-byte alignment of each tensor) goes through
     Triton's dispatch, which compiles or finds the kernel, launches it and returns it; later ones call
@@ -64,9 +63,7 @@ class Launch:
         if not (direct and self.compiles and _no_hooks(self.fn)):
             return launch_ref(self.fn, self.grid, tensors, self.scalars, self.meta)
         device = driver.active.get_current_device()
-        # (TMA descriptors among the leading arguments are not specialised on alignment: no key part.)
-        key = (device, knobs.runtime.debug,
-               *[t.data_ptr() % 16 == 0 if isinstance(t, torch.Tensor) else None for t in tensors])
+        key = (device, knobs.runtime.debug, *[t.data_ptr() % 16 == 0 for t in tensors])
         entry = self.compiled.get(key)
         if entry is None:
             assert len(tensors) + len(self.tail) == len(self.fn.arg_names)

@@ -523,7 +523,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     a workspace + a dense matmul); default: dequant from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0; else the
     Gluon kernel where its TILE_TABLE lists the shape and `wgmma` is on, else fused. `unpack`: the fused kernel's
     dequantization, 1 inline PTX (GPU default), 2 16-bit pairs (GPU), 0 plain ops, same bits. direct: after the first
-    launch, skip Triton's dispatch (launch.py; the fused and dequant paths)."""
+    launch, skip Triton's dispatch (launch.py; the fused and dequant paths: the Gluon kernel always takes it)."""
     key = (tensor_key(x), tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(bias), tensor_key(out),
            config, path, unpack, DEQUANT_MIN_M, INTERPRET, wgmma)
     plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, wgmma))
@@ -536,7 +536,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         split = plan.split_k > 1
         ws = scratch("w4_splitk", plan.split_k * M * N if split else 1, torch.float32, x.device)
         cnt = scratch("w4_counters", plan.counters if split else 1, torch.int32, x.device, zero=True)
-        return plan.launch(x, qweight, scales, zeros, bias, out, ws, cnt, direct=direct)
+        return plan.launch(x, qweight, scales, zeros, bias, out, ws, cnt)
     if plan.path == "dequant":
         w = w4a16_dequant(qweight, scales, zeros, out=scratch("w4_dequant", N * K, x.dtype, x.device).view(N, K),
                           direct=direct)

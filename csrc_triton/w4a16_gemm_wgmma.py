@@ -35,8 +35,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .launch import Launch
-
 
 def _pair_asm(bf16: bool) -> str:
     """PTX of one byte c of a word (c = the lane's, in the selector register $4) as a dequantized pair {w_q, w_q'}:
@@ -318,9 +316,8 @@ def groups(t: Tile, K: int, G: int) -> int:
 
 class WgmmaLaunch:
     """One call shape's launch (a w4a16_gemm plan holds it): the shared-memory layouts, grid, scalars and constexprs
-    fixed, and after the first call Triton's dispatch skipped (launch.Launch); per call only the two TMA descriptors
-    (x moves between calls) are built. Eager prefills are host-bound: Triton's own dispatch of this kernel cost
-    ~150 us a call."""
+    fixed; per call the two TMA descriptors (x moves between calls), then Triton's own dispatch (~150 us of host time
+    a call, measured: tinyvila runs this kernel where a CUDA graph is being built, tinyvila/cuda_graph.building)."""
 
     def __init__(self, M: int, N: int, K: int, G: int, tile: Tile, dtype: torch.dtype, has_bias: bool,
                  stride_ym: int):
@@ -328,15 +325,15 @@ class WgmmaLaunch:
         self.x_block, self.w_block = [bm, 8 * bw], [bn, bw]
         self.x_layout = gl.NVMMASharedLayout.get_default_for(self.x_block, _GL[dtype])
         self.w_layout = gl.NVMMASharedLayout.get_default_for(self.w_block, gl.int32)
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), tile.split_k)
-        self.launch = Launch(_w4a16_wgmma_kernel, grid, (M, N, stride_ym, K // G, tile.split_k), dict(
-            K=K, G=G, HAS_BIAS=has_bias, BF16=dtype == torch.bfloat16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw,
-            STAGES=tile.stages, GROUPS=groups(tile, K, G), WORDS=_word_layout(bn, bw, tile.num_warps),
-            num_warps=tile.num_warps))
+        self.grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), tile.split_k)
+        self.scalars = (M, N, stride_ym, K // G, tile.split_k)
+        self.meta = dict(K=K, G=G, HAS_BIAS=has_bias, BF16=dtype == torch.bfloat16, BLOCK_M=bm, BLOCK_N=bn,
+                         BLOCK_W=bw, STAGES=tile.stages, GROUPS=groups(tile, K, G),
+                         WORDS=_word_layout(bn, bw, tile.num_warps), num_warps=tile.num_warps)
 
-    def __call__(self, x, qweight, scales, zeros, bias, out, ws, counters, direct: bool = True):
+    def __call__(self, x, qweight, scales, zeros, bias, out, ws, counters):
         x_desc = TensorDescriptor(x, x.shape, x.stride(), self.x_block, self.x_layout)
         w_desc = TensorDescriptor(qweight, qweight.shape, qweight.stride(), self.w_block, self.w_layout)
-        self.launch(x_desc, w_desc, scales, zeros, bias if bias is not None else scales, out, ws, counters,
-                    direct=direct)
+        _w4a16_wgmma_kernel[self.grid](x_desc, w_desc, scales, zeros, bias if bias is not None else scales, out, ws,
+                                       counters, *self.scalars, **self.meta)
         return out

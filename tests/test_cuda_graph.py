@@ -14,7 +14,7 @@ import torch
 
 from tinyvila import sparsity as sparse
 from tinyvila.config import ProjectorConfig, QuantConfig, SparsityConfig, preset
-from tinyvila.cuda_graph import GraphCache
+from tinyvila.cuda_graph import GraphCache, building, capture
 from tinyvila.image import preprocess, resize_uint8
 from tinyvila.convert.smoothquant import w8a8_state_dict
 from tinyvila.loader import random_model
@@ -35,6 +35,30 @@ def test_cpu_input_runs_eager():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="CUDA"):
         GraphCache(enc._forward)(px)
+
+
+@pytest.mark.gpu
+def test_building_is_set_for_warm_ups_and_capture_only():
+    """`building()` (graph builds may pick kernels that launch slower and run faster: ops.w4a16_linear) is true in
+    capture's warm-ups and in the capture, on that thread only, and false again after, also when fn raises."""
+    import threading
+
+    seen, other = [], []
+    x = torch.zeros(4, device="cuda")
+
+    def fn():
+        seen.append(building())
+        t = threading.Thread(target=lambda: other.append(building()))
+        t.start()
+        t.join()
+        return x + 1
+
+    assert not building()
+    capture(fn, torch.cuda.graph_pool_handle(), warmups=2)
+    assert seen == [True, True, True] and other == [False, False, False] and not building()
+    with pytest.raises(RuntimeError, match="boom"):
+        capture(lambda: (_ for _ in ()).throw(RuntimeError("boom")), torch.cuda.graph_pool_handle())
+    assert not building()
 
 
 @pytest.mark.gpu

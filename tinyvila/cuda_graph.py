@@ -10,6 +10,7 @@ prefill graphs); `GraphCache` is the input-copying form used by `VisionEncoder` 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable
 
 import torch
@@ -18,6 +19,13 @@ Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
+_STATE = threading.local()
+
+
+def building() -> bool:
+    """Whether this thread is inside `capture` (its eager warm-ups or the capture): there a launch's host time is
+    paid once per graph, so kernels that launch slower but run faster may be chosen (ops.w4a16_linear's Gluon GEMM)."""
+    return getattr(_STATE, "building", False)
 
 
 def _side_stream(device: int) -> torch.cuda.Stream:
@@ -38,15 +46,19 @@ def capture(fn: Callable[[], object], pool, warmups: int = 1, restore: tuple[tor
     saved = [t.clone() for t in restore]
     side = _side_stream(torch.cuda.current_device())
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    for t, v in zip(restore, saved):
-        t.copy_(v)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    outer, _STATE.building = building(), True
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        for t, v in zip(restore, saved):
+            t.copy_(v)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:
+        _STATE.building = outer
     return graph, out
 
 

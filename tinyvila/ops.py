@@ -246,12 +246,14 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         from csrc_triton.w4a16_gemm import w4a16_gemm
         from csrc_triton.w4a16_gemv import w4a16_gemv
 
+        from .cuda_graph import building
+
         if x2.shape[0] <= GEMV_MAX_M:
             y = w4a16_gemv(x2.contiguous(), qweight, scales, zeros, bias, prenorm=norm, kernel=opts.w4_gemv_kernel,
                            pdl=opts.pdl)
         else:
             y = w4a16_gemm(x2.contiguous(), qweight, scales, zeros, bias, unpack=2 if opts.w4_gemm_pairs else None,
-                           direct=opts.direct_launch, wgmma=opts.w4_gemm_wgmma)
+                           direct=opts.direct_launch, wgmma=opts.w4_gemm_wgmma and building())
     else:
         ct = torch.promote_types(x.dtype, torch.float32)  # fp32 math, or fp64 for a float64 model
         y = x2.to(ct) @ w4_reference_weight(qweight, scales, zeros, x.dtype).to(ct).T

@@ -48,8 +48,9 @@ class Options:
                      rounded to bf16 (3 mantissa bits fewer than fp16), fp32 sums (False: the fp32 reference)
     w4_gemm_pairs    the fused W4 prefill GEMM dequantizes in 16-bit pairs (csrc_triton/w4a16_gemm.py; the same
                      bits for integer and fp16 zero points) instead of fp32 FMAs (False)
-    w4_gemm_wgmma    short W4 prefills (a follow-up question) run the Gluon GEMM (csrc_triton/w4a16_gemm_wgmma.py:
-                     Hopper, Triton 3.6) at the shapes of its table; False: the Triton GEMM everywhere
+    w4_gemm_wgmma    short W4 prefills built into a CUDA graph (a follow-up question) run the Gluon GEMM at the
+                     shapes of its table (csrc_triton/w4a16_gemm_wgmma.py: Hopper, Triton 3.6); eager ones keep the
+                     Triton GEMM, whose launch costs less host time. False: the Triton GEMM everywhere
     split_rows_attention  later turns replayed from a graph attend with csrc_triton.rows_attention, split over
                      the keys (False: FlashAttention-2's varlen call, unsplit; such turns past
                      generate.FOLLOWUP_GRAPH_MAX_KEYS keys then run eagerly)
