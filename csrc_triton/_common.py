@@ -256,6 +256,16 @@ def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return q * scales.float().repeat_interleave(G, dim=1) + zeros.float().repeat_interleave(G, dim=1)
 
 
+def w4a16_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W4 GEMMs' reference (w4a16_gemm, w4a16_gemm_wgmma): dequantize (rounded to x's dtype) -> fp32 matmul ->
+    cast."""
+    y = x.float() @ dequantize_ref(qweight, scales, zeros).to(x.dtype).float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 # -- RoPE + KV-cache write (rope_qkv, w4a16_gemv_rope) -------------------------------------------------------------
 def check_rope_qkv(qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads) -> int:
     """Validates rope_qkv's arguments (metadata only: no device sync); returns D. qkv may be a stand-in with the

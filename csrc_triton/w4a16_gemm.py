@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._common import INTERPRET, check_w4_args, dequantize_ref
+from ._common import INTERPRET, check_w4_args, w4a16_ref
 from ._triton import tl, triton
 from .launch import Launch, Plans, tensor_key
 from .w4a16_dequant import w4a16_dequant
@@ -434,10 +434,9 @@ class _Plan(NamedTuple):
     N: int
     K: int
     path: str  # "fused", "wgmma" or "dequant"
-    split_k: int  # the fused kernel's split (1: its workspace and counters are 1-element placeholders)
+    split_k: int  # the fused or Gluon kernel's split (1: its workspace and counters are 1-element placeholders)
     counters: int  # split-K counters (one per output tile)
     launch: object  # the fused kernel's Launch, the Gluon kernel's WgmmaLaunch; None on the dequant path or M == 0
-    tile: object = None  # the Gluon kernel's fitted Tile on the "wgmma" path
 
 
 # Plans per distinct call (every tensor's shape, strides, dtype and device, the options and the module switches
@@ -454,8 +453,6 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, wgmma) -> 
             path = "wgmma"
     if path not in ("fused", "wgmma", "dequant"):
         raise ValueError(f"path must be 'fused', 'wgmma' or 'dequant', got {path!r}")
-    if path == "wgmma":
-        return _wgmma_plan(x, qweight, bias, out, config, M, N, K, G)
     if path == "fused" and K % 64:
         raise ValueError(f"the fused W4 GEMM needs K % 64 == 0 (got K={K}); use path='dequant'")
     if path == "fused" and M * x.stride(0) >= 2**31:
@@ -463,6 +460,8 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, wgmma) -> 
                          "be < 2^31; use path='dequant'")
     if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"out must be ({M}, {N}) {x.dtype} with unit stride along N")
+    if path == "wgmma":
+        return _wgmma_plan(x, qweight, bias, out, config, M, N, K, G)
     if M == 0 or path == "dequant":
         return _Plan(M, N, K, path, 1, 1, None)
     if config is None:
@@ -499,8 +498,6 @@ def _wgmma_plan(x, qweight, bias, out, config, M, N, K, G) -> _Plan:
     if _wgmma is None or not _wgmma.ok(x, qweight, G):
         raise ValueError("path='wgmma' needs an sm_90 GPU under Triton 3.6, fp16/bf16 x with 16-byte aligned rows, "
                          f"K (={K}) a multiple of min(128, G={G}) and a contiguous qweight; use path='fused'")
-    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
-        raise ValueError(f"out must be ({M}, {N}) {x.dtype} with unit stride along N")
     tile = config if config is not None else _wgmma.TILE_TABLE.get((m_bucket(M), N, K), _wgmma.DEFAULT_TILE)
     if not _wgmma.tile_ok(tile):
         raise ValueError(f"w4a16_gemm: {tile} is not a valid tile of the Gluon kernel (w4a16_gemm_wgmma.tile_ok)")
@@ -510,7 +507,7 @@ def _wgmma_plan(x, qweight, bias, out, config, M, N, K, G) -> _Plan:
                          f"K={K}, G={G} (limit {_wgmma.SMEM_LIMIT}): fewer stages, a larger split or path='fused'")
     counters = triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n)
     launch = _wgmma.WgmmaLaunch(M, N, K, G, tile, x.dtype, bias is not None, N if out is None else out.stride(0))
-    return _Plan(M, N, K, "wgmma", tile.split_k, counters, launch, tile)
+    return _Plan(M, N, K, "wgmma", tile.split_k, counters, launch)
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -532,11 +529,6 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    if plan.path == "wgmma":
-        split = plan.split_k > 1
-        ws = scratch("w4_splitk", plan.split_k * M * N if split else 1, torch.float32, x.device)
-        cnt = scratch("w4_counters", plan.counters if split else 1, torch.int32, x.device, zero=True)
-        return plan.launch(x, qweight, scales, zeros, bias, out, ws, cnt)
     if plan.path == "dequant":
         w = w4a16_dequant(qweight, scales, zeros, out=scratch("w4_dequant", N * K, x.dtype, x.device).view(N, K),
                           direct=direct)
@@ -547,6 +539,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     split = plan.split_k > 1
     ws = scratch("w4_splitk", plan.split_k * M * N if split else 1, torch.float32, x.device)
     cnt = scratch("w4_counters", plan.counters if split else 1, torch.int32, x.device, zero=True)
+    if plan.path == "wgmma":  # the Gluon kernel (the same workspaces and counter protocol)
+        return plan.launch(x, qweight, scales, zeros, bias, out, ws, cnt)
     plan.launch(x, qweight, scales, zeros, bias if bias is not None else scales, out, ws, cnt, direct=direct)
     return out
 
@@ -585,7 +579,4 @@ def warmup(shapes: list[tuple[int, int]], group_size: int, dtype: torch.dtype, d
 def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: dequantize (rounded to x's dtype) -> fp32 matmul -> cast; the CPU path and test oracle."""
-    y = x.float() @ dequantize_ref(qweight, scales, zeros).to(x.dtype).float().T
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    return w4a16_ref(x, qweight, scales, zeros, bias)

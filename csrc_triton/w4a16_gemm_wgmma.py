@@ -26,7 +26,7 @@ and zeros are loaded once into shared memory (GROUPS x BLOCK_N), where each step
 w4a16_gemm.py: the last split of a tile (per-tile counter) sums the fp32 partials in split order (deterministic),
 adds the bias and stores.
 Limits: sm_90, fp16 or bf16, K % BK == 0, G in {32, 64, 128}; no interpreter form (Gluon runs on the GPU only):
-the plain PyTorch reference is w4a16_gemm's `_ref` (dequantize_ref, then a matmul).
+the plain PyTorch reference is `w4a16_gemm_wgmma_ref` (the CPU path is w4a16_gemm's).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ._common import w4a16_ref
 
 
 def _pair_asm(bf16: bool) -> str:
@@ -342,3 +344,19 @@ class WgmmaLaunch:
         _w4a16_wgmma_kernel[self.grid](x_desc, w_desc, scales, zeros, bias if bias is not None else scales, out, ws,
                                        counters, *self.scalars, **self.meta)
         return out
+
+
+def w4a16_gemm_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                     tile: Tile | None = None) -> torch.Tensor:
+    """y = x @ W^T + bias by this kernel. The launcher is w4a16_gemm's "wgmma" path (it checks the call, fits the
+    tile, keeps the split-K workspaces and the plan); this is that path by name."""
+    from .w4a16_gemm import w4a16_gemm  # (w4a16_gemm imports this module)
+
+    return w4a16_gemm(x, qweight, scales, zeros, bias, out=out, config=tile, path="wgmma")
+
+
+def w4a16_gemm_wgmma_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch: dequantize (rounded to x's dtype) -> fp32 matmul -> cast, as w4a16_gemm_ref (the test oracle)."""
+    return w4a16_ref(x, qweight, scales, zeros, bias)

@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .cuda_graph import building
 from .options import DEFAULT, Options
 
 
@@ -245,8 +246,6 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
         from csrc_triton.w4a16_gemm import w4a16_gemm
         from csrc_triton.w4a16_gemv import w4a16_gemv
-
-        from .cuda_graph import building
 
         if x2.shape[0] <= GEMV_MAX_M:
             y = w4a16_gemv(x2.contiguous(), qweight, scales, zeros, bias, prenorm=norm, kernel=opts.w4_gemv_kernel,

@@ -3,7 +3,7 @@
 Gluon kernels have no interpreter form, so these tests run on a Hopper GPU only (the Triton kernel, tested
 everywhere in test_w4a16_gemm.py, is what runs elsewhere). One-hot rows of x make y a column of W, so the
 in-register dequantization must give the reference's bits for every k; other cases go through the launcher
-(w4a16_gemm with path="wgmma") at odd shapes, both dtypes, every group size, split-K and bias.
+(w4a16_gemm_wgmma, i.e. w4a16_gemm's "wgmma" path) at odd shapes, both dtypes, every group size, split-K and bias.
 """
 
 import pytest
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu(capability=(9, 0)),
 
 from csrc_triton._common import dequantize_ref  # noqa: E402
 from csrc_triton.w4a16_gemm import w4a16_gemm  # noqa: E402
-from csrc_triton.w4a16_gemm_wgmma import TILE_TABLE, Tile  # noqa: E402
+from csrc_triton.w4a16_gemm_wgmma import TILE_TABLE, Tile, w4a16_gemm_wgmma, w4a16_gemm_wgmma_ref  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16]
 # One warpgroup with one or two m64 blocks, two warpgroups with one or two; 16-, 32- and 64-row tiles.
@@ -75,9 +75,11 @@ def test_fp16_zero_points_bit_exact():
 def test_matches_exact_product(M, N, K, G, dtype, bias, tile):
     a = make(M, N, K, G, dtype, seed=M, bias=bias, device="cuda")
     out = poisoned(M, N, dtype, "cuda")
-    y = w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], a["bias"], out=out, path="wgmma", config=tile)
+    y = w4a16_gemm_wgmma(a["x"], a["qweight"], a["scales"], a["zeros"], a["bias"], out=out, tile=tile)
     assert y.data_ptr() == out.data_ptr()
     assert_w4_close(y, a)
+    ref = w4a16_gemm_wgmma_ref(**a)  # the same rounded weights, fp32 sums: equal up to summation order
+    torch.testing.assert_close(y, ref, rtol=2e-3, atol=1e-3 * ref.float().abs().max().item())
     again = w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], a["bias"], path="wgmma", config=tile)
     assert torch.equal(again, y)  # split-K sums in split order; the tile counters were reset
 
