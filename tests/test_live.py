@@ -128,7 +128,9 @@ def test_the_window_slides_encoding_only_new_frames_and_answers_as_asked(vlm, mo
 @pytest.mark.parametrize("keep", [1.0, 0.5])
 def test_a_question_about_an_unmoved_window_prefills_only_the_question(vlm, keep):
     """reuse (default): a second question with no new frame is asked against the window's cached K/V and answers as
-    a fresh chat asked only it (eval mode); a new frame makes the next question re-prefill the window."""
+    a fresh chat asked only it (eval mode); a new frame makes the next question re-prefill the window. The reused
+    question's rows are computed in a shorter batch than the re-prefill's, so on a CPU the fp32 logits may differ in
+    the last bit (the BLAS picks its blocking by shape: seen on CI hosts, 6e-8 on logits of 0.5); the tokens may not."""
     sparsity = tinyvila.Sparsity(decode_keep=keep)
     with LiveSession(vlm, window=3, sample_fps=None, sparsity=sparsity) as live, \
             LiveSession(vlm, window=3, sample_fps=None, sparsity=sparsity, reuse=False) as plain:
@@ -139,7 +141,8 @@ def test_a_question_about_an_unmoved_window_prefills_only_the_question(vlm, keep
         asked = []
         for q in ("What is this?", "And the colour?", "How many?"):
             got, want = "".join(live.ask(q, SHORT)), "".join(plain.ask(q, SHORT))
-            assert got == want and torch.equal(live.chat.last_logits, plain.chat.last_logits)
+            assert got == want
+            torch.testing.assert_close(live.chat.last_logits, plain.chat.last_logits, rtol=0, atol=1e-6)
             asked.append((live.stats.prefill_tokens, plain.stats.prefill_tokens))
         frames = 3 * vlm.cfg.image_tokens
         assert asked[0][0] == asked[0][1] > frames
