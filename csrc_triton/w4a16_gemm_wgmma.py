@@ -282,8 +282,8 @@ SMEM_LIMIT = 227 * 1024  # sm_90's shared memory a block
 
 
 def smem_bytes(t: Tile, K: int, G: int) -> int:
-    """Shared memory of a fitted tile: the ring (words and x per stage) and the split's scales (2 B) and zeros (4 B)."""
-    return t.stages * (t.block_n * t.block_w * 4 + t.block_m * t.block_w * 16) + groups(t, K, G) * t.block_n * 6
+    """A fitted tile's shared memory as compiled (tested): words, x and a barrier a stage; the scales and zeros."""
+    return t.stages * (t.block_n * t.block_w * 4 + t.block_m * t.block_w * 16 + 8) + groups(t, K, G) * t.block_n * 6
 
 
 def available(device: torch.device) -> bool:

@@ -190,6 +190,35 @@ def test_wgmma_tiles_and_dispatch():
             w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], path="wgmma")
 
 
+@pytest.mark.parametrize("M, N, K, G, dtype, tile", [
+    (13, 256, 4096, 64, torch.float16, Tile(16, 64, 16, 4, 6, 4)),  # one warpgroup, one m64 block; bias
+    (48, 512, 1024, 128, torch.bfloat16, Tile(64, 128, 16, 2, 4, 4)),  # bf16's dequantization; two m64 blocks
+    (64, 512, 2048, 32, torch.float16, Tile(64, 256, 16, 1, 4, 8)),  # two warpgroups; BLOCK_W fitted to G
+])
+def test_the_gluon_kernel_compiles_for_sm90_with_the_planned_shared_memory(monkeypatch, M, N, K, G, dtype, tile):
+    """Gluon has no interpreter form, but its compiler runs anywhere: compile the kernel for sm_90a (Triton's own
+    ptxas, a stand-in driver) as WgmmaLaunch would launch it, so a kernel that no longer compiles fails on CPU too,
+    and check its shared memory is what the launcher budgets (smem_bytes against SMEM_LIMIT)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime import driver
+    from triton_stub import HostOnlyDriver
+
+    from csrc_triton import w4a16_gemm_wgmma as gw
+
+    monkeypatch.setattr(driver, "_active", HostOnlyDriver())
+    tile = fit_tile(tile, K, G)
+    launch = gw.WgmmaLaunch(M, N, K, G, tile, dtype, True, N)
+    x, q = torch.empty(M, K, dtype=dtype), torch.empty(N, K // 8, dtype=torch.int32)
+    s, z, out = torch.empty(N, K // G, dtype=dtype), torch.empty(N, K // G), torch.empty(M, N, dtype=dtype)
+    descs = [TensorDescriptor(t, t.shape, t.stride(), b, lay)
+             for t, b, lay in ((x, launch.x_block, launch.x_layout), (q, launch.w_block, launch.w_layout))]
+    kernel = gw._w4a16_wgmma_kernel.warmup(*descs, s, z, s, out, z, z, *launch.scalars, grid=launch.grid,
+                                           **launch.meta)
+    assert kernel.metadata.shared == smem_bytes(tile, K, G) <= SMEM_LIMIT
+    blocks, k16 = tile.block_n // (16 * tile.num_warps), 8 * tile.block_w // 16  # m64 blocks a warpgroup, k16 a step
+    assert kernel.asm["ptx"].count("wgmma.mma_async") == blocks * k16
+
+
 def test_bad_inputs_are_clear_errors():
     a = make(4, 16, 128, 128, torch.float16, seed=0, device=DEVICE)
     with pytest.raises(ValueError, match="x must be a 2-D float16/bfloat16"):

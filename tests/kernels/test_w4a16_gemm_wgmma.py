@@ -1,7 +1,8 @@
 """csrc_triton.w4a16_gemm_wgmma (Gluon, sm_90 only) against the exact quantized product and the reference's bits.
 
 Gluon kernels have no interpreter form, so these tests run on a Hopper GPU only (the Triton kernel, tested
-everywhere in test_w4a16_gemm.py, is what runs elsewhere). One-hot rows of x make y a column of W, so the
+everywhere in test_w4a16_gemm.py, is what runs elsewhere; that file also compiles this one for sm_90a on any
+machine). One-hot rows of x make y a column of W, so the
 in-register dequantization must give the reference's bits for every k; other cases go through the launcher
 (w4a16_gemm_wgmma, i.e. w4a16_gemm's "wgmma" path) at odd shapes, both dtypes, every group size, split-K and bias.
 """
