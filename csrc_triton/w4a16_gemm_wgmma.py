@@ -14,7 +14,9 @@ as the Triton kernel does: the dequantized weights are wgmma's register operand 
 shared-memory operand B. One or two warpgroups a program, each 64 or 128 weight rows (one or two m64 blocks). Each
 wgmma is waited for before the next step's dequantization: the registers it reads are packed by the compiler from
 the fp16 tile and freed at issue, so an in-flight wgmma would read overwritten operands; other programs on the SM
-fill the wait.
+fill the wait. Tiles with smem_a instead store each step's weights (stmatrix) into one of two shared-memory buffers
+and keep one async wgmma in flight, so a step's dequantization overlaps the last step's wgmma (compiled and checked
+for sm_90a offline; not yet run on a GPU, so no table tile uses it).
 Dequantization in natural K order, in 16-bit pairs: the four lanes of a quad each need one byte of every word of
 their rows (byte c = lane % 4 holds k = 8j + 2c, 8j + 2c + 1, exactly its fragment of A), so every lane reads the
 whole words of its rows from shared memory (a broadcast within the quad) and turns byte c into a pair {q s + b}
@@ -37,7 +39,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import w4a16_ref
@@ -129,7 +132,7 @@ def _load_step(x_desc, w_desc, x_smem, w_smem, ready, t, it0, off_m, off_n, BLOC
 def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, NG, SPLIT_K,
                         K: gl.constexpr, G: gl.constexpr, HAS_BIAS: gl.constexpr, BF16: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_W: gl.constexpr, STAGES: gl.constexpr,
-                        GROUPS: gl.constexpr, WORDS: gl.constexpr, num_warps: gl.constexpr):
+                        GROUPS: gl.constexpr, WORDS: gl.constexpr, SMEM_A: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_K: gl.constexpr = 8 * BLOCK_W
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -180,6 +183,9 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, c
     gl.thread_barrier()
 
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=acc_layout)
+    if SMEM_A:  # two buffers of dequantized weights: step t writes one while step t - 1's wgmma reads the other
+        a_smem = gl.allocate_shared_memory(x_desc.dtype, [2, BLOCK_N, BLOCK_K],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], x_desc.dtype))
     for t in range(n_steps):
         s = t % STAGES
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
@@ -187,15 +193,26 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, c
         g = (it0 + t) // GPK - g0
         a = _dequant(words, s_smem.index(g).load(row_layout), z_smem.index(g).load(row_layout), sel, BF16, BLOCK_N,
                      BLOCK_W, a_layout)
-        # Synchronous: wgmma reads A from registers that the compiler packs from `a` and frees at issue, so the next
-        # step's dequantization would overwrite them under an in-flight wgmma. Other programs on the SM (and the other
-        # warpgroup) fill the wait.
-        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc)
+        if SMEM_A:  # one wgmma in flight: this step's dequantization overlapped the last step's wgmma
+            a_buf = a_smem.index(t % 2)
+            a_buf.store(a)
+            fence_async_shared()
+            gl.thread_barrier()  # the warpgroup's rows are all written before its wgmma reads them
+            acc = warpgroup_mma(a_buf, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])  # step t - 1's is done: its stage and A buffer are free
+        else:
+            # Synchronous: wgmma reads A from registers that the compiler packs from `a` and frees at issue, so the
+            # next step's dequantization would overwrite them under an in-flight wgmma. Other programs on the SM (and
+            # the other warpgroup) fill the wait.
+            acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc)
         if num_warps > 4:
-            gl.thread_barrier()  # every warpgroup is done with stage s
-        if t + STAGES < n_steps:
-            _load_step(x_desc, w_desc, x_smem, w_smem, ready, t + STAGES, it0, off_m, off_n, BLOCK_M, BLOCK_N,
+            gl.thread_barrier()  # every warpgroup is done with the stage that refills
+        LAG: gl.constexpr = 1 if SMEM_A else 0  # steps whose wgmma may still read their stage
+        if t >= LAG and t - LAG + STAGES < n_steps:
+            _load_step(x_desc, w_desc, x_smem, w_smem, ready, t - LAG + STAGES, it0, off_m, off_n, BLOCK_M, BLOCK_N,
                        BLOCK_W, STAGES)
+    if SMEM_A:
+        acc = warpgroup_mma_wait(0, deps=[acc])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
@@ -240,11 +257,12 @@ class Tile(NamedTuple):
     split_k: int  # programs sharing one output tile's K range
     stages: int  # TMA ring depth
     num_warps: int  # 4 or 8 (one or two warpgroups)
+    smem_a: bool = False  # dequantized weights through shared memory, one async wgmma in flight (not yet measured)
 
     @property
     def name(self) -> str:
         return (f"m{self.block_m}n{self.block_n}w{self.block_w}k{self.split_k}s{self.stages}"
-                f"x{self.num_warps}")
+                f"x{self.num_warps}" + ("a" if self.smem_a else ""))
 
 
 # Tiles the table lacks (path="wgmma" forced at other shapes).
@@ -283,7 +301,8 @@ SMEM_LIMIT = 227 * 1024  # sm_90's shared memory a block
 
 def smem_bytes(t: Tile, K: int, G: int) -> int:
     """A fitted tile's shared memory as compiled (tested): words, x and a barrier a stage; the scales and zeros."""
-    return t.stages * (t.block_n * t.block_w * 4 + t.block_m * t.block_w * 16 + 8) + groups(t, K, G) * t.block_n * 6
+    a = 2 * t.block_n * t.block_w * 16 if t.smem_a else 0  # two buffers of (BLOCK_N, BLOCK_K) 16-bit weights
+    return t.stages * (t.block_n * t.block_w * 4 + t.block_m * t.block_w * 16 + 8) + groups(t, K, G) * t.block_n * 6 + a
 
 
 def available(device: torch.device) -> bool:
@@ -336,7 +355,7 @@ class WgmmaLaunch:
         self.scalars = (M, N, stride_ym, K // G, tile.split_k)
         self.meta = dict(K=K, G=G, HAS_BIAS=has_bias, BF16=dtype == torch.bfloat16, BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_W=bw, STAGES=tile.stages, GROUPS=groups(tile, K, G),
-                         WORDS=_word_layout(bn, bw, tile.num_warps), num_warps=tile.num_warps)
+                         WORDS=_word_layout(bn, bw, tile.num_warps), SMEM_A=tile.smem_a, num_warps=tile.num_warps)
 
     def __call__(self, x, qweight, scales, zeros, bias, out, ws, counters):
         x_desc = TensorDescriptor(x, x.shape, x.stride(), self.x_block, self.x_layout)

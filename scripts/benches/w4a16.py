@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton.w4a16_gemm import Config, config_ok, m_bucket, rule_config, split_for, w4a16_gemm
-from csrc_triton.w4a16_gemm_wgmma import Tile
+from csrc_triton.w4a16_gemm_wgmma import SMEM_LIMIT, Tile, fit_tile, smem_bytes
 from scripts.benches import common
 from tinyvila import ops
 from tinyvila.quant import dequantize_w4, quantize_w4
@@ -255,14 +255,19 @@ def _sweep_totals(summaries: list[dict], ms: list[int], unpack: int) -> list[dic
 
 
 # -- Gluon GEMM tile sweep: --w4-wgmma-sweep 16,32,64 -------------------------------------------------------
-def wgmma_sweep_tiles(M: int) -> list[Tile]:
+def wgmma_sweep_tiles(M: int, K: int) -> list[Tile]:
     """The Gluon kernel's tiles timed at M rows: one row tile (BLOCK_M = the M bucket, at most 64), 64 weight rows a
-    warpgroup, one or two warpgroups, one or two m64 blocks each, rings of 4 to 8 stages, splits of 1 to 8."""
+    warpgroup, one or two warpgroups, one or two m64 blocks each, rings of 4 to 8 stages, splits of 1 to 8; each
+    and each (weight rows, split, warps) with the weights through shared memory (smem_a: 3 stages, the buffers take
+    the ring's room) where that fits at K."""
     bm = min(64, m_bucket(M))
-    return ([Tile(bm, 64, 16, sp, st, 4) for sp in (2, 4, 8) for st in (6, 8)]
+    base = ([Tile(bm, 64, 16, sp, st, 4) for sp in (2, 4, 8) for st in (6, 8)]
             + [Tile(bm, 128, 16, sp, 4, 4) for sp in (1, 2, 4)]
             + [Tile(bm, 128, 16, sp, st, 8) for sp in (1, 2, 4) for st in (4, 6)]
             + [Tile(bm, 256, 16, sp, 4, 8) for sp in (1, 2)])
+    staged = dict.fromkeys(t._replace(smem_a=True, stages=3) for t in base)
+    fits = [t for t in staged if smem_bytes(fit_tile(t, K, GROUP), K, GROUP) <= SMEM_LIMIT]
+    return base + fits
 
 
 def _wgmma_compile(job: tuple) -> str | None:
@@ -284,7 +289,7 @@ def wgmma_sweep(ms: list[int], calls: int = 16) -> list[dict]:
     against the dequant path and timed per call from a CUDA graph of `calls` back-to-back calls over rotating weight
     copies (a prefill graph's situation: no host cost). Prints each time, then the TILE_TABLE literal (the shapes
     where the best Gluon tile beats the Triton kernel) and per-M totals x32 layers."""
-    jobs = [(M, N, K, tuple(t)) for _, K, N in SHAPES for M in ms for t in wgmma_sweep_tiles(M)]
+    jobs = [(M, N, K, tuple(t)) for _, K, N in SHAPES for M in ms for t in wgmma_sweep_tiles(M, K)]
     with _pool(14) as pool:  # compiled in parallel (16 cores), then found in the disk cache below
         fails = [(j, r) for j, r in zip(jobs, pool.map(_wgmma_compile, jobs)) if r]
     print(f"precompiled {len(jobs)} Gluon variants, {len(fails)} failed", flush=True)
@@ -297,7 +302,7 @@ def wgmma_sweep(ms: list[int], calls: int = 16) -> list[dict]:
             triton_gemm = lambda x, q, s, z: w4a16_gemm(x, q, s, z, path="fused", unpack=2)  # noqa: E731
             t_tr = common.graph_ms(triton_gemm, ins, calls)
             best = (float("inf"), None)
-            for tile in wgmma_sweep_tiles(M):
+            for tile in wgmma_sweep_tiles(M, K):
                 try:
                     y = w4a16_gemm(*ins[0], path="wgmma", config=tile).float()
                     err = ((y - ref).abs().max() / ref.abs().max()).item()

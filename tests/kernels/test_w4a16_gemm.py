@@ -194,6 +194,7 @@ def test_wgmma_tiles_and_dispatch():
     (13, 256, 4096, 64, torch.float16, Tile(16, 64, 16, 4, 6, 4)),  # one warpgroup, one m64 block; bias
     (48, 512, 1024, 128, torch.bfloat16, Tile(64, 128, 16, 2, 4, 4)),  # bf16's dequantization; two m64 blocks
     (64, 512, 2048, 32, torch.float16, Tile(64, 256, 16, 1, 4, 8)),  # two warpgroups; BLOCK_W fitted to G
+    (40, 384, 1024, 128, torch.float16, Tile(64, 128, 16, 2, 3, 8, smem_a=True)),  # A through shared memory, async
 ])
 def test_the_gluon_kernel_compiles_for_sm90_with_the_planned_shared_memory(monkeypatch, M, N, K, G, dtype, tile):
     """Gluon has no interpreter form, but its compiler runs anywhere: compile the kernel for sm_90a (Triton's own

@@ -23,8 +23,10 @@ from csrc_triton.w4a16_gemm import w4a16_gemm  # noqa: E402
 from csrc_triton.w4a16_gemm_wgmma import TILE_TABLE, Tile, w4a16_gemm_wgmma, w4a16_gemm_wgmma_ref  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16]
-# One warpgroup with one or two m64 blocks, two warpgroups with one or two; 16-, 32- and 64-row tiles.
+# One warpgroup with one or two m64 blocks, two warpgroups with one or two; 16-, 32- and 64-row tiles; the first
+# three also with the weights through shared memory and one async wgmma in flight (smem_a).
 TILES = [Tile(64, 64, 16, 2, 4, 4), Tile(64, 128, 16, 1, 3, 4), Tile(32, 128, 16, 3, 4, 8), Tile(16, 256, 16, 2, 6, 8)]
+TILES += [t._replace(smem_a=True, stages=min(t.stages, 3)) for t in TILES[:3]]
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: t.name)
@@ -71,6 +73,8 @@ def test_fp16_zero_points_bit_exact():
     (100, 200, 1024, 64, torch.bfloat16, True, TILES[2]),  # several row tiles, 3 splits
     (64, 6144, 4096, 128, torch.bfloat16, False, TILES[1]),
     (33, 4096, 14336, 128, torch.float16, True, TILES[3]),
+    (9, 123, 384, 32, torch.bfloat16, True, TILES[4]),  # smem_a: partial tiles, 2 splits of 6 K steps of 32
+    (100, 200, 1024, 64, torch.float16, False, TILES[6]),  # smem_a, two warpgroups, 3 splits
     (48, 4096, 4096, 128, torch.float16, False, None),  # the launcher's tile
 ])
 def test_matches_exact_product(M, N, K, G, dtype, bias, tile):
