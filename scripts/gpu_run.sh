@@ -91,7 +91,7 @@ followup,attn 90 scripts.bench_kernels --only prefill_graph --prefill-graph-t 46
 followup 60 scripts.bench_kernels --only prefill_graph --prefill-graph-t 588 --prefill-graph-profile 8
 followup 60 scripts.bench_kernels --only prefill_graph --prefill-graph-t 588 --prefill-graph-quant none --prefill-graph-profile 6
 followup 120 scripts.bench_kernels --only w4a16 --w4-gemm-sweep 16,48
-followup 120 scripts.bench_kernels --only w4a16 --w4-wgmma-sweep 16,32,48
+followup 200 scripts.bench_kernels --only w4a16 --w4-wgmma-sweep 16,32,48
 followup 90 scripts.bench_kernels --only prefill_graph --prefill-graph-t 46 --prefill-graph-start 600 --prefill-graph-profile 3 --prefill-graph-options w4_gemm_wgmma=0;w4_gemm_wgmma=1;w4_gemm_wgmma=0
 CMDS
   rm -f "$out/run.log"
