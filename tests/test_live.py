@@ -130,7 +130,7 @@ def test_a_question_about_an_unmoved_window_prefills_only_the_question(vlm, keep
     """reuse (default): a second question with no new frame is asked against the window's cached K/V and answers as
     a fresh chat asked only it (eval mode); a new frame makes the next question re-prefill the window. The reused
     question's rows are computed in a shorter batch than the re-prefill's, so on a CPU the fp32 logits may differ in
-    the last bit (the BLAS picks its blocking by shape: seen on CI hosts, 6e-8 on logits of 0.5); the tokens may not."""
+    the last bit (the BLAS picks its blocking by shape: seen on CI hosts, 6e-8 on logits of 0.5); the tokens must not differ."""
     sparsity = tinyvila.Sparsity(decode_keep=keep)
     with LiveSession(vlm, window=3, sample_fps=None, sparsity=sparsity) as live, \
             LiveSession(vlm, window=3, sample_fps=None, sparsity=sparsity, reuse=False) as plain:

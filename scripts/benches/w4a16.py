@@ -257,9 +257,9 @@ def _sweep_totals(summaries: list[dict], ms: list[int], unpack: int) -> list[dic
 # -- Gluon GEMM tile sweep: --w4-wgmma-sweep 16,32,64 -------------------------------------------------------
 def wgmma_sweep_tiles(M: int, K: int) -> list[Tile]:
     """The Gluon kernel's tiles timed at M rows: one row tile (BLOCK_M = the M bucket, at most 64), 64 weight rows a
-    warpgroup, one or two warpgroups, one or two m64 blocks each, rings of 4 to 8 stages, splits of 1 to 8; each
-    and each (weight rows, split, warps) with the weights through shared memory (smem_a: 3 stages, the buffers take
-    the ring's room) where that fits at K."""
+    warpgroup, one or two warpgroups, one or two m64 blocks each, rings of 4 to 8 stages, splits of 1 to 8; and each
+    (weight rows, split, warps) with the weights through shared memory (smem_a: 3 stages, the buffers take the
+    ring's room) where that fits at K."""
     bm = min(64, m_bucket(M))
     base = ([Tile(bm, 64, 16, sp, st, 4) for sp in (2, 4, 8) for st in (6, 8)]
             + [Tile(bm, 128, 16, sp, 4, 4) for sp in (1, 2, 4)]
