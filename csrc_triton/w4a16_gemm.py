@@ -449,7 +449,7 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, wgmma) -> 
     if path is None:
         big = x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M
         path = "dequant" if big or K % 64 else "fused"
-        if path == "fused" and wgmma and wgmma_wins(x, qweight, G):
+        if wgmma and wgmma_wins(x, qweight, G):  # its table: short prompts (over fused), long ones (over dequant)
             path = "wgmma"
     if path not in ("fused", "wgmma", "dequant"):
         raise ValueError(f"path must be 'fused', 'wgmma' or 'dequant', got {path!r}")

@@ -288,10 +288,15 @@ TILE_TABLE: dict[tuple[int, int, int], Tile] = {
 
 def tile_ok(t: Tile) -> bool:
     """Whether a tile compiles without spills (sm_90, Triton 3.6): 64 weight rows a warpgroup and at most two m64
-    blocks each (245 registers a thread at two), 16-byte TMA rows of words (BLOCK_W >= 4), a ring that fits."""
-    if t.num_warps not in (4, 8) or t.block_m not in (16, 32, 64) or t.block_w not in (4, 8, 16):
+    blocks each (245 registers a thread at two), 16-byte TMA rows of words (BLOCK_W >= 4), a ring that fits. Row
+    tiles of 128 (long prompts) only with the weights through shared memory and one m64 block a warpgroup (256 rows,
+    or two blocks, spill in the epilogue: sm_90a compile)."""
+    if t.num_warps not in (4, 8) or t.block_m not in (16, 32, 64, 128) or t.block_w not in (4, 8, 16):
         return False
+    blocks = t.block_n // (16 * t.num_warps)
     if t.block_n not in (16 * t.num_warps * r for r in (1, 2)):
+        return False
+    if t.block_m > 64 and not (t.smem_a and blocks == 1):
         return False
     return t.split_k >= 1 and 2 <= t.stages
 

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from csrc_triton.w4a16_gemm import Config, config_ok, m_bucket, rule_config, split_for, w4a16_gemm
-from csrc_triton.w4a16_gemm_wgmma import SMEM_LIMIT, Tile, fit_tile, smem_bytes
+from csrc_triton.w4a16_gemm import DEQUANT_MIN_M, Config, config_ok, m_bucket, rule_config, split_for, w4a16_gemm
+from csrc_triton.w4a16_gemm_wgmma import SMEM_LIMIT, TILE_TABLE, Tile, fit_tile, smem_bytes, tile_ok
 from scripts.benches import common
 from tinyvila import ops
 from tinyvila.quant import dequantize_w4, quantize_w4
@@ -115,6 +115,9 @@ def add_args(p) -> None:
     p.add_argument("--w4-wgmma-sweep", type=common.ints, metavar="M,...",
                    help="instead of the rows: the Gluon GEMM's tiles against the Triton GEMM's table tile at these "
                         "prompt row counts, each replayed from a CUDA graph; prints its TILE_TABLE")
+    p.add_argument("--w4-wgmma-install", action="store_true",
+                   help="the Gluon sweep also puts the table it found into TILE_TABLE in this process, so that a "
+                        "bench after it (--only w4a16 prefill_graph) runs those tiles")
     p.add_argument("--w4-pdl-sweep", action="store_true",
                    help="instead of the rows: the GEMVs and (norm -> GEMV) pairs with PDL off and on, M = 1")
 
@@ -127,7 +130,7 @@ def run(args) -> list[dict]:
     if args.w4_gemm_sweep:
         return gemm_sweep(args.w4_gemm_sweep, args.w4_gemm_unpack)
     if args.w4_wgmma_sweep:
-        return wgmma_sweep(args.w4_wgmma_sweep)
+        return wgmma_sweep(args.w4_wgmma_sweep, install=args.w4_wgmma_install)
     quick = args.quick
     gemv_ms = [1] if quick else [1, 4, 8]
     # GEMM rows: path None = the default dispatch (fused below DEQUANT_MIN_M rows, dequant + cuBLAS above).
@@ -256,18 +259,24 @@ def _sweep_totals(summaries: list[dict], ms: list[int], unpack: int) -> list[dic
 
 # -- Gluon GEMM tile sweep: --w4-wgmma-sweep 16,32,64 -------------------------------------------------------
 def wgmma_sweep_tiles(M: int, K: int) -> list[Tile]:
-    """The Gluon kernel's tiles timed at M rows: one row tile (BLOCK_M = the M bucket, at most 64), 64 weight rows a
-    warpgroup, one or two warpgroups, one or two m64 blocks each, rings of 4 to 8 stages, splits of 1 to 8; and each
-    (weight rows, split, warps) with the weights through shared memory (smem_a: 3 stages, the buffers take the
-    ring's room) where that fits at K."""
-    bm = min(64, m_bucket(M))
+    """The Gluon kernel's tiles timed at M rows. Short prompts (M <= 64): one row tile (BLOCK_M = the M bucket), 64
+    weight rows a warpgroup, one or two warpgroups, one or two m64 blocks each, rings of 4 to 8 stages, splits of 1
+    to 8; and each (weight rows, split, warps) with the weights through shared memory (smem_a: 3 stages, the buffers
+    take the ring's room) where that fits at K. Long prompts: row tiles of 64 and 128 (smem_a; 128 with one m64
+    block a warpgroup), K steps of 64 or 128, rings of 3 or 4, splits of 1 or 2 (the scales of a whole K range may
+    not fit shared memory)."""
+    fit = lambda ts: [t for t in dict.fromkeys(ts) if tile_ok(t) and  # noqa: E731
+                      smem_bytes(fit_tile(t, K, GROUP), K, GROUP) <= SMEM_LIMIT]
+    if M > 64:
+        return fit([Tile(bm, bn, bw, sp, st, w, True) for bm in (64, 128) for bn, w in ((64, 4), (128, 8))
+                    for bw in (8, 16) for sp in (1, 2) for st in (3, 4)]
+                   + [Tile(64, 128, 16, sp, 4, 4) for sp in (1, 2)] + [Tile(64, 256, 16, 1, 4, 8)])
+    bm = m_bucket(M)
     base = ([Tile(bm, 64, 16, sp, st, 4) for sp in (2, 4, 8) for st in (6, 8)]
             + [Tile(bm, 128, 16, sp, 4, 4) for sp in (1, 2, 4)]
             + [Tile(bm, 128, 16, sp, st, 8) for sp in (1, 2, 4) for st in (4, 6)]
             + [Tile(bm, 256, 16, sp, 4, 8) for sp in (1, 2)])
-    staged = dict.fromkeys(t._replace(smem_a=True, stages=3) for t in base)
-    fits = [t for t in staged if smem_bytes(fit_tile(t, K, GROUP), K, GROUP) <= SMEM_LIMIT]
-    return base + fits
+    return base + fit(t._replace(smem_a=True, stages=3) for t in base)
 
 
 def _wgmma_compile(job: tuple) -> str | None:
@@ -284,11 +293,12 @@ def _wgmma_compile(job: tuple) -> str | None:
         return str(e).splitlines()[0][:120]
 
 
-def wgmma_sweep(ms: list[int], calls: int = 16) -> list[dict]:
+def wgmma_sweep(ms: list[int], calls: int = 16, install: bool = False) -> list[dict]:
     """Per Llama-3-8B shape and M: the Triton GEMM (its table tile, pair form) and every Gluon tile, each checked
     against the dequant path and timed per call from a CUDA graph of `calls` back-to-back calls over rotating weight
     copies (a prefill graph's situation: no host cost). Prints each time, then the TILE_TABLE literal (the shapes
-    where the best Gluon tile beats the Triton kernel) and per-M totals x32 layers."""
+    where the best Gluon tile beats the Triton kernel) and per-M totals x32 layers. `install`: that table replaces
+    TILE_TABLE's entries at the swept buckets in this process."""
     jobs = [(M, N, K, tuple(t)) for _, K, N in SHAPES for M in ms for t in wgmma_sweep_tiles(M, K)]
     with _pool(14) as pool:  # compiled in parallel (16 cores), then found in the disk cache below
         fails = [(j, r) for j, r in zip(jobs, pool.map(_wgmma_compile, jobs)) if r]
@@ -299,8 +309,13 @@ def wgmma_sweep(ms: list[int], calls: int = 16) -> list[dict]:
         for M in ms:
             ins = [(torch.randn(M, K, device="cuda", dtype=torch.float16), q, s, z) for _, q, s, z in sets]
             ref = w4a16_gemm(*ins[0], path="dequant").float()
-            triton_gemm = lambda x, q, s, z: w4a16_gemm(x, q, s, z, path="fused", unpack=2)  # noqa: E731
+            # What runs without this kernel: the Triton GEMM (pair form) below DEQUANT_MIN_M rows, dequant + cuBLAS
+            # from there; and, for long prompts, the fp16 model's cuBLAS call (W4 prefill's target).
+            other = "fused" if M < DEQUANT_MIN_M else "dequant"
+            triton_gemm = lambda x, q, s, z, p=other: w4a16_gemm(x, q, s, z, path=p, unpack=2)  # noqa: E731
             t_tr = common.graph_ms(triton_gemm, ins, calls)
+            t_fp = (common.graph_ms(F.linear, [(x, w) for (x, _, _, _), (w, _, _, _) in zip(ins, sets)], calls)
+                    if M >= DEQUANT_MIN_M else None)
             best = (float("inf"), None)
             for tile in wgmma_sweep_tiles(M, K):
                 try:
@@ -313,11 +328,13 @@ def wgmma_sweep(ms: list[int], calls: int = 16) -> list[dict]:
                           flush=True)
                     continue
                 ok = err < 1e-2 and t is not None
-                print(f"  M={M:<4} {name:<8} {tile.name:<22} {1e3 * t:8.1f} us  x{t_tr / t:4.2f} vs Triton"
+                vs_fp = f"  x{t_fp / t:4.2f} vs fp16" if t_fp else ""
+                print(f"  M={M:<4} {name:<8} {tile.name:<22} {1e3 * t:8.1f} us  x{t_tr / t:4.2f} vs {other}{vs_fp}"
                       f"{'' if ok else f'  WRONG (rel err {err:.2g})'}", flush=True)
                 if ok and t < best[0]:
                     best = (t, tile)
-            rows.append({"layer": name, "M": M, "N": N, "K": K, "triton_us": 1e3 * t_tr,
+            rows.append({"layer": name, "M": M, "N": N, "K": K, "triton_us": 1e3 * t_tr, "baseline": other,
+                         "fp16_us": 1e3 * t_fp if t_fp else None,
                          "wgmma_us": 1e3 * best[0], "best": best[1].name if best[1] else None,
                          "speedup": t_tr / best[0], "_tile": best[1]})
         del sets
@@ -327,12 +344,21 @@ def wgmma_sweep(ms: list[int], calls: int = 16) -> list[dict]:
         if r["_tile"] is not None and r["speedup"] > 1.0:
             print(f"    ({m_bucket(r['M'])}, {r['N']}, {r['K']}): Tile{tuple(r['_tile'])},  # x{r['speedup']:.2f}")
     print("}")
+    if install:
+        for r in rows:
+            key = (m_bucket(r["M"]), r["N"], r["K"])
+            TILE_TABLE.pop(key, None)
+            if r["_tile"] is not None and r["speedup"] > 1.0:
+                TILE_TABLE[key] = r["_tile"]
+        print(f"installed in TILE_TABLE for this process ({len(TILE_TABLE)} shapes)", flush=True)
     totals = []
     for M in ms:
         rs = [r for r in rows if r["M"] == M]
         tr = sum(r["triton_us"] for r in rs)
         both = sum(min(r["triton_us"], r["wgmma_us"]) for r in rs)
+        fp = sum(r["fp16_us"] for r in rs) if M >= DEQUANT_MIN_M else None
         totals.append({"layer": "all x32 (ms)", "M": M, "triton_us": LAYERS_8B * tr / 1e3,
+                       "fp16_us": LAYERS_8B * fp / 1e3 if fp else None,
                        "wgmma_us": LAYERS_8B * both / 1e3, "speedup": tr / both})
     return [{k: v for k, v in r.items() if k != "_tile"} for r in rows] + totals
 

@@ -27,6 +27,8 @@ DTYPES = [torch.float16, torch.bfloat16]
 # three also with the weights through shared memory and one async wgmma in flight (smem_a).
 TILES = [Tile(64, 64, 16, 2, 4, 4), Tile(64, 128, 16, 1, 3, 4), Tile(32, 128, 16, 3, 4, 8), Tile(16, 256, 16, 2, 6, 8)]
 TILES += [t._replace(smem_a=True, stages=min(t.stages, 3)) for t in TILES[:3]]
+# Long prompts' 128-row tiles (smem_a, one m64 block a warpgroup): one and two warpgroups, K steps of 64.
+TILES += [Tile(128, 64, 8, 1, 4, 4, True), Tile(128, 128, 8, 2, 3, 8, True)]
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: t.name)
@@ -75,6 +77,8 @@ def test_fp16_zero_points_bit_exact():
     (33, 4096, 14336, 128, torch.float16, True, TILES[3]),
     (9, 123, 384, 32, torch.bfloat16, True, TILES[4]),  # smem_a: partial tiles, 2 splits of 6 K steps of 32
     (100, 200, 1024, 64, torch.float16, False, TILES[6]),  # smem_a, two warpgroups, 3 splits
+    (300, 320, 1024, 128, torch.bfloat16, True, TILES[7]),  # 128-row tiles: three, the last partial
+    (257, 4096, 4096, 64, torch.float16, False, TILES[8]),  # 128-row tiles, two warpgroups, 2 splits
     (48, 4096, 4096, 128, torch.float16, False, None),  # the launcher's tile
 ])
 def test_matches_exact_product(M, N, K, G, dtype, bias, tile):
@@ -89,8 +93,24 @@ def test_matches_exact_product(M, N, K, G, dtype, bias, tile):
     assert torch.equal(again, y)  # split-K sums in split order; the tile counters were reset
 
 
+def test_long_prompts_take_the_table_over_dequant(monkeypatch):
+    """A TILE_TABLE entry at a long prompt's bucket (M >= DEQUANT_MIN_M, where the dispatch otherwise dequantizes
+    and calls cuBLAS) runs the Gluon kernel; wgmma=False keeps the dequant path. Both give the product."""
+    import csrc_triton.w4a16_gemm as gemm_mod
+
+    a = make(300, 256, 1024, 128, torch.float16, seed=11, device="cuda")
+    monkeypatch.setitem(TILE_TABLE, (512, 256, 1024), TILES[8])
+    built = []
+    real = gemm_mod._wgmma_plan
+    monkeypatch.setattr(gemm_mod, "_wgmma_plan", lambda *args: built.append(args[4]) or real(*args))
+    assert_w4_close(w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], wgmma=False), a)
+    assert built == []
+    assert_w4_close(w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"]), a)
+    assert built == [None]  # the table's tile, not a forced one
+
+
 def test_table_tiles_are_valid():
     for (bucket, N, K), tile in TILE_TABLE.items():
-        assert tile.block_m >= bucket or tile.block_m == 64, (bucket, N, K, tile)
+        assert tile.block_m >= min(bucket, 64), (bucket, N, K, tile)
         a = make(bucket, N, K, 128, torch.float16, seed=N, device="cuda")
         assert_w4_close(w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], path="wgmma", config=tile), a)
