@@ -449,7 +449,8 @@ def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, wgmma) -> 
     if path is None:
         big = x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M
         path = "dequant" if big or K % 64 else "fused"
-        if wgmma and wgmma_wins(x, qweight, G):  # its table: short prompts (over fused), long ones (over dequant)
+        if (_wgmma is not None and isinstance(config, _wgmma.Tile)) or (config is None and wgmma  # pinned, or table
+                                                                          and wgmma_wins(x, qweight, G)):
             path = "wgmma"
     if path not in ("fused", "wgmma", "dequant"):
         raise ValueError(f"path must be 'fused', 'wgmma' or 'dequant', got {path!r}")
@@ -515,10 +516,10 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                config: Config | None = None, path: str | None = None, unpack: int | None = None,
                direct: bool = True, wgmma: bool = True) -> torch.Tensor:
     """(M, K) x packed (N, K) W4 -> (M, N) in x's dtype. `config` pins the tiles (a Config of the fused kernel, else
-    CONFIG_TABLE / rule_config; a w4a16_gemm_wgmma.Tile on the "wgmma" path, else its TILE_TABLE); `path` forces
+    CONFIG_TABLE / rule_config; a w4a16_gemm_wgmma.Tile: the Gluon kernel, else its TILE_TABLE); `path` forces
     "fused" (this module's Triton kernel), "wgmma" (the Gluon kernel: sm_90, Triton 3.6) or "dequant" (dequantize to
-    a workspace + a dense matmul); default: dequant from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0; else the
-    Gluon kernel where its TILE_TABLE lists the shape and `wgmma` is on, else fused. `unpack`: the fused kernel's
+    a workspace + a dense matmul); default: the Gluon kernel where its TILE_TABLE lists the shape, `wgmma` is on and
+    no Config is pinned; else dequant from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0; else fused. `unpack`: the fused kernel's
     dequantization, 1 inline PTX (GPU default), 2 16-bit pairs (GPU), 0 plain ops, same bits. direct: after the first
     launch, skip Triton's dispatch (launch.py; the fused and dequant paths: the Gluon kernel always takes it)."""
     key = (tensor_key(x), tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(bias), tensor_key(out),

@@ -15,8 +15,9 @@ shared-memory operand B. One or two warpgroups a program, each 64 or 128 weight 
 wgmma is waited for before the next step's dequantization: the registers it reads are packed by the compiler from
 the fp16 tile and freed at issue, so an in-flight wgmma would read overwritten operands; other programs on the SM
 fill the wait. Tiles with smem_a instead store each step's weights (stmatrix) into one of two shared-memory buffers
-and keep one async wgmma in flight, so a step's dequantization overlaps the last step's wgmma (compiled and checked
-for sm_90a offline; not yet run on a GPU, so no table tile uses it).
+and keep one async wgmma in flight, so a step's dequantization overlaps the last step's wgmma: 3-4% faster at 48
+rows for qkv and down (H100), slower elsewhere. Its 128-row tiles (long prompts) lose to dequant + cuBLAS (0.63-1.02x
+at 447-588 rows, 0.57-0.77x the fp16 cuBLAS call: perf_notes), so the table lists none.
 Dequantization in natural K order, in 16-bit pairs: the four lanes of a quad each need one byte of every word of
 their rows (byte c = lane % 4 holds k = 8j + 2c, 8j + 2c + 1, exactly its fragment of A), so every lane reads the
 whole words of its rows from shared memory (a broadcast within the quad) and turns byte c into a pair {q s + b}
@@ -257,7 +258,7 @@ class Tile(NamedTuple):
     split_k: int  # programs sharing one output tile's K range
     stages: int  # TMA ring depth
     num_warps: int  # 4 or 8 (one or two warpgroups)
-    smem_a: bool = False  # dequantized weights through shared memory, one async wgmma in flight (not yet measured)
+    smem_a: bool = False  # dequantized weights through shared memory, one async wgmma in flight
 
     @property
     def name(self) -> str:
@@ -267,22 +268,22 @@ class Tile(NamedTuple):
 
 # Tiles the table lacks (path="wgmma" forced at other shapes).
 DEFAULT_TILE = Tile(64, 128, 16, 4, 4, 4)
-# (M bucket, N, K) -> Tile, measured (scripts/benches/w4a16.py --w4-wgmma-sweep 48,16,32; fp16, group 128, Llama-3-8B
-# layers; H100 SXM, each call replayed from a CUDA graph): the best tile where it beat the Triton kernel's table tile
-# (all 12 here, by 2-44%). The launcher runs this kernel for the shapes listed, and the Triton kernel for the rest.
+# (M bucket, N, K) -> Tile, measured (scripts/benches/w4a16.py --w4-wgmma-sweep 16,32,48; fp16, group 128, Llama-3-8B
+# layers; H100 SXM, each call replayed from a CUDA graph, at 7c69fe2): the best tile where it beat the Triton kernel's
+# table tile (all 12, by 3-44%); the Triton kernel runs the rest. Long prompts: none (docs/perf_notes.md).
 TILE_TABLE: dict[tuple[int, int, int], Tile] = {
-    (16, 4096, 4096): Tile(16, 64, 16, 4, 6, 4),  # x1.02
+    (16, 4096, 4096): Tile(16, 64, 16, 4, 6, 4),  # x1.03
     (16, 4096, 14336): Tile(16, 64, 16, 8, 6, 4),  # x1.11
-    (16, 6144, 4096): Tile(16, 64, 16, 4, 6, 4),  # x1.02
-    (16, 28672, 4096): Tile(16, 64, 16, 2, 6, 4),  # x1.25
-    (32, 4096, 4096): Tile(32, 64, 16, 4, 6, 4),  # x1.10
+    (16, 6144, 4096): Tile(16, 64, 16, 4, 6, 4),  # x1.03
+    (16, 28672, 4096): Tile(16, 64, 16, 2, 6, 4),  # x1.26
+    (32, 4096, 4096): Tile(32, 64, 16, 4, 6, 4),  # x1.11
     (32, 4096, 14336): Tile(32, 64, 16, 4, 6, 4),  # x1.44
-    (32, 6144, 4096): Tile(32, 64, 16, 2, 6, 4),  # x1.33
-    (32, 28672, 4096): Tile(32, 128, 16, 1, 4, 4),  # x1.24
-    (64, 4096, 4096): Tile(64, 64, 16, 2, 6, 4),  # x1.13
-    (64, 4096, 14336): Tile(64, 128, 16, 4, 4, 4),  # x1.17
-    (64, 6144, 4096): Tile(64, 128, 16, 2, 4, 4),  # x1.14
-    (64, 28672, 4096): Tile(64, 256, 16, 1, 4, 8),  # x1.22
+    (32, 6144, 4096): Tile(32, 64, 16, 2, 6, 4),  # x1.35
+    (32, 28672, 4096): Tile(32, 128, 16, 1, 4, 4),  # x1.28
+    (64, 4096, 4096): Tile(64, 64, 16, 2, 6, 4),  # x1.16
+    (64, 4096, 14336): Tile(64, 64, 16, 4, 3, 4, True),  # x1.19
+    (64, 6144, 4096): Tile(64, 64, 16, 2, 3, 4, True),  # x1.19
+    (64, 28672, 4096): Tile(64, 256, 16, 1, 4, 8),  # x1.23
 }
 
 
