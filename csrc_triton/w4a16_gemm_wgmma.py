@@ -17,7 +17,7 @@ the fp16 tile and freed at issue, so an in-flight wgmma would read overwritten o
 fill the wait. Tiles with smem_a instead store each step's weights (stmatrix) into one of two shared-memory buffers
 and keep one async wgmma in flight, so a step's dequantization overlaps the last step's wgmma: 3-4% faster at 48
 rows for qkv and down (H100), slower elsewhere. Its 128-row tiles (long prompts) lose to dequant + cuBLAS (0.63-1.02x
-at 447-588 rows, 0.57-0.77x the fp16 cuBLAS call: perf_notes), so the table lists none.
+at 447-588 rows, 0.44-0.76x the fp16 cuBLAS call: perf_notes), so the table lists none.
 Dequantization in natural K order, in 16-bit pairs: the four lanes of a quad each need one byte of every word of
 their rows (byte c = lane % 4 holds k = 8j + 2c, 8j + 2c + 1, exactly its fragment of A), so every lane reads the
 whole words of its rows from shared memory (a broadcast within the quad) and turns byte c into a pair {q s + b}
