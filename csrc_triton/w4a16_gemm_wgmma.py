@@ -11,7 +11,8 @@ an H100 over vila-8b's 32 layers: 1.15-1.29x the Triton kernel at 16-48 rows (do
 
 A program computes the transposed tile y^T (BLOCK_N, BLOCK_M) = W_tile (BLOCK_N, BK) @ x_tile^T over its split of K,
 as the Triton kernel does: the dequantized weights are wgmma's register operand A, x (zero-filled past M by TMA) the
-shared-memory operand B. One or two warpgroups a program, each 64 or 128 weight rows (one or two m64 blocks). Each
+shared-memory operand B. One, two or four warpgroups a program, each 64 or 128 weight rows (one or two m64 blocks;
+one at four warpgroups, which share each x tile). Each
 wgmma is waited for before the next step's dequantization: the registers it reads are packed by the compiler from
 the fp16 tile and freed at issue, so an in-flight wgmma would read overwritten operands; other programs on the SM
 fill the wait. Tiles with smem_a instead store each step's weights (stmatrix) into one of two shared-memory buffers
@@ -257,7 +258,7 @@ class Tile(NamedTuple):
     block_w: int  # packed words per weight row per K step (BK = 8 block_w, at most one group)
     split_k: int  # programs sharing one output tile's K range
     stages: int  # TMA ring depth
-    num_warps: int  # 4 or 8 (one or two warpgroups)
+    num_warps: int  # 4, 8 or 16 (one, two or four warpgroups)
     smem_a: bool = False  # dequantized weights through shared memory, one async wgmma in flight
 
     @property
@@ -289,13 +290,14 @@ TILE_TABLE: dict[tuple[int, int, int], Tile] = {
 
 def tile_ok(t: Tile) -> bool:
     """Whether a tile compiles without spills (sm_90, Triton 3.6): 64 weight rows a warpgroup and at most two m64
-    blocks each (245 registers a thread at two), 16-byte TMA rows of words (BLOCK_W >= 4), a ring that fits. Row
-    tiles of 128 (long prompts) only with the weights through shared memory and one m64 block a warpgroup (256 rows,
-    or two blocks, spill in the epilogue: sm_90a compile)."""
-    if t.num_warps not in (4, 8) or t.block_m not in (16, 32, 64, 128) or t.block_w not in (4, 8, 16):
+    blocks each (245 registers a thread at two), one with four warpgroups (128 registers, the SM's file at 512
+    threads), 16-byte TMA rows of words (BLOCK_W >= 4), a ring that fits. Row tiles of 128 (long prompts) only with
+    the weights through shared memory and one m64 block a warpgroup (256 rows, or two blocks, spill in the epilogue:
+    sm_90a compile)."""
+    if t.num_warps not in (4, 8, 16) or t.block_m not in (16, 32, 64, 128) or t.block_w not in (4, 8, 16):
         return False
     blocks = t.block_n // (16 * t.num_warps)
-    if t.block_n not in (16 * t.num_warps * r for r in (1, 2)):
+    if t.block_n not in (16 * t.num_warps * r for r in ((1,) if t.num_warps == 16 else (1, 2))):
         return False
     if t.block_m > 64 and not (t.smem_a and blocks == 1):
         return False
