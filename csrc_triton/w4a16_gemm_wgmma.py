@@ -11,14 +11,14 @@ an H100 over vila-8b's 32 layers: 1.15-1.29x the Triton kernel at 16-48 rows (do
 
 A program computes the transposed tile y^T (BLOCK_N, BLOCK_M) = W_tile (BLOCK_N, BK) @ x_tile^T over its split of K,
 as the Triton kernel does: the dequantized weights are wgmma's register operand A, x (zero-filled past M by TMA) the
-shared-memory operand B. One, two or four warpgroups a program, each 64 or 128 weight rows (one or two m64 blocks;
-one at four warpgroups, which share each x tile). Each
-wgmma is waited for before the next step's dequantization: the registers it reads are packed by the compiler from
-the fp16 tile and freed at issue, so an in-flight wgmma would read overwritten operands; other programs on the SM
-fill the wait. Tiles with smem_a instead store each step's weights (stmatrix) into one of two shared-memory buffers
-and keep one async wgmma in flight, so a step's dequantization overlaps the last step's wgmma: 3-4% faster at 48
-rows for qkv and down (H100), slower elsewhere. Its 128-row tiles (long prompts) lose to dequant + cuBLAS (0.63-1.02x
-at 447-588 rows, 0.44-0.76x the fp16 cuBLAS call: perf_notes), so the table lists none.
+shared-memory operand B. One, two or four warpgroups a program, each 64 or 128 weight rows (one or two m64 blocks; one
+at four warpgroups, which share each x tile). Each wgmma is waited for before the next step's dequantization: the
+registers it reads are packed by the compiler from the fp16 tile and freed at issue, so an in-flight wgmma would read
+overwritten operands; other programs on the SM fill the wait. Tiles with smem_a instead store each step's weights
+(stmatrix) into one of two shared-memory buffers and keep one async wgmma in flight, so a step's dequantization
+overlaps the last step's wgmma: 3-4% faster at 48 rows for qkv and down (H100), slower elsewhere. Its 128-row tiles
+(long prompts) lose to dequant + cuBLAS (0.63-1.02x at 447-588 rows, 0.44-0.76x the fp16 cuBLAS call: perf_notes), so
+the table lists none.
 Dequantization in natural K order, in 16-bit pairs: the four lanes of a quad each need one byte of every word of
 their rows (byte c = lane % 4 holds k = 8j + 2c, 8j + 2c + 1, exactly its fragment of A), so every lane reads the
 whole words of its rows from shared memory (a broadcast within the quad) and turns byte c into a pair {q s + b}
@@ -289,11 +289,9 @@ TILE_TABLE: dict[tuple[int, int, int], Tile] = {
 
 
 def tile_ok(t: Tile) -> bool:
-    """Whether a tile compiles without spills (sm_90, Triton 3.6): 64 weight rows a warpgroup and at most two m64
-    blocks each (245 registers a thread at two), one with four warpgroups (128 registers, the SM's file at 512
-    threads), 16-byte TMA rows of words (BLOCK_W >= 4), a ring that fits. Row tiles of 128 (long prompts) only with
-    the weights through shared memory and one m64 block a warpgroup (256 rows, or two blocks, spill in the epilogue:
-    sm_90a compile)."""
+    """Whether a tile compiles without spills (sm_90, Triton 3.6): 64 weight rows a warpgroup, at most two m64 blocks
+    each (245 registers a thread at two), one at four warpgroups (128), 16-byte TMA rows of words (BLOCK_W >= 4), a
+    ring that fits; 128-row tiles (long prompts) only with smem_a and one block a warpgroup (sm_90a compile)."""
     if t.num_warps not in (4, 8, 16) or t.block_m not in (16, 32, 64, 128) or t.block_w not in (4, 8, 16):
         return False
     blocks = t.block_n // (16 * t.num_warps)
