@@ -134,7 +134,8 @@ def _load_step(x_desc, w_desc, x_smem, w_smem, ready, t, it0, off_m, off_n, BLOC
 def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, NG, SPLIT_K,
                         K: gl.constexpr, G: gl.constexpr, HAS_BIAS: gl.constexpr, BF16: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_W: gl.constexpr, STAGES: gl.constexpr,
-                        GROUPS: gl.constexpr, WORDS: gl.constexpr, SMEM_A: gl.constexpr, num_warps: gl.constexpr):
+                        GROUPS: gl.constexpr, WORDS: gl.constexpr, SMEM_A: gl.constexpr, READ_ONLY: gl.constexpr,
+                        num_warps: gl.constexpr):
     BLOCK_K: gl.constexpr = 8 * BLOCK_W
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -191,29 +192,30 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, c
     for t in range(n_steps):
         s = t % STAGES
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        words = w_smem.index(s).load(words_layout)
-        g = (it0 + t) // GPK - g0
-        a = _dequant(words, s_smem.index(g).load(row_layout), z_smem.index(g).load(row_layout), sel, BF16, BLOCK_N,
-                     BLOCK_W, a_layout)
-        if SMEM_A:  # one wgmma in flight: this step's dequantization overlapped the last step's wgmma
-            a_buf = a_smem.index(t % 2)
-            a_buf.store(a)
-            fence_async_shared()
-            gl.thread_barrier()  # the warpgroup's rows are all written before its wgmma reads them
-            acc = warpgroup_mma(a_buf, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=[acc])  # step t - 1's is done: its stage and A buffer are free
-        else:
-            # Synchronous: wgmma reads A from registers that the compiler packs from `a` and frees at issue, so the
-            # next step's dequantization would overwrite them under an in-flight wgmma. Other programs on the SM (and
-            # the other warpgroup) fill the wait.
-            acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc)
+        if not READ_ONLY:  # (the bench's floor: the same ring and epilogue, no dequantization or wgmma)
+            words = w_smem.index(s).load(words_layout)
+            g = (it0 + t) // GPK - g0
+            a = _dequant(words, s_smem.index(g).load(row_layout), z_smem.index(g).load(row_layout), sel, BF16,
+                         BLOCK_N, BLOCK_W, a_layout)
+            if SMEM_A:  # one wgmma in flight: this step's dequantization overlapped the last step's wgmma
+                a_buf = a_smem.index(t % 2)
+                a_buf.store(a)
+                fence_async_shared()
+                gl.thread_barrier()  # the warpgroup's rows are all written before its wgmma reads them
+                acc = warpgroup_mma(a_buf, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])  # step t - 1's is done: its stage and A buffer are free
+            else:
+                # Synchronous: wgmma reads A from registers that the compiler packs from `a` and frees at issue, so
+                # the next step's dequantization would overwrite them under an in-flight wgmma. Other programs on the
+                # SM (and the other warpgroups) fill the wait.
+                acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc)
         if num_warps > 4:
             gl.thread_barrier()  # every warpgroup is done with the stage that refills
         LAG: gl.constexpr = 1 if SMEM_A else 0  # steps whose wgmma may still read their stage
         if t >= LAG and t - LAG + STAGES < n_steps:
             _load_step(x_desc, w_desc, x_smem, w_smem, ready, t - LAG + STAGES, it0, off_m, off_n, BLOCK_M, BLOCK_N,
                        BLOCK_W, STAGES)
-    if SMEM_A:
+    if SMEM_A and not READ_ONLY:
         acc = warpgroup_mma_wait(0, deps=[acc])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -361,7 +363,8 @@ class WgmmaLaunch:
         self.scalars = (M, N, stride_ym, K // G, tile.split_k)
         self.meta = dict(K=K, G=G, HAS_BIAS=has_bias, BF16=dtype == torch.bfloat16, BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_W=bw, STAGES=tile.stages, GROUPS=groups(tile, K, G),
-                         WORDS=_word_layout(bn, bw, tile.num_warps), SMEM_A=tile.smem_a, num_warps=tile.num_warps)
+                         WORDS=_word_layout(bn, bw, tile.num_warps), SMEM_A=tile.smem_a, READ_ONLY=False,
+                         num_warps=tile.num_warps)
 
     def __call__(self, x, qweight, scales, zeros, bias, out, ws, counters):
         x_desc = TensorDescriptor(x, x.shape, x.stride(), self.x_block, self.x_layout)

@@ -334,8 +334,12 @@ def wgmma_sweep(ms: list[int], calls: int = 16, install: bool = False) -> list[d
                       f"{'' if ok else f'  WRONG (rel err {err:.2g})'}", flush=True)
                 if ok and t < best[0]:
                     best = (t, tile)
+            t_ro = _read_only_ms(best[1], ins, N, K, calls) if best[1] else None
+            if t_ro:
+                print(f"  M={M:<4} {name:<8} {best[1].name:<22} read-only: {1e3 * t_ro:8.1f} us "
+                      f"({best[0] / t_ro:.2f}x of it)", flush=True)
             rows.append({"layer": name, "M": M, "N": N, "K": K, "triton_us": 1e3 * t_tr, "baseline": other,
-                         "fp16_us": 1e3 * t_fp if t_fp else None,
+                         "fp16_us": 1e3 * t_fp if t_fp else None, "read_only_us": 1e3 * t_ro if t_ro else None,
                          "wgmma_us": 1e3 * best[0], "best": best[1].name if best[1] else None,
                          "speedup": t_tr / best[0], "_tile": best[1]})
         del sets
@@ -358,10 +362,31 @@ def wgmma_sweep(ms: list[int], calls: int = 16, install: bool = False) -> list[d
         tr = sum(r["triton_us"] for r in rs)
         both = sum(min(r["triton_us"], r["wgmma_us"]) for r in rs)
         fp = sum(r["fp16_us"] for r in rs) if M >= DEQUANT_MIN_M else None
+        ro = sum(r["read_only_us"] or 0.0 for r in rs)
         totals.append({"layer": "all x32 (ms)", "M": M, "triton_us": LAYERS_8B * tr / 1e3,
+                       "read_only_us": LAYERS_8B * ro / 1e3,
                        "fp16_us": LAYERS_8B * fp / 1e3 if fp else None,
                        "wgmma_us": LAYERS_8B * both / 1e3, "speedup": tr / both})
     return [{k: v for k, v in r.items() if k != "_tile"} for r in rows] + totals
+
+
+def _read_only_ms(tile: Tile, ins: list, N: int, K: int, calls: int) -> float | None:
+    """The Gluon kernel's floor at a tile: its launch with READ_ONLY (the same TMA ring of words and x, scales and
+    split-K epilogue, no dequantization or wgmma), per call from a graph as the sweep times."""
+    from csrc_triton.w4a16_gemm_wgmma import WgmmaLaunch
+
+    M = ins[0][0].shape[0]
+    tile = fit_tile(tile, K, GROUP)
+    launch = WgmmaLaunch(M, N, K, GROUP, tile, torch.float16, False, N)
+    launch.meta["READ_ONLY"] = True
+    out = torch.empty(M, N, device="cuda", dtype=torch.float16)
+    ws = torch.empty(max(1, tile.split_k * M * N), device="cuda", dtype=torch.float32)
+    cnt = torch.zeros(triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n), device="cuda", dtype=torch.int32)
+    try:
+        return common.graph_ms(lambda x, q, s, z: launch(x, q, s, z, None, out, ws, cnt), ins, calls)
+    except Exception as e:  # a floor that does not compile is reported, not fatal
+        print(f"  read-only {tile.name} FAILED: {str(e).splitlines()[0][:120]}", flush=True)
+        return None
 
 
 # -- GEMV config sweep: --w4-gemv-sweep 1 (or a list of M: 1,2,4,8) -------------------------------------------
