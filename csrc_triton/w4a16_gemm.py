@@ -446,12 +446,10 @@ _PLANS = Plans()
 
 def _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, wgmma) -> _Plan:
     M, N, K, G = check_w4_args(x, qweight, scales, zeros, bias)
-    if path is None:
-        big = x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M
-        path = "dequant" if big or K % 64 else "fused"
-        if (_wgmma is not None and isinstance(config, _wgmma.Tile)) or (config is None and wgmma  # pinned, or table
-                                                                          and wgmma_wins(x, qweight, G)):
-            path = "wgmma"
+    if path is None:  # a pinned Gluon tile or its table; else dequant + cuBLAS at long prompts (and odd K); else fused
+        pinned = _wgmma is not None and isinstance(config, _wgmma.Tile)
+        path = ("wgmma" if pinned or (config is None and wgmma and wgmma_wins(x, qweight, G)) else
+                "dequant" if (x.is_cuda and not INTERPRET and M >= DEQUANT_MIN_M) or K % 64 else "fused")
     if path not in ("fused", "wgmma", "dequant"):
         raise ValueError(f"path must be 'fused', 'wgmma' or 'dequant', got {path!r}")
     if path == "fused" and K % 64:
