@@ -504,7 +504,7 @@ def _wgmma_plan(x, qweight, bias, out, config, M, N, K, G) -> _Plan:
     if _wgmma.smem_bytes(tile, K, G) > _wgmma.SMEM_LIMIT:
         raise ValueError(f"w4a16_gemm: {tile.name} needs {_wgmma.smem_bytes(tile, K, G)} bytes of shared memory at "
                          f"K={K}, G={G} (limit {_wgmma.SMEM_LIMIT}): fewer stages, a larger split or path='fused'")
-    counters = triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n)
+    counters = _wgmma.counters(tile, M, N)
     launch = _wgmma.WgmmaLaunch(M, N, K, G, tile, x.dtype, bias is not None, N if out is None else out.stride(0))
     return _Plan(M, N, K, "wgmma", tile.split_k, counters, launch)
 

@@ -130,12 +130,51 @@ def _load_step(x_desc, w_desc, x_smem, w_smem, ready, t, it0, off_m, off_n, BLOC
     tma.async_copy_global_to_shared(x_desc, [off_m, kt * BLOCK_W * 8], ready.index(s), x_smem.index(s))
 
 
+@gluon.jit
+def _ws_loads(x_desc, w_desc, x_smem, w_smem, ready, empty, it0, n_steps, off_m, off_n, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_W: gl.constexpr, STAGES: gl.constexpr):
+    """The ws tiles' producer warp: each K step into the ring once both consumers have released its stage."""
+    for t in range(n_steps):
+        mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        _load_step(x_desc, w_desc, x_smem, w_smem, ready, t, it0, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_W, STAGES)
+
+
+@gluon.jit
+def _ws_consumer(x_smem, w_smem, s_smem, z_smem, ready, empty, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym,
+                 SPLIT_K, it0, n_steps, g0, pid_k, off_m, off_n, tile, WG: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 BF16: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_W: gl.constexpr,
+                 STAGES: gl.constexpr, GPK: gl.constexpr, WORDS: gl.constexpr):
+    """A ws tile's consumer warpgroup WG: rows WG * ROWS.. of each stage's words, dequantized and multiplied as the
+    one-partition kernel does, the stage released once its wgmma is done; no barrier with the other consumer, so
+    one's dequantization runs beside the other's wgmma. Its rows are a split-K tile of their own (counter tile + WG)."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    words_layout: gl.constexpr = gl.SliceLayout(2, WORDS)
+    row_layout: gl.constexpr = gl.SliceLayout(1, words_layout)
+    cs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, WORDS)))
+    sel = gl.expand_dims(gl.expand_dims(cs * 0x1111 + 0x4400 if BF16 else cs * 0x101, 0), 0)
+    acc = gl.zeros((ROWS, BLOCK_M), gl.float32, layout=acc_layout)
+    for t in range(n_steps):
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        words = w_smem.index(s).slice(WG * ROWS, ROWS).load(words_layout)
+        g = (it0 + t) // GPK - g0
+        a = _dequant(words, s_smem.index(g).slice(WG * ROWS, ROWS).load(row_layout),
+                     z_smem.index(g).slice(WG * ROWS, ROWS).load(row_layout), sel, BF16, ROWS, BLOCK_W, a_layout)
+        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc)
+        fence_async_shared()  # this stage's shared-memory reads are ordered before the TMA that refills it
+        mbarrier.arrive(empty.index(s), count=1)
+    _epilogue(acc, acc_layout, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, SPLIT_K, off_m, off_n + WG * ROWS,
+              tile + WG, pid_k, HAS_BIAS, BLOCK_M, ROWS)
+
+
 @gluon.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, NG, SPLIT_K,
                         K: gl.constexpr, G: gl.constexpr, HAS_BIAS: gl.constexpr, BF16: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_W: gl.constexpr, STAGES: gl.constexpr,
                         GROUPS: gl.constexpr, WORDS: gl.constexpr, SMEM_A: gl.constexpr, READ_ONLY: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        WS: gl.constexpr, WS_REGS: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_K: gl.constexpr = 8 * BLOCK_W
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -153,7 +192,7 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, c
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(STAGES):
-        if i < n_steps:
+        if i < n_steps and not WS:
             _load_step(x_desc, w_desc, x_smem, w_smem, ready, i, it0, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_W, STAGES)
 
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -184,7 +223,22 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, c
     s_smem = s_smem._reinterpret(s_ptr.dtype.element_ty, [GROUPS, BLOCK_N], rows_1d)
     z_smem = z_smem._reinterpret(gl.float32, [GROUPS, BLOCK_N], rows_1d)
     gl.thread_barrier()
-
+    if WS:  # two consumer warpgroups (this partition and a worker), BLOCK_N / 2 rows each, fed by a producer warp
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
+        tile = (pid_n * gl.num_programs(0) + pid_m) * 2
+        ROWS: gl.constexpr = BLOCK_N // 2
+        gl.warp_specialize([
+            (_ws_consumer, (x_smem, w_smem, s_smem, z_smem, ready, empty, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N,
+                            stride_ym, SPLIT_K, it0, n_steps, g0, pid_k, off_m, off_n, tile, 0, HAS_BIAS, BF16,
+                            BLOCK_M, ROWS, BLOCK_W, STAGES, GPK, WORDS)),
+            (_ws_consumer, (x_smem, w_smem, s_smem, z_smem, ready, empty, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N,
+                            stride_ym, SPLIT_K, it0, n_steps, g0, pid_k, off_m, off_n, tile, 1, HAS_BIAS, BF16,
+                            BLOCK_M, ROWS, BLOCK_W, STAGES, GPK, WORDS)),
+            (_ws_loads, (x_desc, w_desc, x_smem, w_smem, ready, empty, it0, n_steps, off_m, off_n, BLOCK_M, BLOCK_N,
+                         BLOCK_W, STAGES))], [4, 1], [WS_REGS, 24])
+        return
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=acc_layout)
     if SMEM_A:  # two buffers of dequantized weights: step t writes one while step t - 1's wgmma reads the other
         a_smem = gl.allocate_shared_memory(x_desc.dtype, [2, BLOCK_N, BLOCK_K],
@@ -220,6 +274,15 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, c
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
+    _epilogue(acc, acc_layout, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, SPLIT_K, off_m, off_n,
+              pid_n * gl.num_programs(0) + pid_m, pid_k, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+@gluon.jit
+def _epilogue(acc, acc_layout: gl.constexpr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, SPLIT_K, off_m, off_n,
+              tile, pid_k, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A y^T tile (BLOCK_N rows of W from off_n, BLOCK_M rows of x from off_m) to y; with SPLIT_K > 1 through the
+    fp32 workspace, the last split of the tile (its counter `tile`) summing the partials in split order."""
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))  # rows of W = columns of y
     ms = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     mask = gl.expand_dims(cols < N, 1) & gl.expand_dims(ms < M, 0)
@@ -231,7 +294,6 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, c
         tile_elems = M.to(gl.int64) * N
         gl.store(ws_ptr + pid_k * tile_elems + part_offs, acc, mask=mask)
         gl.thread_barrier()  # every thread's partial is written before one increment publishes them
-        tile = pid_n * gl.num_programs(0) + pid_m
         count = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if count == SPLIT_K - 1:  # the last split owns the tile: the partials in split order
             total = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=acc_layout)
@@ -262,11 +324,12 @@ class Tile(NamedTuple):
     stages: int  # TMA ring depth
     num_warps: int  # 4, 8 or 16 (one, two or four warpgroups)
     smem_a: bool = False  # dequantized weights through shared memory, one async wgmma in flight
+    ws: bool = False  # warp-specialised: two consumer warpgroups (num_warps 8) and a producer warp
 
     @property
     def name(self) -> str:
         return (f"m{self.block_m}n{self.block_n}w{self.block_w}k{self.split_k}s{self.stages}"
-                f"x{self.num_warps}" + ("a" if self.smem_a else ""))
+                f"x{self.num_warps}" + ("a" if self.smem_a else "") + ("p" if self.ws else ""))
 
 
 # Tiles the table lacks (path="wgmma" forced at other shapes).
@@ -299,7 +362,7 @@ def tile_ok(t: Tile) -> bool:
     blocks = t.block_n // (16 * t.num_warps)
     if t.block_n not in (16 * t.num_warps * r for r in ((1,) if t.num_warps == 16 else (1, 2))):
         return False
-    if t.block_m > 64 and not (t.smem_a and blocks == 1):
+    if (t.block_m > 64 and not (t.smem_a and blocks == 1)) or (t.ws and (t.num_warps != 8 or t.smem_a or t.block_m > 64)):
         return False
     return t.split_k >= 1 and 2 <= t.stages
 
@@ -310,7 +373,9 @@ SMEM_LIMIT = 227 * 1024  # sm_90's shared memory a block
 def smem_bytes(t: Tile, K: int, G: int) -> int:
     """A fitted tile's shared memory as compiled (tested): words, x and a barrier a stage; the scales and zeros."""
     a = 2 * t.block_n * t.block_w * 16 if t.smem_a else 0  # two buffers of (BLOCK_N, BLOCK_K) 16-bit weights
-    return t.stages * (t.block_n * t.block_w * 4 + t.block_m * t.block_w * 16 + 8) + groups(t, K, G) * t.block_n * 6 + a
+    bars, ws = (16, 200) if t.ws else (8, 0)  # ready (and empty) a stage; ws: the partitions' captured arguments
+    return (t.stages * (t.block_n * t.block_w * 4 + t.block_m * t.block_w * 16 + bars) + groups(t, K, G) * t.block_n * 6
+            + a + ws)
 
 
 def available(device: torch.device) -> bool:
@@ -348,6 +413,16 @@ def groups(t: Tile, K: int, G: int) -> int:
     return triton.next_power_of_2(triton.cdiv(per, gpk) + (gpk > 1))
 
 
+# ws tiles: the registers a thread of the worker consumer asks for, and the kernel's limit (12 warps: the producer
+# keeps 24, the default consumer gets the rest, 240; the file holds one program an SM).
+WS_REGS = (240, 168)
+
+
+def counters(t: Tile, M: int, N: int) -> int:
+    """Split-K counters a call needs: one a tile (a ws tile's two consumers count their rows apart)."""
+    return triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n) * (2 if t.ws else 1)
+
+
 class WgmmaLaunch:
     """One call shape's launch (a w4a16_gemm plan holds it): the shared-memory layouts, grid, scalars and constexprs
     fixed; per call the two TMA descriptors (x moves between calls), then Triton's own dispatch (~150 us of host time
@@ -363,8 +438,9 @@ class WgmmaLaunch:
         self.scalars = (M, N, stride_ym, K // G, tile.split_k)
         self.meta = dict(K=K, G=G, HAS_BIAS=has_bias, BF16=dtype == torch.bfloat16, BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_W=bw, STAGES=tile.stages, GROUPS=groups(tile, K, G),
-                         WORDS=_word_layout(bn, bw, tile.num_warps), SMEM_A=tile.smem_a, READ_ONLY=False,
-                         num_warps=tile.num_warps)
+                         WORDS=_word_layout(bn // 2, bw, 4) if tile.ws else _word_layout(bn, bw, tile.num_warps),
+                         SMEM_A=tile.smem_a, READ_ONLY=False, WS=tile.ws, WS_REGS=WS_REGS[0],
+                         num_warps=4 if tile.ws else tile.num_warps, **({"maxnreg": WS_REGS[1]} if tile.ws else {}))
 
     def __call__(self, x, qweight, scales, zeros, bias, out, ws, counters):
         x_desc = TensorDescriptor(x, x.shape, x.stride(), self.x_block, self.x_layout)

@@ -260,8 +260,8 @@ def _sweep_totals(summaries: list[dict], ms: list[int], unpack: int) -> list[dic
 # -- Gluon GEMM tile sweep: --w4-wgmma-sweep 16,32,64 -------------------------------------------------------
 def wgmma_sweep_tiles(M: int, K: int) -> list[Tile]:
     """The Gluon kernel's tiles timed at M rows. Short prompts (M <= 64): one row tile (BLOCK_M = the M bucket), 64
-    weight rows a warpgroup, one or two warpgroups with one or two m64 blocks each or four with one (256 rows sharing
-    each x tile), rings of 4 to 8 stages, splits of 1 to 8; and each (weight rows, split, warps) with the weights
+    weight rows a warpgroup, one or two warpgroups with one or two m64 blocks each (two also warp-specialised: ws),
+    rings of 4 to 8 stages, splits of 1 to 8; and each (weight rows, split, warps) with the weights
     through shared memory (smem_a: 3 stages, the buffers take the ring's room) where that fits at K. Long prompts:
     row tiles of 64 and 128 (smem_a; 128 with one m64 block a warpgroup), K steps of 64 or 128, rings of 3 or 4,
     splits of 1 or 2 (the scales of a whole K range may not fit shared memory)."""
@@ -276,7 +276,8 @@ def wgmma_sweep_tiles(M: int, K: int) -> list[Tile]:
             + [Tile(bm, 128, 16, sp, 4, 4) for sp in (1, 2, 4)]
             + [Tile(bm, 128, 16, sp, st, 8) for sp in (1, 2, 4) for st in (4, 6)]
             + [Tile(bm, 256, 16, sp, 4, 8) for sp in (1, 2)]
-            + fit(Tile(bm, 256, bw, sp, st, 16) for bw, st in ((16, 4), (16, 6), (8, 8)) for sp in (1, 2, 4, 8)))
+            + fit([Tile(bm, 128, 16, sp, st, 8, ws=True) for sp in (1, 2, 4) for st in (4, 6)]
+                  + [Tile(bm, 256, 16, sp, 4, 8, ws=True) for sp in (1, 2)]))
     return base + fit(t._replace(smem_a=True, stages=3) for t in base)
 
 

@@ -31,6 +31,8 @@ TILES += [t._replace(smem_a=True, stages=min(t.stages, 3)) for t in TILES[:3]]
 TILES += [Tile(128, 64, 8, 1, 4, 4, True), Tile(128, 128, 8, 2, 3, 8, True)]
 # Four warpgroups sharing each x tile (one m64 block each): register A, and K steps of 128 with smem_a.
 TILES += [Tile(64, 256, 8, 2, 8, 16), Tile(32, 256, 16, 4, 3, 16, True)]
+# Warp-specialised: two consumer warpgroups (one m64 block each, or two) and a producer warp.
+TILES += [Tile(64, 128, 16, 2, 4, 8, ws=True), Tile(32, 256, 16, 3, 4, 8, ws=True)]
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: t.name)
@@ -83,6 +85,8 @@ def test_fp16_zero_points_bit_exact():
     (257, 4096, 4096, 64, torch.float16, False, TILES[8]),  # 128-row tiles, two warpgroups, 2 splits
     (48, 1000, 2048, 128, torch.float16, True, TILES[9]),  # four warpgroups: partial 256-row tiles, 2 splits
     (20, 300, 4096, 64, torch.bfloat16, False, TILES[10]),  # four warpgroups with smem_a, 4 splits
+    (40, 1000, 2048, 64, torch.float16, True, TILES[11]),  # ws: partial tiles, 2 splits (a counter per consumer)
+    (100, 520, 4096, 128, torch.bfloat16, False, TILES[12]),  # ws, two m64 blocks a consumer, 3 splits, 4 row tiles
     (48, 4096, 4096, 128, torch.float16, False, None),  # the launcher's tile
 ])
 def test_matches_exact_product(M, N, K, G, dtype, bias, tile):
@@ -97,6 +101,16 @@ def test_matches_exact_product(M, N, K, G, dtype, bias, tile):
     torch.testing.assert_close(y, ref, rtol=2 * eps, atol=eps * ref.float().abs().max().item())
     again = w4a16_gemm(a["x"], a["qweight"], a["scales"], a["zeros"], a["bias"], path="wgmma", config=tile)
     assert torch.equal(again, y)  # split-K sums in split order; the tile counters were reset
+
+
+@pytest.mark.parametrize("tile", TILES[11:], ids=lambda t: t.name)
+def test_warp_specialised_tiles_equal_the_one_partition_kernel(tile):
+    """The ws form runs the same dequantization, wgmma and split order on each half of the tile: the same bits."""
+    a = make(48, 1536, 4096, 128, torch.float16, seed=9, bias=True, device="cuda")
+    args = (a["x"], a["qweight"], a["scales"], a["zeros"], a["bias"])
+    y = w4a16_gemm(*args, path="wgmma", config=tile)
+    assert torch.equal(y, w4a16_gemm(*args, path="wgmma", config=tile._replace(ws=False)))
+    assert torch.equal(y, w4a16_gemm(*args, path="wgmma", config=tile))  # the counters were reset
 
 
 def test_long_prompts_take_the_table_over_dequant(monkeypatch):
