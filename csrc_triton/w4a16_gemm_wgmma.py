@@ -7,7 +7,7 @@ software pipeliner does not run ahead, so at 16..64 rows (a follow-up question) 
 from HBM, at one program per SM: the loop is latency-bound, at about a quarter of the bandwidth floor
 (docs/perf_notes.md). Here the words and the x tile come by TMA into a STAGES-deep ring of shared memory that
 runs STAGES steps ahead of the tensor cores, so the HBM latency is hidden behind the steps in between. Measured on
-an H100 over vila-8b's 32 layers: 1.15-1.29x the Triton kernel at 16-48 rows (docs/benchmarks.md).
+an H100 over vila-8b's 32 layers: 1.16-1.35x the Triton kernel at 16-48 rows (docs/benchmarks.md).
 
 A program computes the transposed tile y^T (BLOCK_N, BLOCK_M) = W_tile (BLOCK_N, BK) @ x_tile^T over its split of K,
 as the Triton kernel does: the dequantized weights are wgmma's register operand A, x (zero-filled past M by TMA) the
@@ -18,7 +18,10 @@ overwritten operands; other programs on the SM fill the wait. Tiles with smem_a 
 (stmatrix) into one of two shared-memory buffers and keep one async wgmma in flight, so a step's dequantization
 overlaps the last step's wgmma: 3-4% faster at 48 rows for qkv and down (H100), slower elsewhere. Its 128-row tiles
 (long prompts) lose to dequant + cuBLAS (0.63-1.02x at 447-588 rows, 0.44-0.76x the fp16 cuBLAS call: perf_notes), so
-the table lists none.
+the table lists none. ws tiles warp-specialise a two-warpgroup program: each warpgroup is a consumer of its own half of
+the rows and releases a stage through an mbarrier instead of meeting the other at a barrier every step, and a
+producer warp keeps the ring full, so one's dequantization runs beside the other's wgmma: at 48 rows 1.04-1.16x the
+best one-partition tile (gate_up 49.4 vs 57.3 us, H100).
 Dequantization in natural K order, in 16-bit pairs: the four lanes of a quad each need one byte of every word of
 their rows (byte c = lane % 4 holds k = 8j + 2c, 8j + 2c + 1, exactly its fragment of A), so every lane reads the
 whole words of its rows from shared memory (a broadcast within the quad) and turns byte c into a pair {q s + b}
@@ -335,8 +338,9 @@ class Tile(NamedTuple):
 # Tiles the table lacks (path="wgmma" forced at other shapes).
 DEFAULT_TILE = Tile(64, 128, 16, 4, 4, 4)
 # (M bucket, N, K) -> Tile, measured (scripts/benches/w4a16.py --w4-wgmma-sweep 16,32,48; fp16, group 128, Llama-3-8B
-# layers; H100 SXM, each call replayed from a CUDA graph, at 7c69fe2): the best tile where it beat the Triton kernel's
-# table tile (all 12, by 3-44%); the Triton kernel runs the rest. Long prompts: none (docs/perf_notes.md).
+# layers; H100 SXM, each call replayed from a CUDA graph, at 7c69fe2; the ws entries from --w4-wgmma-sweep 48 at
+# 8270602, buckets 16 and 32 not re-swept): the best tile where it beat the Triton kernel's table tile (all 12, by
+# 3-44%); the Triton kernel runs the rest. Long prompts: none (docs/perf_notes.md).
 TILE_TABLE: dict[tuple[int, int, int], Tile] = {
     (16, 4096, 4096): Tile(16, 64, 16, 4, 6, 4),  # x1.03
     (16, 4096, 14336): Tile(16, 64, 16, 8, 6, 4),  # x1.11
@@ -347,9 +351,9 @@ TILE_TABLE: dict[tuple[int, int, int], Tile] = {
     (32, 6144, 4096): Tile(32, 64, 16, 2, 6, 4),  # x1.35
     (32, 28672, 4096): Tile(32, 128, 16, 1, 4, 4),  # x1.28
     (64, 4096, 4096): Tile(64, 64, 16, 2, 6, 4),  # x1.16
-    (64, 4096, 14336): Tile(64, 64, 16, 4, 3, 4, True),  # x1.19
-    (64, 6144, 4096): Tile(64, 64, 16, 2, 3, 4, True),  # x1.19
-    (64, 28672, 4096): Tile(64, 256, 16, 1, 4, 8),  # x1.23
+    (64, 4096, 14336): Tile(64, 128, 16, 4, 4, 8, ws=True),  # x1.35
+    (64, 6144, 4096): Tile(64, 128, 16, 2, 4, 8, ws=True),  # x1.27
+    (64, 28672, 4096): Tile(64, 256, 16, 1, 4, 8, ws=True),  # x1.43
 }
 
 

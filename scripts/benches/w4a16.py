@@ -373,11 +373,12 @@ def wgmma_sweep(ms: list[int], calls: int = 16, install: bool = False) -> list[d
 
 def _read_only_ms(tile: Tile, ins: list, N: int, K: int, calls: int) -> float | None:
     """The Gluon kernel's floor at a tile: its launch with READ_ONLY (the same TMA ring of words and x, scales and
-    split-K epilogue, no dequantization or wgmma), per call from a graph as the sweep times."""
+    split-K epilogue, no dequantization or wgmma; the one-partition form, which READ_ONLY applies to), per call from
+    a graph as the sweep times."""
     from csrc_triton.w4a16_gemm_wgmma import WgmmaLaunch
 
     M = ins[0][0].shape[0]
-    tile = fit_tile(tile, K, GROUP)
+    tile = fit_tile(tile._replace(ws=False), K, GROUP)  # a ws tile's ring, in the one-partition form
     launch = WgmmaLaunch(M, N, K, GROUP, tile, torch.float16, False, N)
     launch.meta["READ_ONLY"] = True
     out = torch.empty(M, N, device="cuda", dtype=torch.float16)
