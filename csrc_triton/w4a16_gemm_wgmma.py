@@ -360,13 +360,14 @@ TILE_TABLE: dict[tuple[int, int, int], Tile] = {
 def tile_ok(t: Tile) -> bool:
     """Whether a tile compiles without spills (sm_90, Triton 3.6): 64 weight rows a warpgroup, at most two m64 blocks
     each (245 registers a thread at two), one at four warpgroups (128), 16-byte TMA rows of words (BLOCK_W >= 4), a
-    ring that fits; 128-row tiles (long prompts) only with smem_a and one block a warpgroup (sm_90a compile)."""
+    ring that fits; 128-row tiles only with smem_a or ws and one block a warpgroup (ws there: 24-32 B of spills);
+    ws tiles have two warpgroups, A in registers."""
     if t.num_warps not in (4, 8, 16) or t.block_m not in (16, 32, 64, 128) or t.block_w not in (4, 8, 16):
         return False
     blocks = t.block_n // (16 * t.num_warps)
     if t.block_n not in (16 * t.num_warps * r for r in ((1,) if t.num_warps == 16 else (1, 2))):
         return False
-    if (t.block_m > 64 and not (t.smem_a and blocks == 1)) or (t.ws and (t.num_warps != 8 or t.smem_a or t.block_m > 64)):
+    if t.block_m > 64 and not ((t.smem_a or t.ws) and blocks == 1) or t.ws and (t.num_warps != 8 or t.smem_a):
         return False
     return t.split_k >= 1 and 2 <= t.stages
 
@@ -375,9 +376,9 @@ SMEM_LIMIT = 227 * 1024  # sm_90's shared memory a block
 
 
 def smem_bytes(t: Tile, K: int, G: int) -> int:
-    """A fitted tile's shared memory as compiled (tested): words, x and a barrier a stage; the scales and zeros."""
+    """A fitted tile's shared memory as compiled (tested; ws: at most, by 24 B): words, x, barriers, scales, zeros."""
     a = 2 * t.block_n * t.block_w * 16 if t.smem_a else 0  # two buffers of (BLOCK_N, BLOCK_K) 16-bit weights
-    bars, ws = (16, 200) if t.ws else (8, 0)  # ready (and empty) a stage; ws: the partitions' captured arguments
+    bars, ws = (16, 224) if t.ws else (8, 0)  # ready (and empty) a stage; ws: the partitions' captured arguments
     return (t.stages * (t.block_n * t.block_w * 4 + t.block_m * t.block_w * 16 + bars) + groups(t, K, G) * t.block_n * 6
             + a + ws)
 

@@ -263,14 +263,16 @@ def wgmma_sweep_tiles(M: int, K: int) -> list[Tile]:
     weight rows a warpgroup, one or two warpgroups with one or two m64 blocks each (two also warp-specialised: ws),
     rings of 4 to 8 stages, splits of 1 to 8; and each (weight rows, split, warps) with the weights
     through shared memory (smem_a: 3 stages, the buffers take the ring's room) where that fits at K. Long prompts:
-    row tiles of 64 and 128 (smem_a; 128 with one m64 block a warpgroup), K steps of 64 or 128, rings of 3 or 4,
-    splits of 1 or 2 (the scales of a whole K range may not fit shared memory)."""
+    row tiles of 64 and 128 (smem_a or ws; 128 with one m64 block a warpgroup), K steps of 64 or 128, rings of 3 or
+    4, splits of 1 or 2 (the scales of a whole K range may not fit shared memory)."""
     fit = lambda ts: [t for t in dict.fromkeys(ts) if tile_ok(t) and  # noqa: E731
                       smem_bytes(fit_tile(t, K, GROUP), K, GROUP) <= SMEM_LIMIT]
     if M > 64:
         return fit([Tile(bm, bn, bw, sp, st, w, True) for bm in (64, 128) for bn, w in ((64, 4), (128, 8))
                     for bw in (8, 16) for sp in (1, 2) for st in (3, 4)]
-                   + [Tile(64, 128, 16, sp, 4, 4) for sp in (1, 2)] + [Tile(64, 256, 16, 1, 4, 8)])
+                   + [Tile(64, 128, 16, sp, 4, 4) for sp in (1, 2)] + [Tile(64, 256, 16, 1, 4, 8)]
+                   + [Tile(bm, 128, bw, sp, st, 8, ws=True) for bm in (64, 128) for bw in (8, 16) for sp in (1, 2)
+                      for st in (3, 4)])
     bm = m_bucket(M)
     base = ([Tile(bm, 64, 16, sp, st, 4) for sp in (2, 4, 8) for st in (6, 8)]
             + [Tile(bm, 128, 16, sp, 4, 4) for sp in (1, 2, 4)]

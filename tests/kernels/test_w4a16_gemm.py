@@ -184,6 +184,7 @@ def test_wgmma_tiles_and_dispatch():
     assert tile_ok(Tile(128, 128, 8, 1, 3, 8, True)) and not tile_ok(Tile(128, 128, 8, 1, 3, 8))  # 128 rows: smem_a
     assert tile_ok(Tile(64, 256, 16, 1, 4, 16)) and not tile_ok(Tile(64, 512, 16, 1, 4, 16))  # 16 warps: one block
     assert tile_ok(Tile(64, 128, 16, 1, 4, 8, ws=True)) and not tile_ok(Tile(64, 64, 16, 1, 4, 4, ws=True))  # ws: 8
+    assert tile_ok(Tile(128, 128, 8, 1, 4, 8, ws=True)) and not tile_ok(Tile(128, 256, 8, 1, 4, 8, ws=True))
     assert not tile_ok(Tile(128, 256, 8, 1, 3, 8, True)) and not tile_ok(Tile(256, 64, 8, 1, 3, 4, True))  # spill
     for (_, _, K), tile in TILE_TABLE.items():
         assert tile_ok(tile) and smem_bytes(fit_tile(tile, K, 128), K, 128) <= SMEM_LIMIT, tile
@@ -203,6 +204,7 @@ GLUON_COMPILES = [
     (48, 512, 1024, 128, torch.float16, Tile(64, 256, 8, 2, 8, 16)),  # four warpgroups, one m64 block each
     (40, 512, 1024, 64, torch.bfloat16, Tile(64, 128, 16, 2, 4, 8, ws=True)),  # warp-specialised, one block each
     (48, 512, 2048, 128, torch.float16, Tile(32, 256, 16, 1, 4, 8, ws=True)),  # warp-specialised, two blocks each
+    (300, 256, 1024, 128, torch.float16, Tile(128, 128, 8, 2, 4, 8, ws=True)),  # warp-specialised, 128 rows
 ]
 
 
@@ -231,7 +233,8 @@ def test_the_gluon_kernel_compiles_for_sm90_with_the_planned_shared_memory(gluon
     M, N, K, G, dtype, tile = GLUON_COMPILES[case]
     tile = fit_tile(tile, K, G)
     got = gluon_compiles[case]
-    assert got["shared"] == smem_bytes(tile, K, G) <= SMEM_LIMIT
+    planned = smem_bytes(tile, K, G)
+    assert planned <= SMEM_LIMIT and (planned - 24 <= got["shared"] <= planned if tile.ws else got["shared"] == planned)
     blocks, k16 = tile.block_n // (16 * tile.num_warps), 8 * tile.block_w // 16  # m64 blocks a warpgroup, k16 a step
     assert got["wgmma"] == blocks * k16 * (2 if tile.ws else 1)  # ws: each consumer warpgroup's own wgmmas
 

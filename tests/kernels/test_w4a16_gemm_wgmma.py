@@ -31,8 +31,8 @@ TILES += [t._replace(smem_a=True, stages=min(t.stages, 3)) for t in TILES[:3]]
 TILES += [Tile(128, 64, 8, 1, 4, 4, True), Tile(128, 128, 8, 2, 3, 8, True)]
 # Four warpgroups sharing each x tile (one m64 block each): register A, and K steps of 128 with smem_a.
 TILES += [Tile(64, 256, 8, 2, 8, 16), Tile(32, 256, 16, 4, 3, 16, True)]
-# Warp-specialised: two consumer warpgroups (one m64 block each, or two) and a producer warp.
-TILES += [Tile(64, 128, 16, 2, 4, 8, ws=True), Tile(32, 256, 16, 3, 4, 8, ws=True)]
+# Warp-specialised: two consumer warpgroups (one m64 block each, or two; 128-row tiles with one) and a producer warp.
+TILES += [Tile(64, 128, 16, 2, 4, 8, ws=True), Tile(32, 256, 16, 3, 4, 8, ws=True), Tile(128, 128, 8, 2, 4, 8, ws=True)]
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: t.name)
@@ -87,6 +87,7 @@ def test_fp16_zero_points_bit_exact():
     (20, 300, 4096, 64, torch.bfloat16, False, TILES[10]),  # four warpgroups with smem_a, 4 splits
     (40, 1000, 2048, 64, torch.float16, True, TILES[11]),  # ws: partial tiles, 2 splits (a counter per consumer)
     (100, 520, 4096, 128, torch.bfloat16, False, TILES[12]),  # ws, two m64 blocks a consumer, 3 splits, 4 row tiles
+    (300, 320, 1024, 128, torch.bfloat16, True, TILES[13]),  # ws at 128 rows (long prompts): three row tiles
     (48, 4096, 4096, 128, torch.float16, False, None),  # the launcher's tile
 ])
 def test_matches_exact_product(M, N, K, G, dtype, bias, tile):
