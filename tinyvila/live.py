@@ -15,12 +15,12 @@ then, while frames keep arriving. The encoder and the answer take turns on the d
 piece; a waiting encode goes first): a CUDA graph captured in one thread must not see another thread's work.
 
 Asking re-prefills the window from the cached frame embeddings (a sliding window encodes only its new frames). A
-question about a window that has not moved since the last one (`reuse`, the default) is asked against the cached
-K/V of the system prompt and frames instead, prefilling only the question: the chat runs in eval mode, so the tokens
-are those of a re-prefill (the logits too, up to the rounding of a shorter batch: fp32's last bit on some CPUs). Reusing the K/V of the frames
-still in a window that slid is not built: those frames' K/V were computed beside the frames that left, so it would
-not be exact, and it needs the frames moved to fixed cache positions with their keys re-rotated. SparseVILA's keeps
-apply as in a Chat: prefill_keep when a frame is encoded, decode_keep per question.
+question about a window that has not moved since the last one (`reuse`, the default) is asked against the cached K/V
+of the system prompt and frames instead, prefilling only the question: the chat runs in eval mode, so the tokens are
+those of a re-prefill (the logits too, up to the rounding of a shorter batch: fp32's last bit on some CPUs). Reusing
+the K/V of the frames still in a window that slid is not built: those frames' K/V were computed beside the frames that
+left, so it would not be exact, and it needs the frames moved to fixed cache positions with their keys re-rotated.
+SparseVILA's keeps apply as in a Chat: prefill_keep when a frame is encoded, decode_keep per question.
 """
 
 from __future__ import annotations
