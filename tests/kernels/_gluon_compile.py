@@ -3,21 +3,18 @@
 Run by test_w4a16_gemm.py in a child process: Triton 3.6's interpreter leaves triton.language patched after a
 kernel that calls a jit helper function has run under TRITON_INTERPRET=1 (a device call's patch is never undone), and
 a Gluon kernel compiled after that fails to trace, so the compile needs a process in which no kernel was interpreted.
-    python tests/kernels/_gluon_compile.py '[[M, N, K, G, "float16", [tile fields...]], ...]'
+    python -m _gluon_compile '[[M, N, K, G, "float16", [tile fields...]], ...]'   (from tests/kernels/, with the
+    repository root on PYTHONPATH or tinyvila installed: test_w4a16_gemm.py's fixture runs it so)
 """
 
 import json
-import os
 import sys
 
 import torch
 from triton.runtime import driver
+from triton_stub import HostOnlyDriver
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from triton_stub import HostOnlyDriver  # noqa: E402
-
-from csrc_triton import w4a16_gemm_wgmma as gw  # noqa: E402
+from csrc_triton import w4a16_gemm_wgmma as gw
 
 
 def compile_case(M: int, N: int, K: int, G: int, dtype: torch.dtype, tile: gw.Tile) -> dict:

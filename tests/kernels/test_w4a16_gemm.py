@@ -217,10 +217,12 @@ def gluon_compiles() -> list[dict]:
 
     cases = [[M, N, K, G, str(dtype).removeprefix("torch."), list(fit_tile(t, K, G))]
              for M, N, K, G, dtype, t in GLUON_COMPILES]
-    child = os.path.join(os.path.dirname(__file__), "_gluon_compile.py")
+    here = os.path.dirname(os.path.abspath(__file__))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, child, json.dumps(cases)], capture_output=True, text=True, env=env,
-                       timeout=600)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(here))] + env.get("PYTHONPATH", "").split(
+        os.pathsep)).rstrip(os.pathsep)  # the repository root, for csrc_triton without an install
+    r = subprocess.run([sys.executable, "-m", "_gluon_compile", json.dumps(cases)], capture_output=True, text=True,
+                       env=env, cwd=here, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(line) for line in r.stdout.splitlines()]
 
