@@ -101,6 +101,13 @@ def _meta(s, b, BF16: gl.constexpr):
 
 
 @gluon.jit
+def _selector(WORDS: gl.constexpr, BF16: gl.constexpr):
+    """PRMT's selector of byte c = lane % 4: fp16 c | c << 8; bf16 c | c << 4 | (4 + c) << 8 | (4 + c) << 12."""
+    cs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, WORDS)))
+    return gl.expand_dims(gl.expand_dims(cs * 0x1111 + 0x4400 if BF16 else cs * 0x101, 0), 0)
+
+
+@gluon.jit
 def _dequant(words, s, b, sel, BF16: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_W: gl.constexpr,
              a_layout: gl.constexpr):
     """(BN, BW) words (replicated over the quad), per-row scales and zeros (BN,) -> (BN, 8 BW) weights in wgmma's A
@@ -155,8 +162,7 @@ def _ws_consumer(x_smem, w_smem, s_smem, z_smem, ready, empty, bias_ptr, y_ptr, 
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     words_layout: gl.constexpr = gl.SliceLayout(2, WORDS)
     row_layout: gl.constexpr = gl.SliceLayout(1, words_layout)
-    cs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, WORDS)))
-    sel = gl.expand_dims(gl.expand_dims(cs * 0x1111 + 0x4400 if BF16 else cs * 0x101, 0), 0)
+    sel = _selector(WORDS, BF16)
     acc = gl.zeros((ROWS, BLOCK_M), gl.float32, layout=acc_layout)
     for t in range(n_steps):
         s = t % STAGES
@@ -203,10 +209,7 @@ def _w4a16_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, c
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     words_layout: gl.constexpr = gl.SliceLayout(2, WORDS)
     row_layout: gl.constexpr = gl.SliceLayout(1, words_layout)
-    # Byte c of each lane (lane % 4): PRMT's selector, fp16: byte c to bytes 0 and 2 (c | c << 8); bf16: byte c of
-    # the word and of the word >> 4 to the two halves (c | c << 4 | (4 + c) << 8 | (4 + c) << 12).
-    cs = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, WORDS)))
-    sel = gl.expand_dims(gl.expand_dims(cs * 0x1111 + 0x4400 if BF16 else cs * 0x101, 0), 0)
+    sel = _selector(WORDS, BF16)
     # This split's scales and zeros (GROUPS groups from g0), loaded once into shared memory as (group, row): a
     # step reads its group's row there instead of waiting on global loads.
     GPK: gl.constexpr = G // BLOCK_K  # K steps a group

@@ -11,7 +11,7 @@ from pathlib import Path
 
 # The budgets: set in docs/design.md, changed only together with it.
 TINYVILA_BUDGET = 6421
-CSRC_TRITON_BUDGET = 5129
+CSRC_TRITON_BUDGET = 5130
 
 ROOT = Path(__file__).resolve().parents[1]
 TREES = [("tinyvila", TINYVILA_BUDGET, ["tinyvila/convert", "tinyvila/serve"]), ("csrc_triton", CSRC_TRITON_BUDGET, [])]
