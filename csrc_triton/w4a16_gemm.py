@@ -517,9 +517,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     CONFIG_TABLE / rule_config; a w4a16_gemm_wgmma.Tile: the Gluon kernel, else its TILE_TABLE); `path` forces
     "fused" (this module's Triton kernel), "wgmma" (the Gluon kernel: sm_90, Triton 3.6) or "dequant" (dequantize to
     a workspace + a dense matmul); default: the Gluon kernel where its TILE_TABLE lists the shape, `wgmma` is on and
-    no Config is pinned; else dequant from DEQUANT_MIN_M rows on CUDA, or when K % 64 != 0; else fused. `unpack`: the fused kernel's
-    dequantization, 1 inline PTX (GPU default), 2 16-bit pairs (GPU), 0 plain ops, same bits. direct: after the first
-    launch, skip Triton's dispatch (launch.py; the fused and dequant paths: the Gluon kernel always takes it)."""
+    no Config is pinned; else dequant (from DEQUANT_MIN_M rows on CUDA, or K % 64 != 0); else fused. `unpack`: the
+    fused kernel's dequantization, 1 inline PTX (GPU default), 2 16-bit pairs (GPU), 0 plain ops, same bits. direct:
+    after the first launch, skip Triton's dispatch (launch.py; fused and dequant paths, not the Gluon kernel)."""
     key = (tensor_key(x), tensor_key(qweight), tensor_key(scales), tensor_key(zeros), tensor_key(bias), tensor_key(out),
            config, path, unpack, DEQUANT_MIN_M, INTERPRET, wgmma)
     plan = _PLANS.get_or_build(key, lambda: _plan(x, qweight, scales, zeros, bias, out, config, path, unpack, wgmma))

@@ -11,17 +11,17 @@ an H100 over vila-8b's 32 layers: 1.16-1.35x the Triton kernel at 16-48 rows (do
 
 A program computes the transposed tile y^T (BLOCK_N, BLOCK_M) = W_tile (BLOCK_N, BK) @ x_tile^T over its split of K,
 as the Triton kernel does: the dequantized weights are wgmma's register operand A, x (zero-filled past M by TMA) the
-shared-memory operand B. One, two or four warpgroups a program, each 64 or 128 weight rows (one or two m64 blocks; one
-at four warpgroups, which share each x tile). Each wgmma is waited for before the next step's dequantization: the
-registers it reads are packed by the compiler from the fp16 tile and freed at issue, so an in-flight wgmma would read
-overwritten operands; other programs on the SM fill the wait. Tiles with smem_a instead store each step's weights
-(stmatrix) into one of two shared-memory buffers and keep one async wgmma in flight, so a step's dequantization
-overlaps the last step's wgmma: 3-4% faster at 48 rows for qkv and down (H100), slower elsewhere. Its 128-row tiles
-(long prompts) lose to dequant + cuBLAS (0.63-1.02x at 447-588 rows, 0.44-0.76x the fp16 cuBLAS call: perf_notes), so
-the table lists none. ws tiles warp-specialise a two-warpgroup program: each warpgroup is a consumer of its own half of
-the rows and releases a stage through an mbarrier instead of meeting the other at a barrier every step, and a
-producer warp keeps the ring full, so one's dequantization runs beside the other's wgmma: at 48 rows 1.04-1.16x the
-best one-partition tile (gate_up 49.4 vs 57.3 us, H100).
+shared-memory operand B. One or two warpgroups a program, each 64 or 128 weight rows (one or two m64 blocks; four
+warpgroups sharing each x tile measured slower everywhere: perf_notes). Each wgmma is waited for before the next
+step's dequantization: the registers it reads are packed by the compiler from the fp16 tile and freed at issue, so an
+in-flight wgmma would read overwritten operands; other programs on the SM fill the wait. Tiles with smem_a instead
+store each step's weights (stmatrix) into one of two shared-memory buffers and keep one async wgmma in flight, so a
+step's dequantization overlaps the last step's wgmma: 3-4% faster at 48 rows for qkv and down (H100), slower
+elsewhere. Its 128-row tiles (long prompts) lose to dequant + cuBLAS (0.63-1.02x at 447-588 rows, 0.44-0.76x the fp16
+cuBLAS call: perf_notes), so the table lists none. ws tiles warp-specialise a two-warpgroup program: each warpgroup is
+a consumer of its own half of the rows and releases a stage through an mbarrier instead of meeting the other at a
+barrier every step, and a producer warp keeps the ring full, so one's dequantization runs beside the other's wgmma: at
+48 rows 1.04-1.16x the best one-partition tile (gate_up 49.4 vs 57.3 us, H100).
 Dequantization in natural K order, in 16-bit pairs: the four lanes of a quad each need one byte of every word of
 their rows (byte c = lane % 4 holds k = 8j + 2c, 8j + 2c + 1, exactly its fragment of A), so every lane reads the
 whole words of its rows from shared memory (a broadcast within the quad) and turns byte c into a pair {q s + b}
@@ -328,7 +328,7 @@ class Tile(NamedTuple):
     block_w: int  # packed words per weight row per K step (BK = 8 block_w, at most one group)
     split_k: int  # programs sharing one output tile's K range
     stages: int  # TMA ring depth
-    num_warps: int  # 4, 8 or 16 (one, two or four warpgroups)
+    num_warps: int  # 4 or 8 (one or two warpgroups)
     smem_a: bool = False  # dequantized weights through shared memory, one async wgmma in flight
     ws: bool = False  # warp-specialised: two consumer warpgroups (num_warps 8) and a producer warp
 
@@ -362,13 +362,13 @@ TILE_TABLE: dict[tuple[int, int, int], Tile] = {
 
 def tile_ok(t: Tile) -> bool:
     """Whether a tile compiles without spills (sm_90, Triton 3.6): 64 weight rows a warpgroup, at most two m64 blocks
-    each (245 registers a thread at two), one at four warpgroups (128), 16-byte TMA rows of words (BLOCK_W >= 4), a
-    ring that fits; 128-row tiles only with smem_a or ws and one block a warpgroup (ws there: 24-32 B of spills);
-    ws tiles have two warpgroups, A in registers."""
-    if t.num_warps not in (4, 8, 16) or t.block_m not in (16, 32, 64, 128) or t.block_w not in (4, 8, 16):
+    each (245 registers a thread at two), 16-byte TMA rows of words (BLOCK_W >= 4), a ring that fits; 128-row tiles
+    only with smem_a or ws and one block a warpgroup (ws there: 24-32 B of spills); ws tiles have two warpgroups, A in
+    registers."""
+    if t.num_warps not in (4, 8) or t.block_m not in (16, 32, 64, 128) or t.block_w not in (4, 8, 16):
         return False
     blocks = t.block_n // (16 * t.num_warps)
-    if t.block_n not in (16 * t.num_warps * r for r in ((1,) if t.num_warps == 16 else (1, 2))):
+    if t.block_n not in (16 * t.num_warps * r for r in (1, 2)):
         return False
     if t.block_m > 64 and not ((t.smem_a or t.ws) and blocks == 1) or t.ws and (t.num_warps != 8 or t.smem_a):
         return False

@@ -182,7 +182,7 @@ def test_wgmma_tiles_and_dispatch():
     assert groups(Tile(64, 64, 8, 3, 6, 4), K=4096, G=128) == 16  # 22 steps of 64 -> 11 groups + a straddled one
     assert not tile_ok(Tile(64, 128, 16, 1, 4, 8)._replace(block_n=192)) and not tile_ok(Tile(48, 64, 16, 1, 4, 4))
     assert tile_ok(Tile(128, 128, 8, 1, 3, 8, True)) and not tile_ok(Tile(128, 128, 8, 1, 3, 8))  # 128 rows: smem_a
-    assert tile_ok(Tile(64, 256, 16, 1, 4, 16)) and not tile_ok(Tile(64, 512, 16, 1, 4, 16))  # 16 warps: one block
+    assert not tile_ok(Tile(64, 256, 16, 1, 4, 16))  # four warpgroups: measured slower, not offered
     assert tile_ok(Tile(64, 128, 16, 1, 4, 8, ws=True)) and not tile_ok(Tile(64, 64, 16, 1, 4, 4, ws=True))  # ws: 8
     assert tile_ok(Tile(128, 128, 8, 1, 4, 8, ws=True)) and not tile_ok(Tile(128, 256, 8, 1, 4, 8, ws=True))
     assert not tile_ok(Tile(128, 256, 8, 1, 3, 8, True)) and not tile_ok(Tile(256, 64, 8, 1, 3, 4, True))  # spill
@@ -201,7 +201,6 @@ GLUON_COMPILES = [
     (64, 512, 2048, 32, torch.float16, Tile(64, 256, 16, 1, 4, 8)),  # two warpgroups; BLOCK_W fitted to G
     (40, 384, 1024, 128, torch.float16, Tile(64, 128, 16, 2, 3, 8, smem_a=True)),  # A through shared memory, async
     (300, 256, 1024, 128, torch.float16, Tile(128, 128, 8, 2, 3, 8, smem_a=True)),  # a long prompt's 128-row tile
-    (48, 512, 1024, 128, torch.float16, Tile(64, 256, 8, 2, 8, 16)),  # four warpgroups, one m64 block each
     (40, 512, 1024, 64, torch.bfloat16, Tile(64, 128, 16, 2, 4, 8, ws=True)),  # warp-specialised, one block each
     (48, 512, 2048, 128, torch.float16, Tile(32, 256, 16, 1, 4, 8, ws=True)),  # warp-specialised, two blocks each
     (300, 256, 1024, 128, torch.float16, Tile(128, 128, 8, 2, 4, 8, ws=True)),  # warp-specialised, 128 rows
